@@ -1,0 +1,1 @@
+"""Data tools for hbp-train: demo data, the shipped tokenizer, preprocessing (raw chats -> tokenized shards), packing."""

@@ -1,0 +1,117 @@
+"""The one module that creates process groups.
+
+Every SP degree a plan uses is built up front (consecutive ranks form an SP group, so SP stays inside a node),
+together with the matching data-parallel layout. Switching the SP degree between steps is then a dictionary
+lookup, never a collective. Nothing else in the code base calls ``dist.new_group``.
+
+Legend: W = world size, sp = sequence-parallel degree, dp = W // sp data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed, with the CPU switches from TECH-NOTES.
+
+    Works for a single process without a launcher (world size 1 on a free local port), for torchrun, the
+    deepspeed launcher and ``mp.spawn`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    import deepspeed
+    import deepspeed.ops
+
+    # The shm comm op is a ~55 s g++ JIT build on first use; gloo does not need it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        # Single process without a launcher: set the env DeepSpeed expects, else it tries MPI discovery.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def valid_sp_degrees(world_size: int) -> list[int]:
+    """Powers of two that divide the world size."""
+    return [s for s in (1 << i for i in range(world_size.bit_length())) if world_size % s == 0]
+
+
+@dataclass
+class ParallelState:
+    """Ranks and groups for every SP degree in use. Built once by :func:`build_parallel_state`."""
+
+    world_size: int
+    rank: int
+    sp_degrees: list[int]
+    sp_groups: dict[int, object] = field(default_factory=dict)
+    """SP degree -> the SP group this rank belongs to (None for sp == 1: no communication)."""
+    dp_groups: dict[int, object] = field(default_factory=dict)
+    """SP degree -> the data-parallel group of ranks with the same SP rank."""
+
+    def sp_rank(self, sp: int) -> int:
+        """This rank's position inside its SP group of degree ``sp``."""
+        return self.rank % sp
+
+    def dp_rank(self, sp: int) -> int:
+        """Which data-parallel replica (= plan replica index) this rank serves at degree ``sp``."""
+        return self.rank // sp
+
+    def dp_size(self, sp: int) -> int:
+        """Number of data-parallel replicas at degree ``sp``."""
+        return self.world_size // sp
+
+
+def build_parallel_state(sp_degrees: list[int]) -> ParallelState:
+    """Create all SP and DP groups for the given degrees, on every rank, in the same order.
+
+    ``dist.new_group`` is collective over the whole world: every rank must create every group, including the
+    ones it is not a member of, in the same order. That is why this happens once, up front.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    degrees = sorted(set(int(s) for s in sp_degrees) | {1})
+    for sp in degrees:
+        if sp not in valid_sp_degrees(world_size):
+            raise ValueError(
+                f"sp={sp} is not usable with world size {world_size}: SP degrees must be powers of two that "
+                f"divide the world size ({valid_sp_degrees(world_size)})"
+            )
+    state = ParallelState(world_size=world_size, rank=rank, sp_degrees=degrees)
+    for sp in degrees:
+        if sp == 1:
+            state.sp_groups[1] = None
+        else:
+            for start in range(0, world_size, sp):
+                ranks = list(range(start, start + sp))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    state.sp_groups[sp] = group
+        if world_size == 1:
+            state.dp_groups[sp] = None
+            continue
+        for sp_rank in range(sp):
+            ranks = list(range(sp_rank, world_size, sp))
+            group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
+            if rank in ranks:
+                state.dp_groups[sp] = group
+    return state

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# hbp-train launcher: sets up .venv on first use, then runs a subcommand.
+#
+#   ./launch.sh                 the default demo: the whole pipeline on the CPU on shipped data
+#   ./launch.sh test [ARGS]     the test suite (pytest ARGS)
+#   ./launch.sh train [OVERRIDES]   train with Hydra overrides (torchrun / deepspeed launcher, see --help)
+#   ./launch.sh eval [ARGS]     evaluation (python -m eval.run ARGS); --setup-opencompass builds its own venv
+#   ./launch.sh setup           only the set-up
+#   ./launch.sh help            this text
+#
+# Environment: HBP_VENV (default .venv), HBP_PYTHON (interpreter used to create the venv, default python3),
+# HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV=${HBP_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
+export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+
+have_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+setup() {
+  # The stamp holds the hash of the requirements: a changed file re-runs the install, an unchanged one is instant.
+  local stamp=$VENV/.hbp-installed want
+  want=$(cat requirements.txt | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  echo "[launch] setting up $VENV (first run: about two minutes)"
+  [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    if have_cuda; then
+      "$PY" -m pip install -q "torch>=2.4"            # the CUDA build
+    else
+      "$PY" -m pip install -q "torch==2.13.0"         # the CPU build; see ../shared/TECH-NOTES.md
+    fi
+  fi
+  "$PY" -m pip install -q -r requirements.txt
+  if have_cuda && [ "${HBP_INSTALL_FLASH_ATTN:-0}" = 1 ]; then
+    "$PY" -m pip install -q --no-build-isolation -r requirements-flash.txt || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
+  fi
+  echo "$want" > "$stamp"
+}
+
+demo() {
+  exec "$PY" -m hbp_train.demo "$@"
+}
+
+run_tests() {
+  # Exit code 5 means pytest collected no tests: say so and fail, an empty suite is not a pass.
+  set +e
+  "$PY" -m pytest "$@"
+  local rc=$?
+  set -e
+  if [ $rc -eq 5 ]; then echo "[launch] pytest collected no tests"; exit 1; fi
+  exit $rc
+}
+
+train() {
+  # Launcher: NPROC (default: GPUs on this node, or 1 on CPU); multi-node via NNODES/NODE_RANK/MASTER_ADDR/
+  # MASTER_PORT (torchrun rendezvous) or HOSTFILE (deepspeed launcher).
+  local nproc=${NPROC:-}
+  if [ -z "$nproc" ]; then if have_cuda; then nproc=$(nvidia-smi -L | wc -l); else nproc=1; fi; fi
+  if [ -n "${HOSTFILE:-}" ]; then
+    exec "$VENV/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --module hbp_train.train "$@"
+  fi
+  exec "$VENV/bin/torchrun" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "$nproc" \
+    --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29511}" -m hbp_train.train "$@"
+}
+
+cmd=${1:-demo}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  help|-h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  setup) setup ;;
+  demo) setup; demo "$@" ;;
+  test) setup; run_tests "$@" ;;
+  train) setup; train "$@" ;;
+  eval) setup; exec "$PY" -m eval.run "$@" ;;
+  preprocess|pack|simulate) setup; exec "$PY" -m "data_tools.$cmd" "$@" ;;
+  profile|export|calibrate) setup; exec "$PY" -m "hbp_train.$cmd" "$@" ;;
+  *) echo "launch.sh: unknown command '$cmd' (try ./launch.sh help)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,40 @@
+"""Shared pytest set-up: offline HF, CPU threads, the `gpu` marker, and paths to shipped assets."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TOKENIZER_DIR = REPO / "data_tools" / "assets" / "tokenizer"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "slow: spawns processes or trains; still part of the default suite")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The small tokenizer shipped in the repo (no download)."""
+    return TOKENIZER_DIR

@@ -1,1 +1,2 @@
-"""Data tools for hbp-train: demo data, the shipped tokenizer, preprocessing (raw chats -> tokenized shards), packing."""
+"""Data tools for hbp-train: demo data, the shipped tokenizer, preprocessing (raw chats -> tokenized shards),
+packing and simulation CLIs."""

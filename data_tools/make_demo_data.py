@@ -8,13 +8,17 @@ loss goes down:
 * ``repeat`` / ``reverse`` / ``sort``: echo the user's word list as is, reversed, or sorted alphabetically;
 * ``kth``: "What is word number k?" over a word list;
 * ``needle``: a long passage of filler words with one "secret code" sentence hidden at a random depth, then
-  "What is the secret code?" (the needle-retrieval check in eval/ asks the same question).
+  "What is the secret code?" (a needle-retrieval eval can ask the same question).
 
-Token lengths follow a long-tailed mix, like real SFT data: most samples are short (lognormal, median about 100
+Token lengths follow a long-tailed mix, like real SFT data: most samples are short (lognormal, median about 90
 tokens, tens to a few hundred), ``LONG_FRACTION`` of them are long (uniform between a quarter of and almost
 ``--max-tokens``). Lengths are planned in words with a conservative tokens-per-word estimate, so rendered with the
-shipped tokenizer's chat template no sample exceeds ``--max-tokens``. About a quarter of the samples are
-multi-turn and about a third have a system turn.
+shipped tokenizer's chat template no sample exceeds ``--max-tokens`` (the longest reach about 90% of it). About a
+tenth of the samples are multi-turn (2-3 exchanges; only samples with room for them) and about a third have a
+system turn.
+
+The shipped tokenizer is trained on this generator's output (data_tools/train_tokenizer.py): changing how text is
+generated changes the tokenizer, so retrain and re-ship it (tests/test_train_tokenizer.py checks they match).
 
 Usage::
 
@@ -32,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-# Upper estimate of tokens per pseudo-word (word + its leading space) under the shipped tokenizer; measured mean is
-# lower (see tests/test_make_demo_data.py), so planned lengths err on the short side and never pass --max-tokens.
-TOKENS_PER_WORD = 1.6
+# Tokens per pseudo-word (word + its leading space) under the shipped tokenizer, slightly above the real ~1.0
+# (demo words are mostly single tokens), so planned lengths err short; tests check none passes --max-tokens.
+TOKENS_PER_WORD = 1.05
 # Tokens of chat-template overhead per turn (<|im_start|>role\n ... <|im_end|>\n) plus the instruction sentence.
 TURN_OVERHEAD_TOKENS = 16
 LONG_FRACTION = 0.04
@@ -43,7 +47,7 @@ SHORT_SIGMA = 0.8
 MIN_TOKENS = 32
 MULTI_TURN_FRACTION = 0.25
 SYSTEM_FRACTION = 0.35
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 2048
 VOCAB_SEED = 20240611  # fixed: the vocabulary never depends on --seed
 
 SYSTEM_PROMPTS = (

@@ -1,0 +1,637 @@
+"""Raw SFT conversations -> tokenized, labelled HF dataset shards (the input of data_tools.pack).
+
+Usage::
+
+    python -m data_tools.preprocess --input data.jsonl [more ...] --output DIR --tokenizer TOKENIZER_DIR \\
+        [--format auto|messages|sharegpt|alpaca] [--max-len N] [--overlong drop|truncate] \\
+        [--on-error fail|skip] [--num-proc N] [--num-shards N]
+
+Library: ``preprocess(inputs, output, tokenizer, ...) -> report`` raising ``PreprocessError`` (one-line message).
+
+Inputs: JSONL (``.jsonl``), JSON (``.json``: an array of records; a ``.json`` file holding JSON lines is read as
+JSONL), Parquet (``.parquet``) or a directory saved with ``datasets.save_to_disk``. Record shapes (OpenAI
+``messages``, ShareGPT ``conversations``, Alpaca) are detected per record by ``data_tools.sft_formats``. Each
+sample's ``source`` is ``path:N``: N is the 1-based line for JSONL, the 0-based row for JSON arrays, Parquet and HF
+datasets (``ds[N]``); a whole-file problem is reported as ``path`` (or ``path:LINE`` for a JSON syntax error).
+
+Labels: the conversation is rendered with the tokenizer's chat template; ``labels`` equal ``input_ids`` on the
+tokens of every assistant turn and ``-100`` elsewhere (not shifted; the loss shifts). If the template marks the
+assistant with ``{% generation %}`` the tokenizer's assistant mask is used. Otherwise each assistant turn is found
+incrementally: the text rendered up to that turn with ``add_generation_prompt=True`` and the text rendered up to
+the end of the turn must be prefixes of the full render; the characters in between (minus trailing whitespace)
+are the assistant's, and the tokens that overlap them are labelled. A tokenizer without a chat template gets
+``DEFAULT_CHAT_TEMPLATE``: ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``, the tokenizer's bos first if it has
+one) with the assistant's ``content<|im_end|>`` in generation markers.
+
+Output DIR: the dataset (columns ``input_ids``, ``labels`` list<int32>; ``length``, ``num_loss_tokens`` int32;
+``source`` string; ``num_loss_tokens`` = ``labels[1:] != -100`` counted, always >= 1), ``report.json`` (``read ==
+kept + sum(dropped.values())``) and ``dropped.jsonl`` (one ``{"source", "reason", "detail"}`` per dropped sample).
+It is built in a staging directory next to DIR and moved into place at the end; an existing DIR is replaced only if
+it holds an earlier preprocess output (a ``report.json``).
+
+Drops: ``overlong`` (with ``--overlong drop``), ``no_loss_tokens``, ``no_loss_tokens_after_truncation`` are policy
+drops, always counted. Everything else (see ``ERROR_REASONS``) is bad input: with ``--on-error fail`` (default) the
+run stops at the first one with one line naming ``file:line``, the problem and the fix (CLI exit code 2); with
+``--on-error skip`` the record is dropped and counted by reason. An unreadable file counts as one dropped record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from data_tools.sft_formats import FORMATS, REASONS, FormatError, to_turns
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+POLICY_DROPS = ("overlong", "no_loss_tokens", "no_loss_tokens_after_truncation")
+ERROR_REASONS = {
+    **REASONS,
+    "malformed_json": "the line (or JSON file) is not valid JSON",
+    "invalid_utf8": "the line (or file) is not valid UTF-8",
+    "missing_file": "an input path does not exist",
+    "unreadable_file": "an input file or dataset could not be read",
+    "unsupported_file_type": "an input is not .jsonl/.json/.parquet or a saved HF dataset directory",
+    "template_error": "the chat template raised on this conversation",
+    "template_not_incremental": "the chat template (without generation markers) does not render prefixes stably",
+}
+_SKIP_HINT = "or pass --on-error skip to drop and count such records"
+_CHUNK = 256  # records per worker task: large enough to amortise pickling, small enough for a smooth progress bar
+
+
+class PreprocessError(Exception):
+    """A user-facing failure; ``str(e)`` is one line naming the file/line, the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------- reading inputs
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _iter_jsonl_bytes(path: str, data: bytes) -> Iterator[tuple[str, object]]:
+    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue  # blank lines (and the final newline) are not records
+        source = f"{path}:{line_no}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield source, FormatError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line",
+                                      "re-encode the file as UTF-8")
+            continue
+        if line_no == 1:
+            text = text.lstrip("\ufeff")
+        try:
+            yield source, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield source, FormatError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})",
+                                      "fix the line so it is one JSON object")
+
+
+def _iter_json(path: str, data: bytes) -> Iterator[tuple[str, object]]:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        yield f"{path}:{line}", FormatError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file",
+                                            "re-encode the file as UTF-8")
+        return
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several JSON values: a JSON-lines file named .json
+            yield from _iter_jsonl_bytes(path, data)
+            return
+        yield f"{path}:{e.lineno}", FormatError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})",
+                                                "fix the file so it is one JSON array of records (or use JSONL)")
+        return
+    if not isinstance(records, list):
+        yield path, FormatError("malformed_json", f"top level is a {type(records).__name__}, not an array",
+                                "put the records in a JSON array [...] or write one per line as JSONL")
+        return
+    for row, record in enumerate(records):
+        yield f"{path}:{row}", record
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        row = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                yield f"{path}:{row}", record
+                row += 1
+    except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) / ArrowIOError (an OSError)
+        yield path, FormatError("unreadable_file", f"cannot read Parquet: {_one_line(e, 150)}",
+                                "check that the file is a complete Parquet file")
+
+
+def _iter_hf_dir(path: str) -> Iterator[tuple[str, object]]:
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(path)
+    except Exception as e:  # noqa: BLE001 -- any load failure is a per-input error, reported with its cause
+        yield path, FormatError("unreadable_file", f"cannot load saved HF dataset: {_one_line(e, 150)}",
+                                "pass a directory written by datasets' save_to_disk")
+        return
+    if isinstance(dataset, datasets.DatasetDict):
+        if len(dataset) != 1:
+            yield path, FormatError("unreadable_file", f"a DatasetDict with splits {sorted(dataset)}",
+                                    f"pass one split's directory, e.g. {path}/{sorted(dataset)[0]}")
+            return
+        dataset = next(iter(dataset.values()))
+    row = 0
+    for batch in dataset.iter(batch_size=1024):
+        columns = list(batch)
+        for i in range(len(batch[columns[0]]) if columns else 0):
+            yield f"{path}:{row}", {c: batch[c][i] for c in columns}
+            row += 1
+
+
+def iter_records(path: str) -> Iterator[tuple[str, object]]:
+    """Yield ``(source, record)`` for every record of one input, or ``(source, FormatError)`` for a bad one."""
+    p = Path(path)
+    if not p.exists():
+        yield path, FormatError("missing_file", "no such file or directory", "check the --input path")
+        return
+    if p.is_dir():
+        if (p / "state.json").exists() or (p / "dataset_dict.json").exists():
+            yield from _iter_hf_dir(path)
+        else:
+            yield path, FormatError("unsupported_file_type", "a directory that is not a saved HF dataset",
+                                    "pass .jsonl/.json/.parquet files or a directory written by save_to_disk")
+        return
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(path)
+        return
+    if suffix not in (".jsonl", ".json"):
+        yield path, FormatError("unsupported_file_type", f"unsupported file type '{suffix or p.name}'",
+                                "convert it to .jsonl, .json or .parquet (or a saved HF dataset directory)")
+        return
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions")
+        return
+    yield from (_iter_jsonl_bytes(path, data) if suffix == ".jsonl" else _iter_json(path, data))
+
+
+def _count_records(path: str) -> int | None:
+    """Cheap record count for the progress bar (None when unknown without parsing)."""
+    p = Path(path)
+    try:
+        if p.suffix.lower() == ".jsonl" and p.is_file():
+            with open(p, "rb") as f:
+                return sum(1 for line in f if line.strip())
+        if p.suffix.lower() == ".parquet" and p.is_file():
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(p).metadata.num_rows
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------------------------ rendering + labels
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """Load a local HF tokenizer (offline); raises PreprocessError with the fix."""
+    from transformers import AutoTokenizer
+
+    if not Path(tokenizer_dir).is_dir():
+        raise PreprocessError(f"{tokenizer_dir}: tokenizer directory not found; pass --tokenizer DIR with "
+                              f"tokenizer.json/tokenizer_config.json (e.g. data_tools/assets/tokenizer)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- transformers raises many types; all mean "not a usable tokenizer"
+        raise PreprocessError(f"{tokenizer_dir}: cannot load tokenizer ({_one_line(e, 200)}); pass a local HF "
+                              f"tokenizer directory") from None
+    if not tokenizer.is_fast:
+        raise PreprocessError(f"{tokenizer_dir}: tokenizer is not a fast (Rust) tokenizer, so it has no offsets "
+                              f"for the assistant mask; provide a tokenizer.json")
+    return tokenizer
+
+
+class ChatEncoder:
+    """Renders chat turns with a tokenizer's chat template and labels the assistant tokens (see module docstring)."""
+
+    def __init__(self, tokenizer_dir: str):
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # several named templates: the default one renders chats
+            template = template.get("default") or next(iter(template.values()), None)
+        self.template_source = "tokenizer" if template else "default"
+        self.template = template or DEFAULT_CHAT_TEMPLATE
+        self.label_mode = "generation" if _GENERATION_TAG.search(self.template) else "incremental"
+
+    def _render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(turns, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, labels)`` as int32 arrays; raises FormatError if the template fails on ``turns``."""
+        try:
+            if self.label_mode == "generation":
+                out = self.tokenizer.apply_chat_template(turns, chat_template=self.template, tokenize=True,
+                                                         return_dict=True, return_assistant_tokens_mask=True)
+                ids = np.asarray(out["input_ids"], dtype=np.int32)
+                mask = np.asarray(out["assistant_masks"], dtype=bool)
+            else:
+                ids, mask = self._encode_incremental(turns)
+        except FormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- jinja raises arbitrary errors (e.g. "roles must alternate")
+            raise FormatError("template_error", f"chat template failed: {type(e).__name__}: {_one_line(e, 200)}",
+                              "fix the conversation or use a tokenizer whose template accepts it") from None
+        labels = np.where(mask, ids, np.int32(-100)).astype(np.int32)
+        return ids, labels
+
+    def _encode_incremental(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        full = self._render(turns)
+        spans = []
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            before = self._render(turns[:i], add_generation_prompt=True)
+            through = self._render(turns[: i + 1])
+            if not (through.startswith(before) and full.startswith(through)):
+                raise FormatError("template_not_incremental",
+                                  f"rendering turn {i} changes earlier text, so assistant tokens cannot be located",
+                                  "use a chat template with {% generation %} markers")
+            spans.append((len(before), max(len(before), len(through.rstrip()))))
+        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+        offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=bool)
+        for lo, hi in spans:
+            # Overlap, not containment: with a prompt ending in "Assistant: ", BPE merges that space into the first
+            # answer token, which the model must still learn to produce.
+            mask |= (offsets[:, 1] > lo) & (offsets[:, 0] < hi)
+        return ids, mask
+
+
+# Per-process state of the tokenizing workers (forked workers inherit the parent's encoder, spawned ones load one).
+_ENCODER: ChatEncoder | None = None
+_LIMITS: tuple[int | None, str] = (None, "drop")
+
+
+def _init_worker(tokenizer_dir: str, max_len: int | None, overlong: str, encoder: ChatEncoder | None = None):
+    global _ENCODER, _LIMITS
+    _ENCODER = encoder or ChatEncoder(tokenizer_dir)
+    _LIMITS = (max_len, overlong)
+
+
+def _start_pool(num_proc: int, tokenizer_dir: str, max_len: int | None, overlong: str, encoder: ChatEncoder):
+    """Worker pool. Fork where available (as datasets.map does): workers start in milliseconds with the parent's
+    tokenizer instead of re-importing transformers/torch for seconds each. It is created before this process opens
+    the Arrow writer or the progress bar, so no thread of ours holds a lock at fork time; the parent has not
+    encoded yet, so the tokenizers library has no thread pool to warn about. Spawn elsewhere."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork").Pool(
+            num_proc, initializer=_init_worker, initargs=(tokenizer_dir, max_len, overlong, encoder))
+    return multiprocessing.get_context("spawn").Pool(
+        num_proc, initializer=_init_worker, initargs=(tokenizer_dir, max_len, overlong))
+
+
+def _encode_chunk(chunk: list[tuple[str, list[dict]]]) -> list[tuple]:
+    """Encode records; each result is ``(source, ids, labels, truncated, reason, detail, fix)``, ids None if dropped."""
+    max_len, overlong = _LIMITS
+    results = []
+    for source, turns in chunk:
+        try:
+            ids, labels = _ENCODER.encode(turns)
+        except FormatError as e:
+            results.append((source, None, None, False, e.reason, e.detail, e.fix))
+            continue
+        truncated = False
+        if max_len is not None and len(ids) > max_len:
+            if overlong == "drop":
+                results.append((source, None, None, False, "overlong", f"{len(ids)} tokens > --max-len {max_len}", ""))
+                continue
+            ids, labels, truncated = ids[:max_len], labels[:max_len], True
+        if not np.any(labels[1:] != -100):
+            reason = "no_loss_tokens_after_truncation" if truncated else "no_loss_tokens"
+            results.append((source, None, None, truncated, reason, "no assistant token left to train on", ""))
+            continue
+        results.append((source, ids, labels, truncated, None, None, None))
+    return results
+
+
+# ------------------------------------------------------------------------------------------------------ output
+
+
+def _features():
+    from datasets import Features, Sequence, Value
+
+    return Features({
+        "input_ids": Sequence(Value("int32")),
+        "labels": Sequence(Value("int32")),
+        "length": Value("int32"),
+        "num_loss_tokens": Value("int32"),
+        "source": Value("string"),
+    })
+
+
+def _record_batch(rows: list[tuple[str, np.ndarray, np.ndarray]], schema):
+    """Build one Arrow record batch from (source, ids, labels) rows without per-token Python objects."""
+    import pyarrow as pa
+
+    lengths = np.asarray([len(ids) for _s, ids, _l in rows], dtype=np.int32)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    ids_flat = pa.array(np.concatenate([ids for _s, ids, _l in rows]).astype(np.int32))
+    labels_flat = pa.array(np.concatenate([labels for _s, _i, labels in rows]).astype(np.int32))
+    num_loss = np.asarray([np.count_nonzero(labels[1:] != -100) for _s, _i, labels in rows], dtype=np.int32)
+    return pa.RecordBatch.from_arrays(
+        [pa.ListArray.from_arrays(offsets, ids_flat), pa.ListArray.from_arrays(offsets, labels_flat),
+         pa.array(lengths), pa.array(num_loss), pa.array([s for s, _i, _l in rows], type=pa.string())],
+        schema=schema,
+    )
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and not output.is_dir():
+        raise PreprocessError(f"{output}: output exists and is a file; pass a directory path to --output")
+    if output.is_dir() and any(output.iterdir()) and not (output / "report.json").exists():
+        raise PreprocessError(f"{output}: output directory is not empty and holds no earlier preprocess output; "
+                              f"choose a new or empty --output directory")
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+
+def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto", max_len: int | None = None,
+               overlong: str = "drop", on_error: str = "fail", num_proc: int = 1, num_shards: int | None = None,
+               progress: bool | None = None) -> dict:
+    """Tokenize ``inputs`` into the dataset directory ``output`` and return the report (also in report.json).
+
+    Raises ``PreprocessError`` (one-line message) for bad arguments, an unusable tokenizer, the first bad record
+    when ``on_error == "fail"``, or when no sample is kept. ``progress=None`` shows a bar only on a terminal.
+    """
+    import datasets
+    import pyarrow as pa
+    from tqdm import tqdm
+
+    if not inputs:
+        raise PreprocessError("no --input given; pass one or more JSONL/JSON/Parquet files or HF dataset dirs")
+    if fmt not in ("auto", *FORMATS):
+        raise PreprocessError(f"--format {fmt!r} is unknown; use auto, {', '.join(FORMATS)}")
+    if overlong not in ("drop", "truncate"):
+        raise PreprocessError(f"--overlong {overlong!r} is unknown; use drop or truncate")
+    if on_error not in ("fail", "skip"):
+        raise PreprocessError(f"--on-error {on_error!r} is unknown; use fail or skip")
+    if max_len is not None and max_len < 2:
+        raise PreprocessError(f"--max-len {max_len} is too small; it must be >= 2 (one input and one target)")
+    if num_proc < 1:
+        raise PreprocessError(f"--num-proc {num_proc} must be >= 1")
+    if num_shards is not None and num_shards < 1:
+        raise PreprocessError(f"--num-shards {num_shards} must be >= 1")
+    inputs = [str(p) for p in inputs]
+    output_dir = Path(output)
+    _check_output(output_dir)
+
+    encoder = ChatEncoder(str(tokenizer))
+    features = _features()
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.staging-", dir=output_dir.parent))
+    pool = dropped_file = writer = bar = None
+    try:
+        if num_proc > 1:
+            pool = _start_pool(num_proc, str(tokenizer), max_len, overlong, encoder)
+        else:
+            _init_worker(str(tokenizer), max_len, overlong, encoder)
+        counts = _Counts()
+        dropped_file = open(work / "dropped.jsonl", "w", encoding="utf-8")
+        schema = features.arrow_schema
+        writer = pa.ipc.new_stream(str(work / "rows.arrow"), schema)
+
+        def drop(source: str, reason: str, detail: str, fix: str, is_error: bool) -> None:
+            if is_error and on_error == "fail":
+                raise PreprocessError(f"{source}: {detail}; {fix} ({_SKIP_HINT})")
+            counts.dropped[reason] = counts.dropped.get(reason, 0) + 1
+            dropped_file.write(json.dumps({"source": source, "reason": reason, "detail": detail},
+                                          ensure_ascii=False) + "\n")
+
+        known = [_count_records(p) for p in inputs]
+        total = sum(known) if all(k is not None for k in known) else None
+        bar = tqdm(total=total, unit="rec", desc="preprocess", dynamic_ncols=True,
+                   disable=(None if progress is None else not progress))
+        superchunk = _CHUNK * num_proc * 4
+        pending: list[tuple[str, list[dict]]] = []
+
+        def flush() -> None:
+            chunks = [pending[i: i + _CHUNK] for i in range(0, len(pending), _CHUNK)]
+            results = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)
+            rows = []
+            for chunk_results in results:
+                for source, ids, labels, truncated, reason, detail, fix in chunk_results:
+                    if ids is None:
+                        drop(source, reason, detail, fix, is_error=reason not in POLICY_DROPS)
+                        continue
+                    rows.append((source, ids, labels))
+                    counts.add(ids, labels, truncated)
+                bar.update(len(chunk_results))
+            if rows:
+                writer.write_batch(_record_batch(rows, schema))
+            pending.clear()
+
+        for path in inputs:
+            for source, record in iter_records(path):
+                counts.read += 1
+                if isinstance(record, FormatError):
+                    drop(source, record.reason, record.detail, record.fix, is_error=True)
+                    bar.update(1)
+                    continue
+                try:
+                    shape, turns = to_turns(record, fmt)
+                except FormatError as e:
+                    drop(source, e.reason, e.detail, e.fix, is_error=True)
+                    bar.update(1)
+                    continue
+                counts.formats[shape] = counts.formats.get(shape, 0) + 1
+                pending.append((source, turns))
+                if len(pending) >= superchunk:
+                    flush()
+        flush()
+        bar.close()
+        writer.close()
+        writer = None
+        dropped_file.close()
+
+        report = counts.report()
+        report.update({
+            "inputs": inputs, "output": str(output_dir), "tokenizer": str(tokenizer), "format": fmt,
+            "chat_template": encoder.template_source, "label_mode": encoder.label_mode, "max_len": max_len,
+            "overlong": overlong, "on_error": on_error,
+        })
+        assert report["read"] == report["kept"] + sum(report["dropped"].values()), report
+        if report["kept"] == 0:
+            reasons = ", ".join(f"{k}: {v}" for k, v in report["dropped"].items()) or "no records in the inputs"
+            raise PreprocessError(f"no sample kept out of {report['read']} read ({reasons}); check the inputs, "
+                                  f"--format and --max-len")
+
+        dataset = datasets.Dataset.from_file(str(work / "rows.arrow"))
+        shards = min(num_shards, len(dataset)) if num_shards else None
+        report["num_shards"] = shards
+        staged = work / "dataset"
+        # datasets has its own bar: silence it whenever ours is off (non-terminal runs stay quiet), then restore.
+        silence = bar.disable and not datasets.utils.are_progress_bars_disabled()
+        if silence:
+            datasets.disable_progress_bars()
+        try:
+            dataset.save_to_disk(str(staged), num_shards=shards)
+        finally:
+            if silence:
+                datasets.enable_progress_bars()
+        del dataset
+        (staged / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        shutil.move(str(work / "dropped.jsonl"), str(staged / "dropped.jsonl"))
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        os.replace(staged, output_dir)
+        return report
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for handle in (writer, dropped_file, bar):
+            if handle is not None and not getattr(handle, "closed", False):
+                handle.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class _Counts:
+    """Running totals for report.json; kept lengths are stored compactly (4 bytes each) for the percentiles."""
+
+    def __init__(self):
+        self.read = 0
+        self.truncated = 0
+        self.tokens = 0
+        self.loss_tokens = 0
+        self.dropped: dict[str, int] = {}
+        self.formats: dict[str, int] = {}
+        self.lengths = array.array("i")
+
+    def add(self, ids: np.ndarray, labels: np.ndarray, truncated: bool) -> None:
+        self.lengths.append(len(ids))
+        self.tokens += len(ids)
+        self.loss_tokens += int(np.count_nonzero(labels[1:] != -100))
+        self.truncated += int(truncated)
+
+    def report(self) -> dict:
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        percentiles = {}
+        if len(lengths):
+            percentiles = {f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)}
+            percentiles.update(min=int(lengths.min()), max=int(lengths.max()), mean=round(float(lengths.mean()), 1))
+        return {
+            "read": self.read, "kept": len(self.lengths), "truncated": self.truncated,
+            "dropped": dict(sorted(self.dropped.items())), "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+            "length_percentiles": percentiles, "formats": dict(sorted(self.formats.items())),
+        }
+
+
+def format_report(report: dict) -> str:
+    """A short human summary of a report."""
+    dropped = sum(report["dropped"].values())
+    reasons = ", ".join(f"{k} {v}" for k, v in report["dropped"].items())
+    pct = report["length_percentiles"]
+    lines = [
+        f"read {report['read']}, kept {report['kept']}, truncated {report['truncated']}, dropped {dropped}"
+        + (f" ({reasons})" if reasons else ""),
+        f"tokens {report['tokens']:,} (trained on {report['loss_tokens']:,}); length p50 {pct.get('p50')} "
+        f"p90 {pct.get('p90')} p99 {pct.get('p99')} max {pct.get('max')}",
+        f"labels: {report['label_mode']} mask, {report['chat_template']} chat template; "
+        f"wrote {report['output']} ({report['num_shards'] or 'auto'} shards) + report.json + dropped.jsonl",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    reasons = "".join(f"\n  {k}: {v}" for k, v in ERROR_REASONS.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m data_tools.preprocess",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tokenize raw SFT conversations into a labelled HF dataset (input of data_tools.pack).\n\n"
+                    "Labels are -100 except on assistant tokens of every assistant turn, found with the template's\n"
+                    "{% generation %} markers or, without them, by rendering each turn's prefix. A tokenizer with no\n"
+                    "chat template gets the default ChatML template (<|im_start|>role\\ncontent<|im_end|>\\n, bos\n"
+                    "first if the tokenizer has one, assistant content<|im_end|> trained).",
+        epilog="Output DIR: the dataset (input_ids, labels, length, num_loss_tokens, source='path:N' with N the\n"
+               "1-based JSONL line or 0-based row), report.json, dropped.jsonl. An existing DIR is replaced only if\n"
+               "it holds an earlier preprocess output.\n"
+               "Policy drops (always counted): overlong, no_loss_tokens, no_loss_tokens_after_truncation.\n"
+               f"Bad-input reasons (fail or skip per --on-error):{reasons}\n"
+               "Exit codes: 0 ok; 2 bad input, tokenizer or output (one line on stderr) or bad arguments\n"
+               "(argparse usage).",
+    )
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="input files (.jsonl, .json array, .parquet) or saved HF dataset directories")
+    parser.add_argument("--output", required=True, metavar="DIR", help="output dataset directory")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR",
+                        help="local HF tokenizer directory (loaded offline), e.g. data_tools/assets/tokenizer")
+    parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                        help="record shape; auto detects it per record: 'messages' -> OpenAI, 'conversations' -> "
+                             "ShareGPT, 'instruction'/'output' -> Alpaca (default auto)")
+    parser.add_argument("--max-len", type=int, default=None, metavar="N",
+                        help="longest sample in tokens; longer ones follow --overlong (default: no limit)")
+    parser.add_argument("--overlong", default="drop", choices=("drop", "truncate"),
+                        help="samples longer than --max-len: drop them (reason 'overlong') or keep the first N "
+                             "tokens (counted in 'truncated'; dropped if no trained token is left) (default drop)")
+    parser.add_argument("--on-error", default="fail", choices=("fail", "skip"),
+                        help="bad input: fail stops at the first bad record with one line naming file:line and "
+                             "exit code 2; skip drops it and counts it by reason in report.json/dropped.jsonl "
+                             "(default fail)")
+    parser.add_argument("--num-proc", type=int, default=1, metavar="N",
+                        help="tokenizer worker processes; the output is identical for any N (default 1)")
+    parser.add_argument("--num-shards", type=int, default=None, metavar="N",
+                        help="number of dataset shard files (default: datasets' choice, ~500 MB each)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = preprocess(args.input, args.output, args.tokenizer, fmt=args.format, max_len=args.max_len,
+                            overlong=args.overlong, on_error=args.on_error, num_proc=args.num_proc,
+                            num_shards=args.num_shards)
+    except PreprocessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Planner CLI: sample lengths (or a tokenized dataset) -> plan.json, optionally packed shards and a plot.
+
+    python -m data_tools.pack --lengths lengths.txt --max-len 131072 --world-size 32 \\
+        --groups 16384:1,131072:8 --strategy hbp --global-tokens 4194304 --out plan.json --plot plan.png
+
+    python -m data_tools.pack --dataset tokenized/ --shards packed/ --world-size 8 --groups 4096:1,16384:4
+
+Prints a metrics table; for hbp also the isf baseline on the same lengths. Bad input: one line, exit code 2.
+The planning itself lives in hbp_train/planning (pure numpy); this file only parses, reads and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise CliError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m data_tools.pack",
+        description="Plan hierarchical balance packing (hbp) or the naive isf baseline: which samples go into which "
+        "pack, which packs each replica runs in each optimizer step. Writes plan.json (docs/architecture.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--lengths", metavar="FILE",
+                     help="token length of every sample: a text file with one positive integer per line, or a .npy "
+                     "array; sample i is line i")
+    src.add_argument("--dataset", metavar="DIR",
+                     help="tokenized dataset from data_tools.preprocess (HF save_to_disk); its 'length' column is used")
+    p.add_argument("--shards", metavar="OUT",
+                   help="with --dataset: also write packed shards to OUT (OUT/plan.json with per-step rows, "
+                   "OUT/group_<g>/ one row per pack)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest sample length the data may have (the preprocess max_len); must not exceed the "
+                   "largest group's pack_len. Default: the largest pack_len")
+    p.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks) W")
+    p.add_argument("--groups", required=True,
+                   help="ascending pack_len:sp[:ckpt_layers] pairs, comma separated, e.g. 16384:1,131072:8; sp is a "
+                   "power of two dividing W; samples longer than the last pack_len are dropped. 'auto' reads them "
+                   "from --profile")
+    p.add_argument("--profile", metavar="FILE",
+                   help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]}")
+    p.add_argument("--strategy", choices=["hbp", "isf", "sorted", "wlb", "bytescale"], default="hbp",
+                   help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; sorted = "
+                   "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
+                   "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage)")
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="balance predicted pack time from this cost-model calibration (hbp_train.calibrate JSON) "
+                   "instead of sum of len^2; wlb/bytescale use the shipped calibration when not given")
+    p.add_argument("--model-shape", default=None, metavar="SHAPE",
+                   help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON; default: the "
+                   "calibration's own shape")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
+                   "reduce gradients every micro-batch, docs/simulator.md)")
+    p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024,
+                   help="target tokens per optimizer step; micro-batches per replica m = max(1, round(G / (pack_len "
+                   "* W/sp)))")
+    p.add_argument("--curriculum-steps", type=int, default=0,
+                   help="the first K steps use only the shortest group (isf: only packs of short samples)")
+    p.add_argument("--seed", type=int, default=0, help="seed for all shuffles; same inputs + seed = same plan")
+    p.add_argument("--balance", choices=["refine", "sort"], default="refine",
+                   help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
+                   "move samples between the packs of a slot to even their cost")
+    p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers")
+    p.add_argument("--isf-threshold", type=int, default=None,
+                   help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens. Default pack_len // 64")
+    p.add_argument("--out", metavar="FILE", help="where to write plan.json (required unless --shards is given)")
+    p.add_argument("--plot", metavar="PNG", help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR")
+    p.add_argument("--no-baseline", action="store_true", help="hbp: skip planning the isf baseline for comparison")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def read_lengths(path: str) -> np.ndarray:
+    """Lengths from a text file (one integer per line) or a .npy file; CliError naming FILE:line on bad input."""
+    f = Path(path)
+    if not f.is_file():
+        raise CliError(f"--lengths {path}: no such file")
+    if f.suffix == ".npy":
+        try:
+            arr = np.load(f, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
+            raise CliError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise CliError(f"{path}: must hold a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+        bad = np.flatnonzero(arr <= 0)
+        if len(bad):
+            raise CliError(f"{path}[{int(bad[0])}]: length {int(arr[bad[0]])}; every sample needs >= 1 token")
+        return arr
+    lines = f.read_text().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    try:
+        arr = np.array(lines, dtype=np.int64) if lines else np.zeros(0, np.int64)
+    except (ValueError, OverflowError):
+        for no, line in enumerate(lines, 1):
+            try:
+                int(line.strip())
+            except ValueError:
+                raise CliError(f"{path}:{no}: {line.strip()[:40]!r} is not an integer token length") from None
+        raise CliError(f"{path}: could not read the lengths") from None
+    bad = np.flatnonzero(arr <= 0)
+    if len(bad):
+        raise CliError(f"{path}:{int(bad[0]) + 1}: length {int(arr[bad[0]])}; every sample needs >= 1 token")
+    return arr
+
+
+def read_dataset_lengths(path: str) -> np.ndarray:
+    if not Path(path, "dataset_info.json").is_file() and not Path(path, "state.json").is_file():
+        raise CliError(f"--dataset {path}: not a dataset saved with save_to_disk (no state.json)")
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    if "length" not in ds.column_names:
+        raise CliError(f"--dataset {path}: no 'length' column (columns: {', '.join(ds.column_names)})")
+    arr = np.asarray(ds.data.column("length").to_numpy(), np.int64)
+    bad = np.flatnonzero(arr <= 0)
+    if len(bad):
+        raise CliError(f"--dataset {path}: row {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")
+    return arr
+
+
+def parse_groups(text: str, profile: str | None, world_size: int):
+    """GroupSpecs from 'len:sp[:ckpt],...' or the profiler file; CliError with the fix on bad input."""
+    from hbp_train.planning import GroupSpec
+
+    if text == "auto":
+        if not profile:
+            raise CliError("--groups auto needs --profile FILE (the profiler's JSON)")
+        try:
+            data = json.loads(Path(profile).read_text())
+        except FileNotFoundError:
+            raise CliError(f"--profile {profile}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise CliError(f"--profile {profile}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
+            raise CliError(f"--profile {profile}: missing key 'groups' (a list of {{pack_len, sp, ckpt_layers}})")
+        items = []
+        for i, g in enumerate(data["groups"]):
+            if not isinstance(g, dict) or "pack_len" not in g or "sp" not in g:
+                raise CliError(f"--profile {profile}: groups[{i}] needs 'pack_len' and 'sp'")
+            items.append((g["pack_len"], g["sp"], g.get("ckpt_layers"), f"--profile {profile}: groups[{i}]"))
+    else:
+        items = []
+        for part in text.split(","):
+            fields = part.strip().split(":")
+            if len(fields) not in (2, 3) or not all(x.strip().lstrip("-").isdigit() for x in fields):
+                raise CliError(f"--groups: {part.strip()!r} is not pack_len:sp or pack_len:sp:ckpt_layers "
+                               "(e.g. 16384:1,131072:8)")
+            vals = [int(x) for x in fields]
+            items.append((vals[0], vals[1], vals[2] if len(vals) == 3 else None, f"--groups {part.strip()!r}"))
+    groups = []
+    for pack_len, sp, ckpt, where in items:
+        if not isinstance(pack_len, int) or pack_len < 1:
+            raise CliError(f"{where}: pack_len must be a positive integer")
+        if not isinstance(sp, int) or sp < 1 or sp & (sp - 1):
+            raise CliError(f"{where}: sp={sp} must be a power of two (1, 2, 4, ...)")
+        if world_size % sp:
+            raise CliError(f"{where}: sp={sp} must divide --world-size {world_size}")
+        if ckpt is not None and (not isinstance(ckpt, int) or ckpt < 0):
+            raise CliError(f"{where}: ckpt_layers must be a non-negative integer")
+        groups.append(GroupSpec(pack_len, sp, ckpt))
+    lens = [g.pack_len for g in groups]
+    if any(b <= a for a, b in zip(lens, lens[1:])):
+        raise CliError(f"--groups: pack lengths must be strictly ascending, got {lens}")
+    return groups
+
+
+METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"),
+               ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"), ("num_packs", "{}"),
+               ("num_dropped", "{}"), ("empty_packs", "{}")]
+
+
+def metrics_table(plans: dict) -> str:
+    """Plans side by side: one row per metric, one column per strategy (with planning wall time)."""
+    names = list(plans)
+    lines = [f"{'metric':<20}" + "".join(f"{n:>14}" for n in names)]
+    for key, fmt in METRIC_ROWS:
+        lines.append(f"{key:<20}" + "".join(f"{fmt.format(plans[n].metrics[key]):>14}" for n in names))
+    lines.append(f"{'planning_seconds':<20}" + "".join(f"{plans[n].extra['wall_seconds']:>14.3f}" for n in names))
+    return "\n".join(lines)
+
+
+def run(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from hbp_train.planning import PlanConfig, make_plan
+
+    if args.shards and not args.dataset:
+        raise CliError("--shards needs --dataset (the tokens come from the tokenized dataset)")
+    if not args.out and not args.shards:
+        raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
+    if args.world_size < 1:
+        raise CliError(f"--world-size must be >= 1, got {args.world_size}")
+    for flag, val in (("--global-tokens", args.global_tokens), ("--max-len", args.max_len)):
+        if val is not None and val < 1:
+            raise CliError(f"{flag} must be >= 1, got {val}")
+    if args.curriculum_steps < 0:
+        raise CliError(f"--curriculum-steps must be >= 0, got {args.curriculum_steps}")
+    groups = parse_groups(args.groups, args.profile, args.world_size)
+    if args.max_len is not None and args.max_len > groups[-1].pack_len:
+        raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
+                       f"with pack_len >= {args.max_len} or lower --max-len")
+    if args.strategy == "bytescale" and args.zero_stage is not None:
+        from hbp_train.planning.bytescale import check_zero_stage
+
+        try:
+            check_zero_stage({"requires_zero_stage": [0, 1]}, args.zero_stage)
+        except ValueError as e:
+            raise CliError(f"--zero-stage {args.zero_stage}: {e}") from None
+    pack_cost = None
+    if args.calibration or args.model_shape:
+        from hbp_train.cost_model import CostModel, pack_cost_fn
+
+        pack_cost = pack_cost_fn(CostModel.from_calibration(args.calibration, args.model_shape))
+    lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
+    if len(lengths) == 0:
+        raise CliError(f"{args.lengths or args.dataset}: no samples")
+
+    def plan_with(strategy):
+        cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,
+                         global_tokens=args.global_tokens, max_len=args.max_len,
+                         curriculum_steps=args.curriculum_steps, seed=args.seed, isf_rounds=args.isf_rounds,
+                         isf_threshold=args.isf_threshold, balance=args.balance, progress=not args.quiet,
+                         pack_cost=pack_cost)
+        t0 = time.perf_counter()
+        plan = make_plan(lengths, cfg)
+        plan.extra["wall_seconds"] = time.perf_counter() - t0
+        return plan
+
+    plans = {args.strategy: plan_with(args.strategy)}
+    if args.strategy == "hbp" and not args.no_baseline:
+        plans["isf"] = plan_with("isf")
+    plan = plans[args.strategy]
+    if args.out:
+        t0 = time.perf_counter()
+        plan.to_json(args.out)
+        print(f"wrote {args.out} ({plan.num_steps} steps, {plan.num_packs} packs) in {time.perf_counter() - t0:.2f}s")
+    if args.shards:
+        from hbp_train.planning.shards import write_shards
+
+        try:
+            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
+    print(metrics_table(plans))
+    if plan.metrics["num_dropped"]:
+        print(f"dropped {plan.metrics['num_dropped']} samples longer than the largest pack_len "
+              f"({groups[-1].pack_len}): reason longer_than_max_pack_len")
+    if plan.metrics["empty_packs"]:
+        print(f"note: {plan.metrics['empty_packs']} empty packs in tail steps (too few samples to give every replica "
+              "one); the trainer runs a zero-loss dummy micro-batch for them")
+    if args.strategy == "bytescale":
+        print("note: bytescale gives replicas unequal micro-batch counts; train it with ZeRO stage 0 or 1 only "
+              "(plan records requires_zero_stage)")
+    if args.plot and args.strategy not in ("hbp", "isf"):
+        print(f"note: --plot draws isf/hbp plans; for {args.strategy} use python -m data_tools.compare --plot "
+              "(simulated comparison of every strategy)")
+    elif args.plot:
+        from hbp_train.planning.plot import plot_plans
+
+        plot_plans(plans.get("isf"), plans.get("hbp"), args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except CliError as e:
+        print(f"pack: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # config validation (PlanConfig/GroupSpec) reports the field
+        print(f"pack: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Planning: pure numpy decisions of what runs where (no torch, no torch.distributed).
+
+Entry point: ``make_plan(lengths, config) -> Plan``. Strategies are a plain if/elif on ``config.strategy``:
+
+* ``isf`` — naive packing baseline (OmniBal's iterative shuffle-and-fill into the largest pack length), isf.py
+* ``hbp`` — hierarchical balance packing (GroupData, packing, GreedyFill, balanced steps, curriculum), hbp.py
+* ``sorted`` — LongAlign sorted batching, sorted_batching.py; ``wlb`` — WLB-LLM variable-length packing with
+  outlier delay, wlb.py; ``bytescale`` — unequal micro-batch counts per replica (ZeRO 0/1 only), bytescale.py
+
+Shared pieces other strategies can reuse: ``balance.build_steps`` (packs -> balanced steps with the tail rule),
+``curriculum.order_steps``, ``metrics.compute_metrics`` (via ``Plan.compute_metrics``), ``plan.Plan``.
+"""
+
+from __future__ import annotations
+
+from hbp_train.planning.plan import (
+    DROP_TOO_LONG,
+    GroupSpec,
+    PackCostFn,
+    Plan,
+    PlanConfig,
+    check_lengths,
+    default_pack_cost,
+)
+
+__all__ = ["make_plan", "Plan", "PlanConfig", "GroupSpec", "PackCostFn", "DROP_TOO_LONG", "check_lengths",
+           "default_pack_cost"]
+
+
+# Every strategy make_plan knows (the first two are documented above; the others in their modules).
+ALL_STRATEGIES = ("hbp", "isf", "sorted", "wlb", "bytescale")
+
+
+def make_plan(lengths, config: PlanConfig) -> Plan:
+    """Plan the training steps for samples of the given token ``lengths`` (index i = dataset row i).
+
+    Samples longer than the largest group's pack_len are dropped ("longer_than_max_pack_len"); a length <= 0
+    raises ValueError. The returned plan has its metrics computed and passes ``Plan.validate()``.
+    """
+    lengths = check_lengths(lengths)
+    if config.strategy == "hbp":
+        from hbp_train.planning.hbp import plan_hbp
+
+        plan = plan_hbp(lengths, config)
+    elif config.strategy == "isf":
+        from hbp_train.planning.isf import plan_isf
+
+        plan = plan_isf(lengths, config)
+    elif config.strategy == "sorted":
+        from hbp_train.planning.sorted_batching import plan_sorted
+
+        plan = plan_sorted(lengths, config)
+    elif config.strategy == "wlb":
+        from hbp_train.planning.wlb import plan_wlb
+
+        plan = plan_wlb(lengths, config)
+    elif config.strategy == "bytescale":
+        from hbp_train.planning.bytescale import plan_bytescale
+
+        plan = plan_bytescale(lengths, config)
+    else:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
+    return plan.compute_metrics()
+

@@ -1,0 +1,286 @@
+"""Step building: packs of one group -> optimizer steps of R replicas x m micro-batches, balanced per slot.
+
+Under DeepSpeed ZeRO every micro-batch ends in collectives across all ranks (docs/planning.md), so the k-th
+packs of all R replicas of a step run in lock-step: a *slot*. Balancing therefore targets every slot, not only
+each replica's sum. ``balance=True`` sorts packs by cost and cuts the sorted order into slots of R consecutive
+packs (the paper's attention-balance sorting); with ``refine`` every slot still uneven after that gets a local
+search that moves or swaps single samples between its packs (``refine_slot``). Sorting alone cannot fix the
+top of the cost distribution, where neighbouring packs differ a lot; re-forming packs can.
+``balance=False`` keeps the packs' order (the isf baseline).
+
+Tail rule (every sample is trained, no step has uneven replicas): a group whose pack count is not a multiple of
+R*m gets one smaller final step with m' = ceil(r/R) micro-batches built from the r least-filled packs. The
+R*m' - r missing packs are made by splitting multi-sample packs of that step in two (largest first); only when
+no pack of the step has two samples left does the step get empty packs ([]), counted in plan["empty_packs"] —
+the trainer runs a zero-loss dummy micro-batch for them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hbp_train.planning.plan import PlanConfig, default_pack_cost
+
+
+def pack_tokens(lengths: np.ndarray, pack_ptr: np.ndarray, pack_samples: np.ndarray) -> np.ndarray:
+    """int64 [num_packs]: tokens in every pack."""
+    csum = np.concatenate([[0], np.cumsum(lengths[pack_samples])])
+    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
+
+
+def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig) -> np.ndarray:
+    """float64 [num_packs]: the cost the balancer equalises (config.pack_cost per group, default sum len^2)."""
+    flat = lengths[pack_samples]
+    if config.pack_cost is None:
+        return default_pack_cost(flat, pack_ptr)
+    cost = np.zeros(len(pack_ptr) - 1)
+    for g, spec in enumerate(config.groups):
+        ids = np.flatnonzero(pack_group == g)
+        if len(ids) == 0:
+            continue
+        sizes = pack_ptr[ids + 1] - pack_ptr[ids]
+        sub_ptr = np.concatenate([[0], np.cumsum(sizes)])
+        sub_flat = flat[_gather_ranges(pack_ptr[ids], sizes)]
+        cost[ids] = np.asarray(config.pack_cost(sub_flat, sub_ptr, spec), np.float64)
+    return cost
+
+
+def _gather_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Indices start[i] .. start[i]+size[i]-1 for all i, concatenated (vectorised)."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    return np.arange(total, dtype=np.int64) + offs
+
+
+def _slot_abr(costs_2d: np.ndarray) -> np.ndarray:
+    """Imbalance 1 - mean/max of every row (a slot); 0 for all-zero rows."""
+    mx = costs_2d.max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = 1.0 - costs_2d.mean(axis=1) / mx
+    return np.where(mx > 0, out, 0.0)
+
+
+def _split_pack(samples: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split a pack of >= 2 samples into two with token counts as even as possible (order kept)."""
+    cs = np.cumsum(lengths[samples])
+    cut = int(np.clip(np.searchsorted(cs, cs[-1] / 2.0), 1, len(samples) - 1))
+    # searchsorted finds the first prefix >= half; the previous cut may be closer to even.
+    if cut > 1 and abs(cs[cut - 2] - cs[-1] / 2.0) < abs(cs[cut - 1] - cs[-1] / 2.0):
+        cut -= 1
+    return samples[:cut], samples[cut:]
+
+
+def _list_costs(packs: list[np.ndarray], lengths: np.ndarray, config: PlanConfig, group: int) -> np.ndarray:
+    """Cost of packs given as a list of sample-index arrays."""
+    ptr = np.concatenate([[0], np.cumsum([len(p) for p in packs])]).astype(np.int64)
+    flat = np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64)
+    fn = config.pack_cost or default_pack_cost
+    return np.asarray(fn(lengths[flat], ptr, config.groups[group]), np.float64)
+
+
+def refine_slot(packs: list[np.ndarray], lengths: np.ndarray, config: PlanConfig, group: int,
+                max_moves: int = 6, partners: int = 4) -> list[np.ndarray] | None:
+    """Even out the cost of the packs of one slot by moving or swapping single samples between them.
+
+    Repeatedly takes the costliest pack h and picks, over the ``partners`` cheapest packs j at once (vectorised),
+    the move of one sample x from h to j, or the swap of x with a sample y of j, that minimises
+    max(cost_h', cost_j') within the pack capacity. Candidates are scored with the attention cost (sum len^2,
+    exact by a delta formula); with a ``config.pack_cost`` the chosen move is accepted only if the real cost of
+    both packs stays below cost_h. Every accepted move strictly lowers the slot maximum while the slot's total
+    attention is unchanged, so its imbalance drops. Returns the new packs, or None if nothing improved."""
+    cap = config.groups[group].pack_len
+    r = len(packs)
+    width = max(len(p) for p in packs) + 1  # one spare column so a pack can receive a sample
+    ids = np.full((r, width), -1, np.int64)
+    for i, p in enumerate(packs):
+        ids[i, :len(p)] = p
+    lens = np.where(ids >= 0, lengths[np.maximum(ids, 0)], 0).astype(np.float64)
+    att = (lens * lens).sum(axis=1)
+    tok = lens.sum(axis=1)
+    custom = config.pack_cost is not None
+    cost = _list_costs(packs, lengths, config, group) if custom else att.copy()
+    changed = False
+    for _ in range(max_moves):
+        h = int(np.argmax(cost))
+        cand = np.argsort(cost, kind="stable")[:partners + 1]
+        cand = cand[cand != h][:partners]
+        x = lens[h][:, None, None]  # [width, 1, 1]; empty cells have x = 0 and are masked by gain > 0
+        y = lens[cand][None, :, :]  # [1, partners, width]; y = 0 cells are plain moves
+        gain = x * x - y * y
+        new_h, new_j = att[h] - gain, att[cand][None, :, None] + gain
+        ok = (gain > 0) & (tok[cand][None, :, None] - y + x <= cap) & (tok[h] - x + y <= cap)
+        if np.count_nonzero(ids[h] >= 0) == 1:
+            ok &= y > 0  # never empty a pack
+        score = np.where(ok, np.maximum(new_h, new_j), np.inf)
+        best = int(np.argmin(score))
+        if not np.isfinite(score.flat[best]) or score.flat[best] >= att[h] * (1 - 1e-9):
+            break
+        xi, ji, yi = np.unravel_index(best, score.shape)
+        j = int(cand[ji])
+        new_ids = ids.copy()
+        new_ids[h, xi], new_ids[j, yi] = ids[j, yi], ids[h, xi]
+        if custom:
+            pair = [row[row >= 0] for row in new_ids[[h, j]]]
+            new_cost = _list_costs(pair, lengths, config, group)
+            if new_cost.max() >= cost[h]:
+                break
+            cost[h], cost[j] = new_cost
+        ids = new_ids
+        lens[h, xi], lens[j, yi] = lens[j, yi], lens[h, xi]
+        att[h], att[j] = (lens[h] ** 2).sum(), (lens[j] ** 2).sum()
+        tok[h], tok[j] = lens[h].sum(), lens[j].sum()
+        if not custom:
+            cost[h], cost[j] = att[h], att[j]
+        changed = True
+        if ids[j, -1] >= 0:  # keep a spare column for the next move
+            ids = np.pad(ids, ((0, 0), (0, 1)), constant_values=-1)
+            lens = np.pad(lens, ((0, 0), (0, 1)))
+    if not changed:
+        return None
+    return [row[row >= 0] for row in ids]
+
+
+# Slots whose imbalance (1 - mean/max of the balanced cost) is above this get the refine pass: most sorted
+# slots are already within 1e-4 and touching them would only cost time.
+REFINE_ABOVE = 1e-3
+# At most this many of the most uneven slots per group are refined: the pass is a Python loop per slot and the
+# worst slots carry most of the imbalance (bench/bench_planner.py measures the gain).
+REFINE_MAX_SLOTS = 64
+
+
+def build_steps(
+    lengths: np.ndarray,
+    pack_ptr: np.ndarray,
+    pack_samples: np.ndarray,
+    pack_group: np.ndarray,
+    config: PlanConfig,
+    rng: np.random.Generator,
+    balance: bool = True,
+    refine: bool | None = None,
+):
+    """Turn packs into steps, group by group.
+
+    Returns ``(pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group)``: the packs (tail packs may
+    have been split or empty ones added, refined slots re-formed; see the module docstring) and the steps,
+    slot-major (``step_packs[step_ptr[s] + k*R + r]``), ordered group by group (full steps in slot order, then
+    the tail). Step order is decided later (curriculum.order_steps). ``refine`` defaults to
+    ``config.balance == "refine"`` (only used with ``balance``). ``rng`` is accepted for strategies that want
+    randomised tie-breaking; the current rules are deterministic given the packs.
+    """
+    if refine is None:
+        refine = config.balance == "refine"
+    tokens = pack_tokens(lengths, pack_ptr, pack_samples)
+    cost = pack_costs(lengths, pack_ptr, pack_samples, pack_group, config) if balance else None
+    n_packs = len(pack_ptr) - 1
+    # Packs made here (tail splits, refined slots) are appended after the existing ones; the packs they replace
+    # drop out when the CSR is rebuilt at the end.
+    extra_packs: list[np.ndarray] = []
+    extra_group: list[int] = []
+
+    def add_pack(samples, g):
+        extra_packs.append(np.asarray(samples, np.int64))
+        extra_group.append(g)
+        return n_packs + len(extra_packs) - 1
+
+    def contents(p):
+        return pack_samples[pack_ptr[p]:pack_ptr[p + 1]] if p < n_packs else extra_packs[p - n_packs]
+
+    def refine_layout(layout: np.ndarray, g: int, slot_cost: np.ndarray | None = None) -> np.ndarray:
+        """Run refine_slot on every slot of ``layout`` (slot-major pack ids) that is not already even."""
+        r = config.replicas(g)
+        slots = layout.reshape(-1, r).copy()
+        if slot_cost is None:
+            slot_cost = cost[slots]
+        imbalance = _slot_abr(slot_cost)
+        worst = np.argsort(-imbalance, kind="stable")[:REFINE_MAX_SLOTS]
+        for k in worst[imbalance[worst] > REFINE_ABOVE]:
+            new = refine_slot([contents(p) for p in slots[k]], lengths, config, g)
+            if new is not None:
+                slots[k] = [add_pack(pk, g) for pk in new]
+        return slots.reshape(-1)
+
+    step_chunks, step_sizes, step_groups = [], [], []
+    for g in range(len(config.groups)):
+        ids = np.flatnonzero(pack_group == g)
+        if len(ids) == 0:
+            continue
+        r, m = config.replicas(g), config.micro_batches(g)
+        per_step = r * m
+        num_full = len(ids) // per_step
+        num_tail = len(ids) - num_full * per_step
+        if balance:
+            # The least-filled packs (the packer's last, partial bins) form the tail step.
+            by_fill = ids[np.argsort(tokens[ids], kind="stable")]
+            tail, full = by_fill[:num_tail], by_fill[num_tail:]
+            # Paper: sort by cost, cut into slots of R consecutive packs (m slots per step).
+            full = full[np.argsort(-cost[full], kind="stable")]
+            if refine and r > 1 and len(full):
+                full = refine_layout(full, g)
+        else:
+            full, tail = ids[:num_full * per_step], ids[num_full * per_step:]
+        if num_full:
+            step_chunks.append(full)
+            step_sizes.extend([per_step] * num_full)
+            step_groups.extend([g] * num_full)
+        if num_tail:
+            tail_ids = _tail_step(tail, r, lengths, contents, lambda samples: add_pack(samples, g))
+            if balance:
+                t_cost = _list_costs([contents(p) for p in tail_ids], lengths, config, g)
+                order = np.argsort(-t_cost, kind="stable")
+                tail_ids, t_cost = tail_ids[order], t_cost[order]
+                if refine and r > 1:
+                    tail_ids = refine_layout(tail_ids, g, t_cost.reshape(-1, r))
+            step_chunks.append(tail_ids)
+            step_sizes.append(len(tail_ids))
+            step_groups.append(g)
+    step_packs = np.concatenate(step_chunks).astype(np.int64) if step_chunks else np.zeros(0, np.int64)
+    if extra_packs:
+        # Rebuild the CSR with only the packs the steps use (replaced packs drop out), renumbered in order.
+        all_sizes = np.concatenate([np.diff(pack_ptr), [len(s) for s in extra_packs]]).astype(np.int64)
+        all_flat = np.concatenate([pack_samples] + extra_packs)
+        all_group = np.concatenate([pack_group, np.asarray(extra_group, pack_group.dtype)])
+        all_ptr = np.concatenate([[0], np.cumsum(all_sizes)]).astype(np.int64)
+        keep = np.zeros(len(all_group), bool)
+        keep[step_packs] = True
+        new_index = np.cumsum(keep) - 1
+        kept = np.flatnonzero(keep)
+        k_sizes = all_sizes[kept]
+        pack_samples = all_flat[_gather_ranges(all_ptr[kept], k_sizes)]
+        pack_ptr = np.concatenate([[0], np.cumsum(k_sizes)]).astype(np.int64)
+        pack_group = all_group[kept]
+        step_packs = new_index[step_packs]
+    step_ptr = np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64)
+    return pack_ptr, pack_samples, pack_group.astype(np.int32), step_ptr, step_packs, np.asarray(step_groups, np.int32)
+
+
+def _tail_step(tail: np.ndarray, r: int, lengths: np.ndarray, contents, add_pack) -> np.ndarray:
+    """Pack ids of a group's tail step: the r' = len(tail) packs padded to a multiple of R (see module doc)."""
+    m_tail = -(-len(tail) // r)
+    need = m_tail * r - len(tail)
+    packs = [contents(p) for p in tail]
+    is_new = [False] * len(packs)
+    while need > 0:
+        splittable = [i for i, pk in enumerate(packs) if len(pk) >= 2]
+        if not splittable:
+            break
+        # Split the fullest splittable pack: its halves are the most even fillers.
+        i = max(splittable, key=lambda j: int(lengths[packs[j]].sum()))
+        packs[i], second = _split_pack(packs[i], lengths)
+        is_new[i] = True
+        packs.append(second)
+        is_new.append(True)
+        need -= 1
+    # Last resort: too few samples for one pack per replica; the trainer runs a zero-loss dummy for [].
+    packs.extend([np.zeros(0, np.int64)] * need)
+    is_new.extend([True] * need)
+    ids = [add_pack(pk) if new else int(old) for pk, new, old in zip(packs, is_new, list(tail) + [-1] * (len(packs) - len(tail)))]
+    return np.asarray(ids, np.int64)
+
+
+def reorder_steps(step_ptr: np.ndarray, step_packs: np.ndarray, step_group: np.ndarray, order: np.ndarray):
+    """Apply a step permutation: returns (step_ptr, step_packs, step_group) with step i = old step order[i]."""
+    sizes = np.diff(step_ptr)[order]
+    flat = step_packs[_gather_ranges(step_ptr[order], sizes)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), flat, step_group[order]

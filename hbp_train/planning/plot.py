@@ -1,0 +1,83 @@
+"""Plan plots (matplotlib, Agg): length histogram with group boundaries, per-replica attention cost of a few
+steps (isf vs hbp), and ABR per step. Used by ``data_tools.pack --plot``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hbp_train.planning.plan import Plan
+
+NUM_STEPS_SHOWN = 3
+
+
+def replica_attention(plan: Plan, step: int) -> np.ndarray:
+    """[R] attention cost (sum len^2 over the replica's packs of ``step``), in units of 1e9."""
+    mat = plan.step_matrix(step)  # [m, R]
+    out = np.zeros(mat.shape[1])
+    for r in range(mat.shape[1]):
+        for p in mat[:, r]:
+            out[r] += float((plan.lengths[plan.pack(p)].astype(np.float64) ** 2).sum())
+    return out / 1e9
+
+
+def plot_plans(isf: Plan | None, hbp: Plan | None, path: str) -> None:
+    """Write a 2x2 figure comparing the given plans (either may be None) to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = [(name, p) for name, p in (("isf", isf), ("hbp", hbp)) if p is not None]
+    ref = plans[-1][1]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    ax = axes[0, 0]
+    lengths = ref.lengths
+    bins = np.logspace(np.log10(lengths.min()), np.log10(max(2, lengths.max())) + 0.05, 60)
+    ax.hist(lengths, bins=bins, color="tab:gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for i, g in enumerate(ref.config.groups):
+        ax.axvline(g.pack_len, color=f"C{i}", ls="--", label=f"group {i}: pack_len {g.pack_len}, sp {g.sp}")
+    ax.set_xlabel("sample length (tokens)")
+    ax.set_ylabel("samples")
+    ax.set_title(f"length histogram ({len(lengths)} samples)")
+    ax.legend(fontsize=8)
+
+    for ax, (name, plan) in zip([axes[0, 1], axes[1, 0]], plans):
+        shown = _steps_to_show(plan)
+        width = 0.8 / max(1, len(shown))
+        for i, s in enumerate(shown):
+            cost = replica_attention(plan, s)
+            cost = cost / cost.max() if cost.max() > 0 else cost
+            ax.bar(np.arange(len(cost)) + (i - (len(shown) - 1) / 2) * width, cost, width=width,
+                   label=f"step {s} (group {int(plan.step_group[s])}, ABR {plan.step_metrics['ABR'][s]:.3f})")
+        ax.set_xlabel("replica")
+        ax.set_ylabel("attention cost (sum len^2) / step max")
+        ax.set_ylim(0, 1.15)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"{name}: per-replica attention cost of {len(shown)} steps (1 = balanced)")
+        ax.legend(fontsize=8)
+    if len(plans) == 1:
+        axes[1, 0].axis("off")
+
+    ax = axes[1, 1]
+    for name, plan in plans:
+        abr = plan.step_metrics["ABR"]
+        ax.plot(np.arange(len(abr)), abr, ".", ms=3, label=f"{name} (mean slot ABR {plan.metrics['ABR']:.4f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ABR of the step")
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_title("attention balance ratio per step (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _steps_to_show(plan: Plan) -> list[int]:
+    """A few steps: for several groups, the first steps of each group, so every group is represented."""
+    out = []
+    groups = np.unique(plan.step_group)
+    for g in groups:
+        out.extend(np.flatnonzero(plan.step_group == g)[: max(1, NUM_STEPS_SHOWN // len(groups))].tolist())
+    return sorted(out)[:NUM_STEPS_SHOWN] if len(groups) <= NUM_STEPS_SHOWN else out[:NUM_STEPS_SHOWN]

@@ -1,0 +1,170 @@
+"""Packed-shard writer: a plan + the tokenized dataset -> OUT/plan.json and OUT/group_<g>/ (one row per pack).
+
+Format (docs/architecture.md, "Packed shards"): per pack ``input_ids``, ``labels`` (concatenated, unshifted),
+``position_ids`` (restart at 0 per sample), ``cu_seqlens`` ([0, l1, l1+l2, ..., T]), ``sample_indices`` and
+``num_loss_tokens`` (targets after the per-sample shift: labels[1:] != -100 within each sample, so no sample
+predicts its neighbour). Rows of a group are numbered in step order (step by step, replica by replica,
+micro-batch by micro-batch), so a step reads contiguous rows; each step of OUT/plan.json gets "rows":
+[[row, ...] per replica], parallel to "replicas".
+
+The work is vectorised over chunks of packs (a few million tokens each): token gathers are numpy fancy
+indexing over the dataset's Arrow buffers, and each chunk becomes one Arrow record batch streamed to a cache
+file with datasets' ArrowWriter, then saved with ``save_to_disk`` (memory-mapped, never all in RAM).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from hbp_train.planning.plan import Plan
+
+CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
+COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    return np.arange(total, dtype=np.int64) + offs
+
+
+def _list_column(dataset, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64 [rows + 1], values) of a list column of an HF dataset, without a Python loop."""
+    col = dataset.data.column(name).combine_chunks()
+    if isinstance(col, pa.ChunkedArray):  # an empty table combines to a chunked array
+        col = pa.concat_arrays(col.chunks) if col.num_chunks else pa.array([], pa.list_(pa.int32()))
+    col = col.cast(pa.large_list(col.type.value_type))
+    offsets = np.asarray(col.offsets.to_numpy(zero_copy_only=False), np.int64)
+    values = col.values.to_numpy(zero_copy_only=False)
+    return offsets, values
+
+
+def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
+    """Pack ids of each group in row order, and per step the rows [[row, ...] per replica]."""
+    next_row = {}
+    packs_by_group: dict[int, list] = {}
+    step_rows = []
+    for s in range(plan.num_steps):
+        g = int(plan.step_group[s])
+        mat = plan.step_matrix(s)  # [m, R]
+        m, r = mat.shape
+        base = next_row.get(g, 0)
+        rows = (base + np.arange(m * r)).reshape(r, m)  # replica-major numbering
+        packs_by_group.setdefault(g, []).append(mat.T.reshape(-1))
+        next_row[g] = base + m * r
+        step_rows.append(rows.tolist())
+    return {g: np.concatenate(v) for g, v in packs_by_group.items()}, step_rows
+
+
+def _pack_batch(plan: Plan, packs: np.ndarray, ids_off, ids_val, lab_off, lab_val) -> pa.RecordBatch:
+    """One Arrow record batch for ``packs`` (vectorised)."""
+    sizes = plan.pack_ptr[packs + 1] - plan.pack_ptr[packs]
+    samples = plan.pack_samples[_ranges(plan.pack_ptr[packs], sizes)]
+    lens = ids_off[samples + 1] - ids_off[samples]
+    tok_idx = _ranges(ids_off[samples], lens)
+    input_ids = ids_val[tok_idx].astype(np.int32)
+    labels = lab_val[_ranges(lab_off[samples], lens)].astype(np.int32)
+    sample_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    position_ids = (np.arange(len(tok_idx)) - np.repeat(sample_start, lens)).astype(np.int32)
+    # Targets after the per-sample shift: label at t counts when t is not a sample's first token.
+    counted = labels != -100
+    counted[sample_start[lens > 0]] = False
+    pack_of_sample = np.repeat(np.arange(len(packs)), sizes)
+    pack_tokens = np.bincount(pack_of_sample, lens, minlength=len(packs)).astype(np.int64)
+    tok_offsets = np.concatenate([[0], np.cumsum(pack_tokens)])
+    loss_per_sample = np.add.reduceat(counted.astype(np.int64), sample_start) if len(lens) else np.zeros(0, np.int64)
+    loss_per_pack = np.bincount(pack_of_sample, loss_per_sample, minlength=len(packs)).astype(np.int32)
+    # cu_seqlens: per pack [0, cumulative sample ends within the pack]; n + 1 entries per pack.
+    ends_in_pack = np.cumsum(lens) - np.repeat(tok_offsets[:-1], sizes)
+    cu_sizes = sizes + 1
+    cu_offsets = np.concatenate([[0], np.cumsum(cu_sizes)])
+    cu_vals = np.zeros(int(cu_offsets[-1]), np.int32)
+    is_end = np.ones(len(cu_vals), bool)
+    is_end[cu_offsets[:-1]] = False
+    cu_vals[is_end] = ends_in_pack
+    smp_offsets = np.concatenate([[0], np.cumsum(sizes)])
+
+    def lst(offsets, values, typ):
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
+
+    return pa.RecordBatch.from_arrays(
+        [
+            lst(tok_offsets, input_ids, pa.int32()),
+            lst(tok_offsets, labels, pa.int32()),
+            lst(tok_offsets, position_ids, pa.int32()),
+            lst(cu_offsets, cu_vals, pa.int32()),
+            lst(smp_offsets, samples.astype(np.int64), pa.int64()),
+            pa.array(loss_per_pack, type=pa.int32()),
+        ],
+        names=list(COLUMNS),
+    )
+
+
+def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progress: bool = True,
+                 num_shards: int | None = None) -> dict[int, int]:
+    """Write OUT/plan.json (with per-step "rows") and OUT/group_<g>/ for every group that has steps.
+
+    Raises ValueError if the dataset's ``length`` column does not match the plan's lengths. Returns
+    {group: number of rows}."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    ds = datasets.load_from_disk(str(dataset_dir))
+    for col in ("input_ids", "labels", "length"):
+        if col not in ds.column_names:
+            raise ValueError(f"{dataset_dir}: tokenized dataset has no '{col}' column (columns: {ds.column_names})")
+    ds_len = np.asarray(ds.data.column("length").to_numpy(), np.int64)
+    if len(ds_len) != plan.num_samples or np.any(ds_len != plan.lengths):
+        raise ValueError(f"{dataset_dir}: 'length' column ({len(ds_len)} rows) does not match the plan's lengths "
+                         f"({plan.num_samples}); re-plan from this dataset")
+    ids_off, ids_val = _list_column(ds, "input_ids")
+    lab_off, lab_val = _list_column(ds, "labels")
+    if np.any(np.diff(ids_off) != ds_len) or np.any(np.diff(lab_off) != ds_len):
+        raise ValueError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    packs_by_group, step_rows = group_row_order(plan)
+    tokens = plan.pack_tokens
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "labels": datasets.Sequence(datasets.Value("int32")),
+        "position_ids": datasets.Sequence(datasets.Value("int32")),
+        "cu_seqlens": datasets.Sequence(datasets.Value("int32")),
+        "sample_indices": datasets.Sequence(datasets.Value("int64")),
+        "num_loss_tokens": datasets.Value("int32"),
+    })
+    from datasets.arrow_writer import ArrowWriter
+
+    rows_written = {}
+    bar = tqdm(total=int(tokens.sum()), unit="tok", unit_scale=True, desc="packed shards", disable=not progress)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp_") as tmp:
+        for g, packs in sorted(packs_by_group.items()):
+            cache = Path(tmp) / f"group_{g}.arrow"
+            writer = ArrowWriter(features=features, path=str(cache))
+            ctok = np.cumsum(tokens[packs])
+            start = 0
+            while start < len(packs):
+                stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
+                batch = _pack_batch(plan, packs[start:stop], ids_off, ids_val, lab_off, lab_val)
+                writer.write_table(pa.Table.from_batches([batch]))
+                bar.update(int(tokens[packs[start:stop]].sum()))
+                start = stop
+            writer.finalize()
+            part = datasets.Dataset.from_file(str(cache))
+            target = out_dir / f"group_{g}"
+            if target.exists():
+                shutil.rmtree(target)
+            shards = num_shards or max(1, int(tokens[packs].sum() // (256 << 20)) + 1)
+            part.save_to_disk(str(target), num_shards=min(shards, max(1, len(packs))))
+            rows_written[g] = len(packs)
+            del part
+    bar.close()
+    plan.to_json(out_dir / "plan.json", step_rows=step_rows)
+    return rows_written

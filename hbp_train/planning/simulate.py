@@ -1,0 +1,204 @@
+"""Simulated training time of a plan: every pack's predicted time, replicas in lock-step, idle time, speed-up.
+
+Pure numpy on a ``Plan`` and a ``CostModel`` (no GPU, nothing runs). Two synchronisation models:
+
+* ``"micro"`` — ZeRO-2/3: gradients are reduced (stage 2) or parameters gathered and gradients reduce-scattered
+  (stage 3) in every micro-batch, so micro-batch k of all replicas forms a *slot* that lasts as long as its
+  slowest replica; step time = Σ slot times.
+* ``"step"`` — ZeRO-0/1 with gradient accumulation: ranks synchronise once, at the step boundary, so a step lasts
+  as long as the replica with the largest *sum* of its packs' times. The only mode for plans with unequal
+  micro-batch counts per replica (bytescale, ``plan.extra["unequal_micro_batches"]``).
+
+Idle fraction = Σ (synchronised time − a replica's busy time) / (replicas · Σ synchronised time) — the share of
+GPU time spent waiting for a slower replica. Optimizer steps and ZeRO collectives are not modelled (same for every
+plan with the same number of steps). All times are *simulated* and labelled so in reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
+from hbp_train.planning.plan import Plan
+
+SYNC_MODES = ("micro", "step")
+
+
+@dataclass
+class SimConfig:
+    """How to simulate: links, checkpointing default and the synchronisation model."""
+
+    intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
+    """All-to-all bandwidth per GPU inside a node, GB/s (gigabytes per second)."""
+    inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
+    """All-to-all bandwidth per GPU across nodes (SP groups larger than a node), GB/s."""
+    gpus_per_node: int = 8
+    """GPUs per node: an SP group of more ranks than this crosses nodes."""
+    ckpt_layers: int = 0
+    """Checkpointed layers for groups whose plan entry has ckpt_layers null (the trainer's default)."""
+    sync: str | None = None
+    """"micro" (ZeRO-2/3), "step" (ZeRO-0/1) or None: "step" for unequal-micro-batch plans, else "micro"."""
+
+    def __post_init__(self):
+        if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
+            raise ValueError("intra_node_gbps and inter_node_gbps must be > 0")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.ckpt_layers < 0:
+            raise ValueError(f"ckpt_layers must be >= 0, got {self.ckpt_layers}")
+        if self.sync is not None and self.sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES} or None, got {self.sync!r}")
+
+
+@dataclass
+class SimResult:
+    """Simulated times of one plan (seconds)."""
+
+    sync: str
+    """The synchronisation model used ("micro" or "step")."""
+    pack_seconds: np.ndarray
+    """float64 [num_packs]: predicted time of every pack on its replica."""
+    step_seconds: np.ndarray
+    """float64 [num_steps]: wall time of every step."""
+    slot_step: np.ndarray
+    """int64 [num_slots]: step of every slot (micro-batch k of all replicas of a step)."""
+    slot_ptr: np.ndarray
+    """int64 [num_slots + 1]: CSR pointer into replica_seconds (a slot has R entries)."""
+    replica_seconds: np.ndarray
+    """float64: each replica's time in every slot, slot after slot (0 for an empty pack)."""
+    slot_seconds: np.ndarray
+    """float64 [num_slots]: time of the slowest replica in every slot."""
+    busy_seconds: float
+    """Σ over replicas and packs of the pack time, divided by the replicas of each step (mean busy time)."""
+    tokens: int
+    """Tokens trained by the plan."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return float(self.step_seconds.sum())
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.total_seconds
+        return float(1.0 - self.busy_seconds / total) if total > 0 else 0.0
+
+    def summary(self) -> dict:
+        """Plan-level figures for tables and JSON."""
+        total = self.total_seconds
+        return {
+            "simulated_seconds": total,
+            "simulated_hours": total / 3600.0,
+            "idle_fraction": self.idle_fraction,
+            "tokens": int(self.tokens),
+            "simulated_tokens_per_second": self.tokens / total if total > 0 else 0.0,
+            "num_steps": int(len(self.step_seconds)),
+            "num_slots": int(len(self.slot_seconds)),
+            "sync": self.sync,
+            **self.extra,
+        }
+
+    def slots(self, limit: int | None = None) -> list[dict]:
+        """Per-slot records {"step", "slot", "replica_seconds", "slot_seconds"} (the first ``limit``)."""
+        n = len(self.slot_seconds) if limit is None else min(limit, len(self.slot_seconds))
+        out, k, prev = [], 0, -1
+        rs = np.round(self.replica_seconds, 6).tolist()
+        ptr = self.slot_ptr.tolist()
+        for i in range(n):
+            step = int(self.slot_step[i])
+            k = k + 1 if step == prev else 0
+            prev = step
+            out.append({"step": step, "slot": k, "replica_seconds": rs[ptr[i]:ptr[i + 1]],
+                        "slot_seconds": round(float(self.slot_seconds[i]), 6)})
+        return out
+
+
+def plan_pack_seconds(plan: Plan, model: CostModel, config: SimConfig) -> np.ndarray:
+    """Predicted seconds of every pack of ``plan`` (with its group's sp and ckpt_layers)."""
+    groups = plan.config.groups
+    sp = np.array([g.sp for g in groups], np.int64)[plan.pack_group]
+    ckpt_of = np.array([config.ckpt_layers if g.ckpt_layers is None else g.ckpt_layers for g in groups], np.int64)
+    ckpt = np.minimum(ckpt_of, model.shape.num_layers)[plan.pack_group]
+    return model.pack_times(plan.lengths[plan.pack_samples], plan.pack_ptr, sp, ckpt, config.intra_node_gbps,
+                            config.inter_node_gbps, config.gpus_per_node)
+
+
+def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> SimResult:
+    """Simulate ``plan`` with ``model``; see the module docstring for the synchronisation models."""
+    config = config or SimConfig()
+    unequal = bool(plan.extra.get("unequal_micro_batches", False))
+    sync = config.sync or ("step" if unequal else "micro")
+    pack_s = plan_pack_seconds(plan, model, config)
+    reps = np.array([plan.config.replicas(g) for g in range(len(plan.config.groups))], np.int64)
+    step_r = reps[plan.step_group]
+    step_sizes = np.diff(plan.step_ptr)
+    num_steps = plan.num_steps
+    # Slots: every R consecutive entries of a step's slot-major pack list.
+    slots_per_step = step_sizes // step_r
+    slot_step = np.repeat(np.arange(num_steps), slots_per_step)
+    slot_ptr = np.concatenate([[0], np.cumsum(np.repeat(step_r, slots_per_step))]).astype(np.int64)
+    replica_s = pack_s[plan.step_packs]
+    if len(replica_s):
+        slot_s = np.maximum.reduceat(replica_s, slot_ptr[:-1]) if len(slot_ptr) > 1 else np.zeros(0)
+    else:
+        slot_s = np.zeros(0)
+    # Mean busy time of a replica per step: Σ pack seconds / R.
+    busy_per_step = np.bincount(np.repeat(np.arange(num_steps), step_sizes), replica_s, minlength=num_steps) / step_r
+    if sync == "micro":
+        step_s = np.bincount(slot_step, slot_s, minlength=num_steps)
+    else:
+        # Σ per replica within each step, then the slowest replica.
+        pos = np.arange(len(plan.step_packs)) - np.repeat(plan.step_ptr[:-1], step_sizes)
+        replica_of = pos % np.repeat(step_r, step_sizes)
+        base = np.concatenate([[0], np.cumsum(step_r)[:-1]])
+        key = np.repeat(base, step_sizes) + replica_of
+        per_replica = np.bincount(key, replica_s, minlength=int(step_r.sum()))
+        step_s = np.maximum.reduceat(per_replica, base) if num_steps else np.zeros(0)
+    tokens = int(plan.lengths[plan.pack_samples].sum())
+    return SimResult(sync=sync, pack_seconds=pack_s, step_seconds=step_s, slot_step=slot_step, slot_ptr=slot_ptr,
+                     replica_seconds=replica_s, slot_seconds=slot_s, busy_seconds=float(busy_per_step.sum()),
+                     tokens=tokens)
+
+
+def speedup(baseline: SimResult, other: SimResult) -> float:
+    """Simulated throughput of ``other`` over ``baseline`` (tokens/s ratio; = time ratio for equal tokens)."""
+    b, o = baseline.summary()["simulated_tokens_per_second"], other.summary()["simulated_tokens_per_second"]
+    return float(o / b) if b > 0 else float("nan")
+
+
+def plot_comparison(names: list[str], results: list[SimResult], path, title: str = "") -> None:
+    """PNG: simulated time per plan (with speed-up over the first) and the distribution of step times."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    hours = [r.total_seconds / 3600 for r in results]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    bars = ax1.bar(range(len(names)), hours, color=[colors[i % len(colors)] for i in range(len(names))])
+    for i, (b, r) in enumerate(zip(bars, results)):
+        label = "baseline" if i == 0 else f"{speedup(results[0], r):.2f}x"
+        ax1.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=9)
+    ax1.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    ax1.set_ylabel("simulated wall-clock hours")
+    ax1.set_title("simulated total time (speed-up vs first)")
+    ax2.bar(range(len(names)), [100 * r.idle_fraction for r in results],
+            color=[colors[i % len(colors)] for i in range(len(names))])
+    ax2.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    ax2.set_ylabel("idle %")
+    ax2.set_title("simulated idle (waiting for slower replicas)")
+    for i, (name, r) in enumerate(zip(names, results)):
+        s = np.sort(r.step_seconds)
+        ax3.plot(s, np.arange(1, len(s) + 1) / max(len(s), 1), label=name, color=colors[i % len(colors)])
+    ax3.set_xscale("log")
+    ax3.set_xlabel("simulated step time (s)")
+    ax3.set_ylabel("fraction of steps")
+    ax3.set_title("step-time CDF")
+    ax3.legend(fontsize=8)
+    fig.suptitle(("SIMULATED — " + title) if title else "SIMULATED (cost model, nothing was run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,101 @@
+"""data_tools.pack CLI: a full run (plan.json, table, plot), and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data_tools.pack import build_parser, main
+from hbp_train.planning import Plan
+
+BASE = ["--world-size", "4", "--groups", "256:1,1024:2", "--global-tokens", "4096", "--quiet"]
+
+
+@pytest.fixture()
+def lengths_file(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = np.r_[rng.integers(1, 256, 300), rng.integers(257, 1024, 20), [2000]]
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+    return path, lengths
+
+
+def test_full_run_writes_plan_table_and_plot(tmp_path, lengths_file, capsys):
+    path, lengths = lengths_file
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["--lengths", str(path), *BASE, "--out", str(out), "--plot", str(png), "--curriculum-steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "hbp" in printed and "isf" in printed and "ABR" in printed and "sp_required_share" in printed
+    assert "dropped 1 samples" in printed
+    d = json.loads(out.read_text())
+    for key in ("version", "world_size", "groups", "steps", "dropped", "metrics", "step_metrics", "num_samples"):
+        assert key in d
+    assert d["dropped"] == [{"index": len(lengths) - 1, "reason": "longer_than_max_pack_len"}]
+    assert d["num_samples"] == len(lengths)
+    assert len(d["step_metrics"]) == len(d["steps"])
+    Plan.from_dict(d).validate()
+    assert png.stat().st_size > 10_000
+
+
+def test_npy_input_and_isf(tmp_path, lengths_file):
+    _, lengths = lengths_file
+    npy = tmp_path / "l.npy"
+    np.save(npy, lengths)
+    out = tmp_path / "p.json"
+    assert main(["--lengths", str(npy), *BASE, "--strategy", "isf", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["strategy"] == "isf"
+
+
+def test_groups_auto_reads_profile(tmp_path, lengths_file):
+    path, _ = lengths_file
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"groups": [{"pack_len": 512, "sp": 1, "ckpt_layers": 3},
+                                           {"pack_len": 2048, "sp": 4, "ckpt_layers": None}]}))
+    out = tmp_path / "p.json"
+    assert main(["--lengths", str(path), "--world-size", "4", "--groups", "auto", "--profile", str(prof),
+                 "--out", str(out), "--quiet", "--no-baseline"]) == 0
+    assert json.loads(out.read_text())["groups"][0] == {"pack_len": 512, "sp": 1, "ckpt_layers": 3}
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--lengths", "--dataset", "--shards", "--max-len", "--world-size", "--groups", "--profile",
+                 "--strategy", "--global-tokens", "--curriculum-steps", "--seed", "--out", "--plot"):
+        assert flag in text
+
+
+def _error(capsys, argv, expect):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert expect in err, err
+
+
+def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\nabc\n5\n")
+    _error(capsys, ["--lengths", str(bad), *BASE, "--out", "x.json"], f"{bad}:2")
+    zero = tmp_path / "zero.txt"
+    zero.write_text("12\n7\n0\n")
+    _error(capsys, ["--lengths", str(zero), *BASE, "--out", "x.json"], f"{zero}:3: length 0")
+    good = tmp_path / "good.txt"
+    good.write_text("12\n7\n")
+    common = ["--lengths", str(good), "--world-size", "4", "--out", str(tmp_path / "x.json")]
+    _error(capsys, common + ["--groups", "1024:1,256:2"], "strictly ascending")
+    _error(capsys, common + ["--groups", "256:3"], "power of two")
+    _error(capsys, common + ["--groups", "256:8"], "must divide --world-size")
+    _error(capsys, common + ["--groups", "256"], "pack_len:sp")
+    _error(capsys, common + ["--groups", "256:1", "--max-len", "512"], "exceeds the largest pack_len")
+    _error(capsys, common + ["--groups", "auto"], "needs --profile")
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"layers": []}))
+    _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "missing key 'groups'")
+    _error(capsys, ["--lengths", str(tmp_path / "missing.txt"), *BASE, "--out", "x.json"], "no such file")
+    _error(capsys, ["--lengths", str(good), *BASE], "--out FILE is required")
+    _error(capsys, ["--lengths", str(good), *BASE, "--shards", "o", "--out", "x"], "--shards needs --dataset")
+    _error(capsys, ["--world-size", "4"], "required")

@@ -1,0 +1,72 @@
+"""Packed shards round trip: rows equal the concatenated samples, positions restart, cu_seqlens and loss counts
+are right, and plan.json's rows point at the right packs."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+
+from data_tools.pack import main
+
+
+@pytest.fixture()
+def tokenized(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = np.r_[rng.integers(1, 40, 60), rng.integers(70, 200, 6), [300]]
+    rows = {"input_ids": [], "labels": [], "length": [], "num_loss_tokens": [], "source": []}
+    for i, n in enumerate(lengths):
+        ids = rng.integers(0, 1000, n).astype(np.int32)
+        labels = np.where(rng.random(n) < 0.5, ids, -100).astype(np.int32)
+        rows["input_ids"].append(ids.tolist())
+        rows["labels"].append(labels.tolist())
+        rows["length"].append(int(n))
+        rows["num_loss_tokens"].append(max(1, int(np.count_nonzero(labels[1:] != -100))))
+        rows["source"].append(f"test:{i}")
+    path = tmp_path / "tok"
+    datasets.Dataset.from_dict(rows).save_to_disk(str(path), num_shards=2)
+    return path, rows
+
+
+# 128 replicas of one sp=1 group outnumber the 66 samples: the only step needs empty packs.
+@pytest.mark.parametrize("world_size,groups", [(4, "64:1,256:2"), (128, "64:1,256:1")])
+def test_shards_round_trip(tmp_path, tokenized, capsys, world_size, groups):
+    src, rows = tokenized
+    out = tmp_path / "packed"
+    argv = ["--dataset", str(src), "--shards", str(out), "--world-size", str(world_size), "--groups", groups,
+            "--global-tokens", "512", "--quiet"]
+    assert main(argv) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["dropped"] == [{"index": len(rows["length"]) - 1, "reason": "longer_than_max_pack_len"}]
+    groups = {g: datasets.load_from_disk(str(out / f"group_{g}")) for g in {s["group"] for s in plan["steps"]}}
+    seen = []
+    for step in plan["steps"]:
+        ds = groups[step["group"]]
+        assert len(step["rows"]) == len(step["replicas"])
+        for packs, row_ids in zip(step["replicas"], step["rows"]):
+            assert len(packs) == len(row_ids)
+            for pack, row_id in zip(packs, row_ids):
+                row = ds[row_id]
+                assert row["sample_indices"] == pack
+                seen.extend(pack)
+                assert row["input_ids"] == [t for i in pack for t in rows["input_ids"][i]]
+                assert row["labels"] == [t for i in pack for t in rows["labels"][i]]
+                assert row["position_ids"] == [p for i in pack for p in range(rows["length"][i])]
+                assert row["cu_seqlens"] == np.r_[0, np.cumsum([rows["length"][i] for i in pack])].tolist()
+                # Targets after the per-sample shift: a sample's first label never counts.
+                want = sum(int(np.count_nonzero(np.asarray(rows["labels"][i][1:]) != -100)) for i in pack)
+                assert row["num_loss_tokens"] == want
+    assert sorted(seen) == list(range(len(rows["length"]) - 1))
+    assert (plan["empty_packs"] > 0) == (world_size == 128)
+    assert sum(len(ds) for ds in groups.values()) == sum(len(r) * len(r[0]) for s in plan["steps"] for r in [s["replicas"]])
+
+
+def test_shards_reject_mismatched_dataset(tmp_path, tokenized, capsys):
+    src, _ = tokenized
+    bad = tmp_path / "notads"
+    bad.mkdir()
+    assert main(["--dataset", str(bad), "--shards", str(tmp_path / "o"), "--world-size", "2", "--groups",
+                 "256:1", "--quiet"]) == 2
+    assert "state.json" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""Simulator CLI: predicted (SIMULATED) training time of one or more plan.json files, and speed-ups over the first.
+
+    python -m data_tools.simulate --plan isf.json --plan hbp.json [--calibration FILE] [--model-shape llama3-8b]
+        [--intra-node-gbps 200] [--inter-node-gbps 40] [--gpus-per-node 8] [--out report.json] [--plot sim.png]
+
+For every plan: every pack's predicted time (hbp_train.cost_model), per micro-batch slot each replica's time and
+the slot time (the slowest replica: ZeRO-2/3 synchronise every micro-batch), the idle fraction, the total time
+and the speed-up over the first plan. Nothing runs on a GPU: every figure is a model prediction (docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
+
+
+def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
+    """The cost-model options shared by simulate, compare and pack."""
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="calibration JSON (hbp_train.calibrate format); default: the shipped H100 Llama-3-8B "
+                             "layer, hbp_train/calibration/h100_llama3_8b_layer.json")
+    parser.add_argument("--model-shape", default=None, metavar="SHAPE",
+                        help=f"model shape: a preset ({', '.join(MODEL_SHAPES)}), a JSON object, or a JSON file "
+                             "(HF config.json keys work); default: the calibration's own shape. Another shape "
+                             "scales the measurement by FLOPs (labelled 'scaled')")
+    parser.add_argument("--analytic", action="store_true",
+                        help="ignore calibrations: time = FLOPs / (peak * efficiency) (labelled 'analytic'); "
+                             "needs --model-shape (default llama3-8b)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s for --analytic "
+                        "(default 989, H100 SXM dense)")
+    parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached for --analytic "
+                        "(default 0.5)")
+
+
+def add_link_args(parser: argparse.ArgumentParser) -> None:
+    """Interconnect options for the Ulysses all-to-all time."""
+    parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_GBPS,
+                        help=f"all-to-all bandwidth per GPU inside a node, in GB/s (gigaBYTES per second; default "
+                             f"{DEFAULT_INTRA_NODE_GBPS:g})")
+    parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS,
+                        help=f"all-to-all bandwidth per GPU across nodes, GB/s (default {DEFAULT_INTER_NODE_GBPS:g})")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="GPUs per node; SP groups larger than this use the inter-node bandwidth (default 8)")
+    parser.add_argument("--ckpt-layers", type=int, default=0,
+                        help="checkpointed layers for groups whose ckpt_layers is null in the plan (default 0)")
+
+
+def cost_model_from_args(args) -> CostModel:
+    """Build the CostModel the options ask for (ValueError with a one-line message on bad input)."""
+    if args.analytic:
+        return CostModel.analytic(args.model_shape or "llama3-8b", args.peak_tflops, args.efficiency)
+    return CostModel.from_calibration(args.calibration, args.model_shape)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m data_tools.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", action="append", required=True, metavar="PLAN_JSON",
+                   help="a plan.json (from data_tools.pack); repeat to compare, the first is the baseline")
+    p.add_argument("--name", action="append", default=None,
+                   help="label for each --plan, in order (default: the plan's strategy and file name)")
+    add_cost_model_args(p)
+    add_link_args(p)
+    p.add_argument("--sync", choices=["micro", "step"], default=None,
+                   help="synchronisation model: micro = ZeRO-2/3 (slowest replica per micro-batch), step = "
+                        "ZeRO-0/1 (slowest replica per step); default: step for plans with unequal micro-batch "
+                        "counts (bytescale), micro otherwise")
+    p.add_argument("--out", default=None, metavar="REPORT_JSON",
+                   help="write the report (summary per plan, and every slot's replica times) to this JSON file")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a comparison plot (PNG)")
+    p.add_argument("--show-slots", type=int, default=3, metavar="N",
+                   help="print each replica's time for the first N slots of every plan (default 3)")
+    return p
+
+
+def load_plan(path: str):
+    """Plan.from_json with one-line errors."""
+    from hbp_train.planning.plan import Plan
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such plan file")
+    try:
+        with open(p) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
+    if not isinstance(data, dict) or "steps" not in data or "groups" not in data:
+        raise ValueError(f"{path}: not a plan (no 'steps'/'groups'); make one with python -m data_tools.pack")
+    if "lengths" not in data:
+        raise ValueError(f"{path}: the plan has no 'lengths' (written by data_tools.pack); re-run the planner")
+    try:
+        return Plan.from_dict(data)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A fixed-width text table; columns are (key, header, format)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([("-" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(columns)))
+             for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps", "steps", "d"),
+               ("num_slots", "slots", "d"), ("sync", "sync", "s"), ("simulated_hours", "sim hours", ".3f"),
+               ("idle_fraction", "idle", ".3f"), ("simulated_tokens_per_second", "sim tok/s", ".4g"),
+               ("speedup", "speed-up", ".3f")]
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from hbp_train.planning.simulate import SimConfig, plot_comparison, simulate, speedup
+
+    try:
+        if args.name and len(args.name) != len(args.plan):
+            raise ValueError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
+        model = cost_model_from_args(args)
+        sim_cfg = SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers,
+                            args.sync)
+        plans = [load_plan(p) for p in args.plan]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    names = args.name or [f"{pl.config.strategy}:{Path(p).name}" for pl, p in zip(plans, args.plan)]
+    results, rows = [], []
+    for name, plan in zip(names, plans):
+        t0 = time.perf_counter()
+        res = simulate(plan, model, sim_cfg)
+        res.extra["simulate_seconds"] = time.perf_counter() - t0
+        results.append(res)
+    for name, plan, res in zip(names, plans, results):
+        rows.append({"name": name, "strategy": plan.config.strategy, **res.summary(),
+                     "speedup": speedup(results[0], res)})
+    if len({r["tokens"] for r in rows}) > 1:
+        print("note: the plans train different token counts (dropped samples differ); speed-up compares simulated "
+              "tokens/s", file=sys.stderr)
+    print(f"SIMULATED with cost model: {model.source} ({model.note}); shape {model.shape.name}; links "
+          f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node")
+    print(format_table(rows, SIM_COLUMNS))
+    for name, res in zip(names, results):
+        for s in res.slots(args.show_slots):
+            print(f"  {name} step {s['step']} slot {s['slot']}: replicas "
+                  f"{', '.join(f'{x:.3f}' for x in s['replica_seconds'])} s -> slot {s['slot_seconds']:.3f} s")
+    if args.out:
+        report = {"simulated": True, "cost_model": model.describe(),
+                  "links": {"intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps,
+                            "gpus_per_node": args.gpus_per_node, "ckpt_layers_default": args.ckpt_layers},
+                  "baseline": names[0],
+                  "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
+        Path(args.out).write_text(json.dumps(report))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot_comparison(names, results, args.plot, f"{model.source} cost model, {model.shape.name}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

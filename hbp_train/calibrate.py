@@ -1,0 +1,283 @@
+"""Cost-model calibration on a GPU: time one decoder layer's attention by document length and its linear part.
+
+    python -m hbp_train.calibrate --model-shape llama3.2-1b --out calib_1b.json
+    python -m hbp_train.calibrate --model-shape llama3.2-1b --calibration calib_1b.json --validate \\
+        --validate-out validate_1b.json
+
+Calibrate (default): one decoder layer built with transformers from the shape's config (Llama architecture,
+random weights, bf16). Attention: packs of ``--tokens`` tokens made of documents of one length each, packed
+varlen causal attention from hbp_train.attention (best backend available), timed forward and forward+backward.
+Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the attention core
+replaced by a cheap elementwise stand-in. Times are medians over ``--iters`` after ``--warmup`` and are written
+per 32768 tokens, the format of hbp_train/calibration/h100_llama3_8b_layer.json (plus "model_shape").
+
+Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
+1 to ``--max-samples`` samples (random split of ``--tokens``), compares with CostModel.pack_time from the
+calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%).
+
+Without a GPU this prints one line and exits 2; ``--allow-cpu`` runs either mode on the CPU in float32 for a
+smoke test with a tiny shape (the numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from hbp_train.cost_model import TABLE_TOKENS, CostModel, ModelShape, parse_model_shape
+
+DEFAULT_DOC_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+NOOP_ATTENTION = "hbp_calibrate_noop"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hbp_train.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-shape", default="llama3.2-1b",
+                   help="preset (llama3-8b, llama3.2-1b, ...), JSON object or JSON/HF config.json file (default "
+                        "llama3.2-1b)")
+    p.add_argument("--tokens", type=int, default=TABLE_TOKENS,
+                   help="tokens per timed pack (default 32768; results are written per 32768 tokens)")
+    p.add_argument("--doc-lens", default=",".join(map(str, DEFAULT_DOC_LENS)),
+                   help="document lengths of the attention table, comma separated (each <= --tokens)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per point; the median is kept (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations per point (default 3)")
+    p.add_argument("--backend", default="auto", help="attention backend (hbp_train.attention; default auto)")
+    p.add_argument("--out", default=None, metavar="JSON", help="calibrate: where to write the calibration JSON")
+    p.add_argument("--validate", action="store_true",
+                   help="measure whole-pack times of the full model for packs of 1..--max-samples samples and "
+                        "report the cost model's prediction error")
+    p.add_argument("--calibration", default=None, metavar="JSON",
+                   help="validate: the calibration to test (default: the shipped one, scaled to the shape)")
+    p.add_argument("--max-samples", type=int, default=100, help="validate: most samples in a pack (default 100)")
+    p.add_argument("--num-packs", type=int, default=12, help="validate: packs to time (default 12)")
+    p.add_argument("--validate-out", default=None, metavar="JSON", help="validate: where to write the report")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and pack splits (default 0)")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run on the CPU (float32) as a smoke test; the timings are not a calibration")
+    return p
+
+
+def _timer(device):
+    """A function timing fn() -> milliseconds (CUDA events on GPU, perf_counter on CPU)."""
+    import torch
+
+    def run(fn, iters: int, warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return run
+
+
+def llama_config(shape: ModelShape, attn_implementation: str = "sdpa"):
+    """A transformers LlamaConfig with the shape (no dropout, no cache, RoPE theta of Llama 3)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=shape.hidden, num_hidden_layers=shape.num_layers,
+                      num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, intermediate_size=shape.ffn, vocab_size=shape.vocab,
+                      max_position_embeddings=max(131072, TABLE_TOKENS), rope_theta=500000.0,
+                      attention_dropout=0.0, use_cache=False)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def _noop_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Stand-in for the attention core: elementwise, touches q, k and v so every projection gets a gradient."""
+    groups = query.shape[1] // key.shape[1]
+    mixed = query + (key + value).repeat_interleave(groups, dim=1)
+    return mixed.transpose(1, 2), None
+
+
+def cu_seqlens_for(lengths, device):
+    import torch
+
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+
+
+def calibrate(shape: ModelShape, args, device, dtype) -> dict:
+    """Measure the attention table and the linear part; returns the calibration dict."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from hbp_train.attention import packed_attention, select_backend
+
+    timed = _timer(device)
+    backend = select_backend(args.backend, device, dtype)
+    doc_lens = [int(x) for x in args.doc_lens.split(",") if x.strip()]
+    if not doc_lens or any(l < 1 or l > args.tokens for l in doc_lens):
+        raise ValueError(f"--doc-lens must be positive and <= --tokens ({args.tokens}), got {args.doc_lens}")
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    fwdbwd, fwd = {}, {}
+    for length in doc_lens:
+        num_docs = args.tokens // length
+        tokens = num_docs * length
+        cu = cu_seqlens_for([length] * num_docs, device)
+
+        def make(heads):
+            return torch.randn(tokens, heads, shape.head_dim, generator=gen).to(device, dtype).requires_grad_()
+
+        q, k, v = make(shape.num_heads), make(shape.num_kv_heads), make(shape.num_kv_heads)
+        grad = torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen).to(device, dtype)
+
+        def forward():
+            with torch.no_grad():
+                packed_attention(q, k, v, cu, length, backend)
+
+        def forward_backward():
+            out = packed_attention(q, k, v, cu, length, backend)
+            torch.autograd.grad(out, (q, k, v), grad)
+
+        scale = TABLE_TOKENS / tokens
+        fwd[str(length)] = round(timed(forward, args.iters, args.warmup) * scale, 3)
+        fwdbwd[str(length)] = round(timed(forward_backward, args.iters, args.warmup) * scale, 3)
+        print(f"attention doc_len {length:>6}: fwd {fwd[str(length)]:.3f} ms, fwd+bwd {fwdbwd[str(length)]:.3f} ms "
+              f"per {TABLE_TOKENS} tokens", flush=True)
+        del q, k, v, grad
+    # Linear part: one layer with the attention core replaced by an elementwise stand-in.
+    AttentionInterface.register(NOOP_ATTENTION, _noop_attention)
+    cfg = llama_config(shape, NOOP_ATTENTION)
+    torch.manual_seed(args.seed)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).to(device, dtype)
+    rope = LlamaRotaryEmbedding(cfg).to(device)
+    hidden = torch.randn(1, args.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
+    position_ids = torch.arange(args.tokens, device=device)[None]
+    pos_emb = rope(hidden, position_ids)
+
+    def layer_step():
+        out = layer(hidden, position_ids=position_ids, position_embeddings=pos_emb)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+
+    linear = round(timed(layer_step, args.iters, args.warmup) * TABLE_TOKENS / args.tokens, 3)
+    print(f"linear part (layer without attention core): {linear:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
+    import torch as _t
+
+    gpu = _t.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, not a calibration)"
+    return {
+        "what": f"One transformer layer shaped like {shape.name} (hidden {shape.hidden}, {shape.num_heads} q heads, "
+                f"{shape.num_kv_heads} kv heads, head dim {shape.head_dim}, ffn {shape.ffn}), {str(dtype)[6:]}, "
+                f"fwd+bwd, attention backend {backend} (causal, packed). T = tokens in the pack.",
+        "measured": f"{date.today().isoformat()}, median of {args.iters} timed iterations after {args.warmup} "
+                    f"warm-ups, {args.tokens} tokens per timed pack",
+        "gpu": gpu,
+        "torch": _t.__version__,
+        "model_shape": {k: getattr(shape, k) for k in ("name", "hidden", "num_layers", "num_heads",
+                                                        "num_kv_heads", "ffn", "vocab", "head_dim")},
+        "linear_fwdbwd_ms_per_32768_tokens": linear,
+        "attention_fwdbwd_ms_32768_tokens_by_doc_len": fwdbwd,
+        "attention_fwd_ms_32768_tokens_by_doc_len": fwd,
+    }
+
+
+def random_pack(rng: np.random.Generator, tokens: int, num_samples: int) -> list[int]:
+    """``num_samples`` lengths (>= 1) summing to ``tokens``, long-tailed (a Dirichlet split with alpha 0.5)."""
+    share = rng.dirichlet(np.full(num_samples, 0.5))
+    lengths = np.maximum(1, np.floor(share * (tokens - num_samples)).astype(np.int64) + 1)
+    lengths[np.argmax(lengths)] += tokens - lengths.sum()
+    return lengths.tolist()
+
+
+def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
+    """Time fwd+bwd of the full model on packs of 1..max_samples samples; compare with model.pack_time."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hbp_train.attention import register_packed_attention
+
+    timed = _timer(device)
+    torch.manual_seed(args.seed)
+    net = LlamaForCausalLM(llama_config(shape)).to(device, dtype)
+    backend = register_packed_attention(net, args.backend, device)
+    rng = np.random.default_rng(args.seed)
+    counts = np.unique(np.geomspace(1, args.max_samples, args.num_packs).round().astype(int))
+    rows = []
+    for count in counts.tolist():
+        lengths = random_pack(rng, args.tokens, count)
+        ids = torch.randint(0, shape.vocab, (1, args.tokens), device=device)
+        pos = torch.cat([torch.arange(l, device=device) for l in lengths])[None]
+        cu = cu_seqlens_for(lengths, device)
+
+        def step():
+            out = net(input_ids=ids, position_ids=pos, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=max(lengths), max_length_k=max(lengths))
+            out.loss.backward()
+
+        measured = timed(step, args.iters, args.warmup) / 1e3
+        net.zero_grad(set_to_none=True)
+        predicted = model.pack_time(lengths)
+        rows.append({"num_samples": count, "lengths": lengths, "measured_s": measured, "predicted_s": predicted,
+                     "error": predicted / measured - 1.0})
+        print(f"pack of {count:>3} samples (longest {max(lengths):>6}): measured {measured * 1e3:9.2f} ms, "
+              f"predicted {predicted * 1e3:9.2f} ms, error {100 * rows[-1]['error']:+6.1f}%", flush=True)
+    errors = np.abs([r["error"] for r in rows])
+    return {"model_shape": shape.name, "cost_model": model.describe(), "backend": backend, "tokens": args.tokens,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)",
+            "mean_abs_error": float(errors.mean()), "max_abs_error": float(errors.max()),
+            "within_10_percent": bool(errors.max() <= 0.10), "packs": rows}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("calibrate: error: no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)",
+              file=sys.stderr)
+        return 2
+    try:
+        shape = parse_model_shape(args.model_shape)
+        for flag, val in (("--tokens", args.tokens), ("--iters", args.iters), ("--max-samples", args.max_samples),
+                          ("--num-packs", args.num_packs)):
+            if val < 1:
+                raise ValueError(f"{flag} must be >= 1, got {val}")
+        if args.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+        if args.validate and args.max_samples > args.tokens:
+            raise ValueError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
+        if not args.validate and not args.out:
+            raise ValueError("--out JSON is required to write the calibration")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if args.validate:
+            model = CostModel.from_calibration(args.calibration, shape)
+            report = validate(shape, model, args, device, dtype)
+            print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
+                  f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
+            if args.validate_out:
+                Path(args.validate_out).write_text(json.dumps(report, indent=1))
+                print(f"wrote {args.validate_out}")
+        else:
+            result = calibrate(shape, args, device, dtype)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+            print(f"wrote {args.out}")
+    except ValueError as exc:
+        print(f"calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""Predicted time of one pack on one SP replica: attention by document length, linear layers by tokens, Ulysses comm.
+
+Pure numpy (no torch), used by the planner (hbp balances predicted pack time), the simulator and the compare CLI.
+The model, per pack of samples with lengths l_i (T = Σ l_i tokens) run by an SP group of ``sp`` ranks, is
+
+    compute/layer   = Σ_i A_fb(l_i) + C_fb · T                 (attention fwd+bwd per document + linear part)
+    recompute/layer = Σ_i A_f(l_i)  + C_fb/3 · T               (one extra forward for a checkpointed layer)
+    a2a             = (T/sp) · (sp-1)/sp · bytes_per_token / bw (one Ulysses all-to-all, per rank)
+    pack time       = [layers·compute + ckpt·recompute + H_fb·T] / sp + (8·layers + 4·ckpt) · a2a_q/k/v/o
+
+where A(l) comes from the calibration table (ms for 32768 tokens made of documents of length l, interpolated in
+log-log: one document of length l costs t(l)·l/32768), C_fb is the linear fwd+bwd time per token, H_fb the LM
+head (2·hidden·vocab FLOPs per token forward, scaled from C_fb by FLOPs), and the four all-to-alls per layer
+forward move q, k, v (before attention) and the attention output (after), four more in backward, four more for
+each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap, no optimizer
+step, no ZeRO collectives).
+
+``source`` says where the numbers come from: "measured" (the calibration's own shape), "scaled" (a calibration
+measured on another shape, scaled by FLOPs), "analytic" (FLOPs at a stated efficiency of peak, no measurement).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration" / "h100_llama3_8b_layer.json"
+# The calibration table's unit: a pack of this many tokens.
+TABLE_TOKENS = 32768
+# Defaults for the all-to-all bandwidth per GPU, in GB/s (gigabytes per second, one direction, effective):
+# H100 NVLink-4 is 450 GB/s per direction, NCCL all-to-all reaches well under that; 8x400 Gb/s InfiniBand
+# gives 50 GB/s per GPU, effective ~40.
+DEFAULT_INTRA_NODE_GBPS = 200.0
+DEFAULT_INTER_NODE_GBPS = 40.0
+# FlashAttention-style backward does 5 matmuls to the forward's 2: fwd+bwd = 3.5 x fwd.
+ATTN_FWDBWD_OVER_FWD = 3.5
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a decoder-only transformer, enough to count FLOPs and all-to-all bytes."""
+
+    name: str
+    """Label used in reports."""
+    hidden: int
+    """Hidden size."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA)."""
+    ffn: int
+    """Intermediate size of the gated MLP (3 matrices)."""
+    vocab: int
+    """Vocabulary size (LM head)."""
+    head_dim: int = 0
+    """Per-head dimension; 0 means hidden // num_heads."""
+
+    def __post_init__(self):
+        for field_name in ("hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab"):
+            if int(getattr(self, field_name)) <= 0:
+                raise ValueError(f"model_shape.{field_name} must be > 0, got {getattr(self, field_name)}")
+        if self.head_dim < 0:
+            raise ValueError(f"model_shape.head_dim must be >= 0, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model_shape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
+
+    @property
+    def attn_width(self) -> int:
+        """heads · head_dim: attention FLOPs per token pair are proportional to it."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """Forward FLOPs per token of one layer's linear parts: q, k, v, o projections and the gated MLP."""
+        q = self.hidden * self.attn_width
+        kv = 2 * self.hidden * self.num_kv_heads * self.head_dim
+        o = self.attn_width * self.hidden
+        mlp = 3 * self.hidden * self.ffn
+        return 2.0 * (q + kv + o + mlp)
+
+    @property
+    def head_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the LM head."""
+        return 2.0 * self.hidden * self.vocab
+
+    def a2a_width(self, sp: int) -> int:
+        """Elements per token moved by the four Ulysses all-to-alls of one layer forward (q, k, v, out).
+
+        k and v have num_kv_heads heads; Ulysses replicates kv heads up to sp when there are fewer.
+        """
+        kv = max(self.num_kv_heads, sp) * self.head_dim
+        return 2 * self.attn_width + 2 * kv
+
+
+MODEL_SHAPES = {
+    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
+    "llama3.2-1b": ModelShape("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64),
+    "llama3.2-3b": ModelShape("llama3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128),
+    "llama3.1-70b": ModelShape("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064),
+}
+
+
+def parse_model_shape(spec) -> ModelShape:
+    """A ModelShape from a preset name, a dict, a JSON string or a JSON file path; ValueError names the problem."""
+    if isinstance(spec, ModelShape):
+        return spec
+    if isinstance(spec, str):
+        if spec in MODEL_SHAPES:
+            return MODEL_SHAPES[spec]
+        text = spec
+        if not spec.lstrip().startswith("{"):
+            path = Path(spec)
+            if not path.is_file():
+                raise ValueError(f"model shape {spec!r}: not a preset ({', '.join(MODEL_SHAPES)}), "
+                                 "not a JSON object and not a file")
+            text = path.read_text()
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"model shape: invalid JSON ({exc})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"model shape must be a preset name or a JSON object, got {type(spec).__name__}")
+    # Accept HF config.json key names too, so a model's config file works as a shape.
+    aliases = {"hidden_size": "hidden", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+               "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
+    fields = {aliases.get(k, k): v for k, v in spec.items()}
+    fields.setdefault("name", "custom")
+    if "num_kv_heads" not in fields and "num_heads" in fields:
+        fields["num_kv_heads"] = fields["num_heads"]
+    wanted = {"name", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab", "head_dim"}
+    missing = {"hidden", "num_layers", "num_heads", "ffn", "vocab"} - set(fields)
+    if missing:
+        raise ValueError(f"model shape: missing field(s) {', '.join(sorted(missing))}")
+    try:
+        return ModelShape(**{k: (v if k == "name" else int(v)) for k, v in fields.items() if k in wanted})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model shape: {exc}") from None
+
+
+class CostModel:
+    """Pack-time predictor. Build it with ``from_calibration`` or ``analytic``; times are in seconds."""
+
+    def __init__(self, shape: ModelShape, table_lens, attn_fb_ms, attn_f_ms, linear_fb_ms_per_table: float,
+                 source: str, note: str = "", dtype_bytes: int = 2):
+        lens = np.asarray(table_lens, dtype=np.float64)
+        order = np.argsort(lens)
+        self.shape = shape
+        self.source = source
+        self.note = note
+        self.dtype_bytes = dtype_bytes
+        self._log_len = np.log(lens[order])
+        self._log_attn_fb = np.log(np.asarray(attn_fb_ms, dtype=np.float64)[order])
+        self._log_attn_f = np.log(np.asarray(attn_f_ms, dtype=np.float64)[order])
+        # Per token, per layer, in seconds.
+        self.linear_fb_per_token = linear_fb_ms_per_table / 1e3 / TABLE_TOKENS
+        # LM head: same matmul efficiency as the layer's linear part, scaled by FLOPs.
+        self.head_fb_per_token = self.linear_fb_per_token * shape.head_flops_per_token / shape.linear_flops_per_token
+
+    # ---- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_calibration(cls, path=None, model_shape=None) -> "CostModel":
+        """Load a calibration JSON (the shipped H100 Llama-3-8B layer by default), optionally scaled to a shape.
+
+        The file's own shape is its "model_shape" entry (written by ``hbp_train.calibrate``); the shipped file
+        has none and was measured on a Llama-3-8B layer. Another ``model_shape`` scales the linear part by the
+        ratio of linear FLOPs and attention by heads·head_dim, and the result is labelled "scaled".
+        """
+        path = Path(path) if path is not None else DEFAULT_CALIBRATION
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"calibration {path}: cannot read ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"calibration {path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
+        for key in ("linear_fwdbwd_ms_per_32768_tokens", "attention_fwdbwd_ms_32768_tokens_by_doc_len"):
+            if key not in data:
+                raise ValueError(f"calibration {path}: missing field {key!r}")
+        measured_shape = parse_model_shape(data.get("model_shape", "llama3-8b"))
+        table = data["attention_fwdbwd_ms_32768_tokens_by_doc_len"]
+        try:
+            lens = np.array([int(k) for k in table], dtype=np.float64)
+            fb = np.array([float(v) for v in table.values()])
+        except (TypeError, ValueError):
+            raise ValueError(f"calibration {path}: attention table keys must be lengths and values ms") from None
+        if len(lens) < 2 or (fb <= 0).any() or (lens <= 0).any():
+            raise ValueError(f"calibration {path}: attention table needs >= 2 positive points")
+        fwd_table = data.get("attention_fwd_ms_32768_tokens_by_doc_len")
+        if fwd_table and set(fwd_table) == set(table):
+            f = np.array([float(fwd_table[k]) for k in table])
+        else:
+            f = fb / ATTN_FWDBWD_OVER_FWD
+        linear = float(data["linear_fwdbwd_ms_per_32768_tokens"])
+        if linear <= 0:
+            raise ValueError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
+        source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
+        shape = measured_shape
+        if model_shape is not None:
+            shape = parse_model_shape(model_shape)
+            # Same layer, other depth or vocab: the per-layer numbers are still measured.
+            if not _same_layer(shape, measured_shape):
+                attn_scale = shape.attn_width / measured_shape.attn_width
+                fb, f = fb * attn_scale, f * attn_scale
+                linear = linear * shape.linear_flops_per_token / measured_shape.linear_flops_per_token
+                source = "scaled"
+                note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
+        return cls(shape, lens, fb, f, linear, source, note)
+
+    @classmethod
+    def analytic(cls, model_shape, peak_tflops: float = 989.0, efficiency: float = 0.5) -> "CostModel":
+        """FLOPs at ``efficiency`` of ``peak_tflops`` (H100 SXM dense bf16: 989), no measurement ("analytic").
+
+        Causal attention of a document of length l: forward 2·l²·heads·head_dim FLOPs, backward 2.5x that.
+        Linear part: 3x the forward FLOPs (backward computes input and weight gradients).
+        """
+        if peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be > 0, got {peak_tflops}")
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        shape = parse_model_shape(model_shape)
+        rate = peak_tflops * 1e12 * efficiency  # FLOP/s
+        lens = 2.0 ** np.arange(4, 21)
+        # ms for TABLE_TOKENS tokens made of documents of length l: (TABLE_TOKENS / l) docs of 2·l²·H·d FLOPs.
+        f_ms = 2.0 * lens * shape.attn_width * TABLE_TOKENS / rate * 1e3
+        fb_ms = f_ms * ATTN_FWDBWD_OVER_FWD
+        linear_ms = 3.0 * shape.linear_flops_per_token * TABLE_TOKENS / rate * 1e3
+        return cls(shape, lens, fb_ms, f_ms, linear_ms, "analytic",
+                   f"{efficiency:.0%} of {peak_tflops:g} TFLOP/s peak")
+
+    # ---- per-document and per-pack times ------------------------------------------------------------------
+    def _attn(self, lengths, log_table) -> np.ndarray:
+        """Per-document, per-layer attention seconds: t(l)·l/TABLE_TOKENS with t interpolated in log-log.
+
+        Outside the table: below the shortest length the per-token cost stays flat (kernel overheads dominate);
+        above the longest it follows the last segment's slope (≈ 1: quadratic per document).
+        """
+        lengths = np.asarray(lengths, dtype=np.float64)
+        log_l = np.log(np.maximum(lengths, 1.0))
+        lo, hi = self._log_len, log_table
+        log_t = np.interp(log_l, lo, hi)
+        slope = (hi[-1] - hi[-2]) / (lo[-1] - lo[-2])
+        above = log_l > lo[-1]
+        log_t = np.where(above, hi[-1] + slope * (log_l - lo[-1]), log_t)
+        return np.exp(log_t) * lengths / TABLE_TOKENS / 1e3
+
+    def attention_fwdbwd(self, lengths) -> np.ndarray:
+        """Attention fwd+bwd seconds of one layer for each document length."""
+        return self._attn(lengths, self._log_attn_fb)
+
+    def attention_fwd(self, lengths) -> np.ndarray:
+        """Attention forward seconds of one layer for each document length (the recompute of a checkpoint)."""
+        return self._attn(lengths, self._log_attn_f)
+
+    def a2a_seconds(self, tokens, sp, intra_node_gbps=DEFAULT_INTRA_NODE_GBPS,
+                    inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8) -> np.ndarray:
+        """Seconds of the four all-to-alls of ONE layer forward for packs of ``tokens`` at degree ``sp``.
+
+        Each rank holds T/sp tokens and sends the (sp-1)/sp of them that belong to other ranks' heads; an SP group
+        larger than a node is limited by the inter-node link.
+        """
+        tokens = np.asarray(tokens, dtype=np.float64)
+        sp = np.broadcast_to(np.asarray(sp, dtype=np.int64), tokens.shape)
+        gbps = np.where(sp <= gpus_per_node, intra_node_gbps, inter_node_gbps) * 1e9
+        shape = self.shape
+        width = 2 * shape.attn_width + 2 * np.maximum(shape.num_kv_heads, sp) * shape.head_dim  # = a2a_width
+        moved = tokens / sp * (sp - 1) / sp * width * self.dtype_bytes
+        return moved / gbps
+
+    def pack_times(self, lengths, offsets, sp, ckpt_layers=0, intra_node_gbps=DEFAULT_INTRA_NODE_GBPS,
+                   inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8) -> np.ndarray:
+        """Seconds of every pack, vectorised over a CSR layout.
+
+        lengths: all samples' lengths, pack by pack; offsets: [0, end_0, end_1, ...] (len = #packs + 1);
+        sp, ckpt_layers: scalars or one value per pack. Empty packs cost 0.
+        """
+        lengths = np.asarray(lengths, dtype=np.float64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        num_packs = len(offsets) - 1
+        sp = np.broadcast_to(np.asarray(sp, dtype=np.int64), (num_packs,))
+        ckpt = np.broadcast_to(np.asarray(ckpt_layers, dtype=np.float64), (num_packs,))
+        if (sp < 1).any():
+            raise ValueError("sp must be >= 1")
+        if ((ckpt < 0) | (ckpt > self.shape.num_layers)).any():
+            raise ValueError(f"ckpt_layers must be in [0, {self.shape.num_layers}]")
+        pack_of = np.repeat(np.arange(num_packs), np.diff(offsets))
+        attn_fb = np.bincount(pack_of, self.attention_fwdbwd(lengths), minlength=num_packs)
+        attn_f = np.bincount(pack_of, self.attention_fwd(lengths), minlength=num_packs)
+        tokens = np.bincount(pack_of, lengths, minlength=num_packs)
+        layers = self.shape.num_layers
+        compute = attn_fb + self.linear_fb_per_token * tokens
+        recompute = attn_f + self.linear_fb_per_token / 3.0 * tokens
+        a2a = self.a2a_seconds(tokens, sp, intra_node_gbps, inter_node_gbps, gpus_per_node)
+        return ((layers * compute + ckpt * recompute + self.head_fb_per_token * tokens) / sp
+                + (2 * layers + ckpt) * a2a)
+
+    def pack_time(self, sample_lengths, sp: int = 1, ckpt_layers: int = 0,
+                  intra_node_gbps=DEFAULT_INTRA_NODE_GBPS, inter_node_gbps=DEFAULT_INTER_NODE_GBPS,
+                  gpus_per_node: int = 8) -> float:
+        """Seconds of one pack (fwd+bwd of all layers, recompute, LM head, all-to-alls) on an SP group of sp."""
+        lengths = np.asarray(sample_lengths, dtype=np.float64)
+        return float(self.pack_times(lengths, [0, len(lengths)], sp, ckpt_layers, intra_node_gbps,
+                                     inter_node_gbps, gpus_per_node)[0])
+
+    def describe(self) -> dict:
+        """What this model is, for reports."""
+        return {"source": self.source, "note": self.note, "model_shape": asdict(self.shape)}
+
+
+def _same_layer(a: ModelShape, b: ModelShape) -> bool:
+    """True when two shapes have the same per-layer FLOPs (the layer count and vocab may differ)."""
+    return (a.hidden, a.num_heads, a.num_kv_heads, a.head_dim, a.ffn) == \
+        (b.hidden, b.num_heads, b.num_kv_heads, b.head_dim, b.ffn)
+
+
+def pack_cost_fn(model: CostModel, ckpt_layers_default: int = 0, intra_node_gbps=DEFAULT_INTRA_NODE_GBPS,
+                 inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8):
+    """A planner ``PackCostFn`` (hbp_train.planning.plan): predicted seconds of packs run in a group.
+
+    The group's sp and ckpt_layers are used (``ckpt_layers_default`` where the group says null), so the planner
+    balances predicted pack time instead of Σ len².
+    """
+
+    def cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group=None) -> np.ndarray:
+        sp = 1 if group is None else int(group.sp)
+        ckpt = ckpt_layers_default if group is None or group.ckpt_layers is None else int(group.ckpt_layers)
+        return model.pack_times(pack_lengths, pack_ptr, sp, min(ckpt, model.shape.num_layers), intra_node_gbps,
+                                inter_node_gbps, gpus_per_node)
+
+    return cost

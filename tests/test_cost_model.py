@@ -1,0 +1,203 @@
+"""Cost model against the shipped calibration: table points, monotonicity, recompute, SP split and comm, scaling."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hbp_train.cost_model import (
+    DEFAULT_CALIBRATION,
+    TABLE_TOKENS,
+    CostModel,
+    ModelShape,
+    parse_model_shape,
+)
+
+TABLE = json.loads(DEFAULT_CALIBRATION.read_text())
+FB = {int(k): v for k, v in TABLE["attention_fwdbwd_ms_32768_tokens_by_doc_len"].items()}
+FWD = {int(k): v for k, v in TABLE["attention_fwd_ms_32768_tokens_by_doc_len"].items()}
+LINEAR_MS = TABLE["linear_fwdbwd_ms_per_32768_tokens"]
+# Llama-3-8B layer linear FLOPs per token, written out: q, o (4096x4096), k, v (4096x1024), MLP 3 x 4096x14336.
+LLAMA8B_LINEAR_FLOPS = 2 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+LLAMA8B_HEAD_FLOPS = 2 * 4096 * 128256
+
+
+@pytest.fixture(scope="module")
+def model() -> CostModel:
+    return CostModel.from_calibration()
+
+
+def test_shipped_calibration_copy_is_verbatim():
+    shared = DEFAULT_CALIBRATION.parents[3] / "shared" / "calibration" / DEFAULT_CALIBRATION.name
+    if shared.is_file():
+        assert json.loads(shared.read_text()) == TABLE
+
+
+def test_reproduces_table_points(model):
+    assert model.source == "measured"
+    assert model.shape.name == "llama3-8b" and model.shape.num_layers == 32
+    for length, ms in FB.items():
+        # One document costs t(l) * l / 32768: a 32K pack of such documents costs t(l).
+        per_pack = model.attention_fwdbwd([length])[0] * (TABLE_TOKENS / length) * 1e3
+        assert per_pack == pytest.approx(ms, rel=1e-9)
+        assert model.attention_fwd([length])[0] * (TABLE_TOKENS / length) * 1e3 == pytest.approx(FWD[length], rel=1e-9)
+    assert model.linear_fb_per_token * TABLE_TOKENS * 1e3 == pytest.approx(LINEAR_MS)
+
+
+def test_pack_time_of_table_pack(model):
+    # A 32K pack of 1K documents, sp=1: layers x (attention + linear) + LM head (FLOPs-scaled linear).
+    pack = [1024] * 32
+    head_ms = LINEAR_MS * LLAMA8B_HEAD_FLOPS / LLAMA8B_LINEAR_FLOPS
+    expected = (32 * (FB[1024] + LINEAR_MS) + head_ms) / 1e3
+    assert model.pack_time(pack) == pytest.approx(expected, rel=1e-9)
+
+
+def test_interpolation_is_log_log_and_monotonic(model):
+    # Midway in log space between two table points, t is their geometric mean.
+    mid = np.sqrt(1024 * 2048)
+    per_pack = model.attention_fwdbwd([mid])[0] * TABLE_TOKENS / mid * 1e3
+    assert per_pack == pytest.approx(np.sqrt(FB[1024] * FB[2048]), rel=1e-9)
+    lens = np.unique(np.geomspace(1, 300_000, 400).astype(int))
+    per_doc = model.attention_fwdbwd(lens)
+    assert np.all(np.diff(per_doc) > 0)
+    single = [model.pack_time([int(l)]) for l in lens[::20]]
+    assert np.all(np.diff(single) > 0)
+    # Same tokens in longer documents never cost less.
+    packs = [model.pack_time([l] * (65536 // l)) for l in (128, 512, 2048, 8192, 65536)]
+    assert np.all(np.diff(packs) > 0)
+    # Beyond the table the per-document cost keeps the last segment's slope: 2x length ~ 4x cost.
+    assert model.attention_fwdbwd([65536])[0] / model.attention_fwdbwd([32768])[0] == pytest.approx(
+        2 * FB[32768] / FB[16384], rel=1e-9)
+
+
+def test_checkpointing_adds_one_forward(model):
+    pack = [300, 5000, 20000]
+    base = model.pack_time(pack)
+    for k in (1, 8, 32):
+        recompute = k * (model.attention_fwd(pack).sum() + model.linear_fb_per_token / 3 * sum(pack))
+        assert model.pack_time(pack, ckpt_layers=k) - base == pytest.approx(recompute, rel=1e-9)
+    with pytest.raises(ValueError):
+        model.pack_time(pack, ckpt_layers=33)
+
+
+def test_sp_divides_compute_and_adds_comm(model):
+    pack = [1000, 30000, 60000]
+    tokens = sum(pack)
+    t1 = model.pack_time(pack, sp=1)
+    # Infinite bandwidth: compute only, split over sp ranks.
+    for sp in (2, 4, 8):
+        assert model.pack_time(pack, sp=sp, intra_node_gbps=1e30) == pytest.approx(t1 / sp, rel=1e-9)
+    # Finite bandwidth: 8 all-to-alls per layer (q, k, v, out; fwd and bwd), each rank moving (sp-1)/sp of T/sp
+    # tokens; q/out are 32*128 wide, k/v 8*128 (kv heads >= sp here), bf16.
+    sp, gbps = 4, 100.0
+    per_layer_fwd = tokens / sp * (sp - 1) / sp * (2 * 4096 + 2 * 1024) * 2 / (gbps * 1e9)
+    got = model.pack_time(pack, sp=sp, intra_node_gbps=gbps) - t1 / sp
+    assert got == pytest.approx(2 * 32 * per_layer_fwd, rel=1e-9)
+    # Checkpointed layers add their forward's 4 all-to-alls again.
+    got_ckpt = model.pack_time(pack, sp=sp, ckpt_layers=10, intra_node_gbps=gbps) - model.pack_time(
+        pack, sp=sp, ckpt_layers=10, intra_node_gbps=1e30)
+    assert got_ckpt == pytest.approx((2 * 32 + 10) * per_layer_fwd, rel=1e-9)
+    # An SP group larger than a node is limited by the inter-node link; kv heads are replicated up to sp.
+    sp = 16
+    cross = model.pack_time(pack, sp=sp, intra_node_gbps=1e30, inter_node_gbps=gbps) - t1 / sp
+    width = 2 * 4096 + 2 * 16 * 128
+    assert cross == pytest.approx(2 * 32 * tokens / sp * (sp - 1) / sp * width * 2 / (gbps * 1e9), rel=1e-9)
+    assert model.pack_time(pack, sp=1, intra_node_gbps=1e-3) == t1  # sp=1 never communicates
+
+
+def test_vectorised_matches_scalar(model):
+    rng = np.random.default_rng(0)
+    packs = [rng.integers(1, 40000, size=rng.integers(0, 6)) for _ in range(50)]
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in packs])])
+    sp = rng.choice([1, 2, 4, 8, 16], size=len(packs))
+    ckpt = rng.integers(0, 33, size=len(packs))
+    flat = np.concatenate(packs)
+    got = model.pack_times(flat, offsets, sp, ckpt)
+    want = [model.pack_time(p, int(s), int(k)) if len(p) else 0.0 for p, s, k in zip(packs, sp, ckpt)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_scaled_shapes_are_labelled_and_scale_by_flops(model):
+    small = CostModel.from_calibration(model_shape="llama3.2-1b")
+    assert small.source == "scaled"
+    s = small.shape
+    lin = 2 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192)
+    assert small.linear_fb_per_token / model.linear_fb_per_token == pytest.approx(lin / LLAMA8B_LINEAR_FLOPS)
+    # Attention scales with heads * head_dim: 32*64 vs 32*128.
+    assert small.attention_fwdbwd([4096])[0] / model.attention_fwdbwd([4096])[0] == pytest.approx(0.5)
+    assert s.num_layers == 16
+    # Same layer, other depth: still measured numbers, time scales with the layer count (+ head).
+    deep = CostModel.from_calibration(model_shape={**vars(model.shape), "num_layers": 64, "name": "deep"})
+    assert deep.source == "measured"
+    assert deep.pack_time([8192]) > 1.9 * model.pack_time([8192])
+
+
+def test_analytic_is_flops_over_rate():
+    m = CostModel.analytic("llama3-8b", peak_tflops=1000, efficiency=0.5)
+    assert m.source == "analytic"
+    rate = 1000e12 * 0.5
+    l = 10000
+    attn = 7 * l * l * 4096 / rate  # fwd 2 l^2 H d, bwd 2.5x
+    linear = 3 * LLAMA8B_LINEAR_FLOPS * l / rate
+    head = 3 * LLAMA8B_HEAD_FLOPS * l / rate
+    assert m.pack_time([l]) == pytest.approx(32 * (attn + linear) + head, rel=1e-9)
+    with pytest.raises(ValueError):
+        CostModel.analytic("llama3-8b", efficiency=0)
+
+
+def test_bad_inputs_raise_value_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        CostModel.from_calibration(bad)
+    bad.write_text(json.dumps({"linear_fwdbwd_ms_per_32768_tokens": 1.0}))
+    with pytest.raises(ValueError, match="attention_fwdbwd_ms_32768_tokens_by_doc_len"):
+        CostModel.from_calibration(bad)
+    with pytest.raises(ValueError, match="not a preset"):
+        parse_model_shape("gpt-17")
+    with pytest.raises(ValueError, match="missing"):
+        parse_model_shape('{"hidden": 64}')
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelShape("x", 64, 2, 4, 3, 128, 100)
+    # HF config.json key names are accepted.
+    hf = parse_model_shape({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100})
+    assert (hf.hidden, hf.num_kv_heads, hf.head_dim) == (64, 2, 16)
+
+
+TINY = '{"name": "tiny", "hidden": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn": 64, "vocab": 128}'
+
+
+def test_calibrate_without_gpu_exits_2(capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from hbp_train import calibrate
+
+    assert calibrate.main(["--out", "unused.json"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path):
+    from hbp_train import calibrate
+
+    out = tmp_path / "tiny.json"
+    common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128", "--iters", "1", "--warmup", "0"]
+    assert calibrate.main(common + ["--doc-lens", "16,64,128", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["attention_fwdbwd_ms_32768_tokens_by_doc_len"]) == {"16", "64", "128"}
+    assert data["linear_fwdbwd_ms_per_32768_tokens"] > 0 and data["model_shape"]["hidden"] == 32
+    model = CostModel.from_calibration(out)
+    assert model.source == "measured" and model.shape.name == "tiny"
+    report_path = tmp_path / "val.json"
+    assert calibrate.main(common + ["--validate", "--calibration", str(out), "--max-samples", "8", "--num-packs", "3",
+                                    "--validate-out", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert [p["num_samples"] for p in report["packs"]] == [1, 3, 8]
+    for p in report["packs"]:
+        assert sum(p["lengths"]) == 128 and len(p["lengths"]) == p["num_samples"]
+        assert p["predicted_s"] == pytest.approx(model.pack_time(p["lengths"]))
+        assert p["error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
+    assert calibrate.main(common + ["--doc-lens", "256", "--out", str(out)]) == 2  # longer than --tokens

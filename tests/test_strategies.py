@@ -1,0 +1,158 @@
+"""The extra strategies (sorted, wlb, bytescale): conservation, capacity, their defining properties, the contract."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hbp_train.cost_model import DEFAULT_CALIBRATION, CostModel
+from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
+from hbp_train.planning.bytescale import check_zero_stage
+from hbp_train.planning.simulate import simulate
+
+EXTRA = ("sorted", "wlb", "bytescale")
+
+
+@st.composite
+def planning_inputs(draw):
+    world = draw(st.sampled_from([1, 2, 4]))
+    small = draw(st.integers(8, 64))
+    big = small * draw(st.sampled_from([2, 4]))
+    sp_big = draw(st.sampled_from([s for s in (1, 2, 4) if world % s == 0]))
+    groups = [GroupSpec(small, 1), GroupSpec(big, sp_big, draw(st.sampled_from([None, 0, 1])))]
+    lengths = draw(st.lists(st.integers(1, int(big * 1.2)), min_size=1, max_size=120))
+    global_tokens = draw(st.integers(big, 6 * big * world))
+    return lengths, PlanConfig(world_size=world, groups=groups, global_tokens=global_tokens,
+                               seed=draw(st.integers(0, 3)))
+
+
+def check_conservation_and_capacity(plan: Plan, lengths) -> None:
+    lengths = np.asarray(lengths)
+    plan.validate()
+    seen = np.concatenate([plan.pack_samples, plan.dropped])
+    assert np.array_equal(np.sort(seen), np.arange(len(lengths)))
+    cap = plan.config.groups[-1].pack_len
+    assert np.array_equal(plan.dropped, np.flatnonzero(lengths > cap))
+    caps = np.array([g.pack_len for g in plan.config.groups])[plan.pack_group]
+    assert np.all(plan.pack_tokens <= caps)
+
+
+@pytest.mark.parametrize("strategy", EXTRA)
+@settings(max_examples=25, deadline=None)
+@given(inputs=planning_inputs())
+def test_conservation_and_capacity(strategy, inputs):
+    lengths, cfg = inputs
+    cfg.strategy = strategy
+    plan = make_plan(lengths, cfg)
+    check_conservation_and_capacity(plan, lengths)
+    # The JSON round trip keeps every pack (bytescale's unequal replicas included).
+    back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    back.validate()
+    assert sorted(map(tuple, (back.pack(p).tolist() for p in range(back.num_packs)))) == \
+        sorted(map(tuple, (plan.pack(p).tolist() for p in range(plan.num_packs))))
+
+
+def long_tailed(n=3000, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(6.0, 1.1, n).astype(np.int64) + 1, 8192)
+    longs = rng.random(n) < 0.05
+    lengths[longs] = rng.integers(1024, 16384, longs.sum())
+    return lengths
+
+
+CFG = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 2 * 4)
+
+
+def test_all_strategies_are_deterministic_and_registered():
+    lengths = long_tailed(800)
+    for strategy in ALL_STRATEGIES:
+        a = make_plan(lengths, PlanConfig(strategy=strategy, **CFG))
+        b = make_plan(lengths, PlanConfig(strategy=strategy, **CFG))
+        assert np.array_equal(a.pack_samples, b.pack_samples) and np.array_equal(a.step_packs, b.step_packs)
+    with pytest.raises(ValueError, match="bytescale"):
+        make_plan(lengths, PlanConfig(strategy="nope", **CFG))
+
+
+def test_sorted_packs_hold_contiguous_length_ranges():
+    lengths = long_tailed()
+    plan = make_plan(lengths, PlanConfig(strategy="sorted", **CFG))
+    ranges = sorted((lengths[plan.pack(p)].min(), lengths[plan.pack(p)].max())
+                    for p in range(plan.num_packs) if len(plan.pack(p)))
+    # Sorted order: a pack's length range never overlaps the next one's (ties may touch).
+    assert all(hi <= nxt_lo for (_, hi), (nxt_lo, _) in zip(ranges, ranges[1:]))
+
+
+def test_wlb_defers_outliers_and_reports_waits():
+    lengths = long_tailed(4000)
+    plan = make_plan(lengths, PlanConfig(strategy="wlb", **CFG))
+    check_conservation_and_capacity(plan, lengths)
+    assert plan.deferred, "a long tail must delay some outliers"
+    idx = [d["index"] for d in plan.deferred]
+    waits = np.array([d["waited_steps"] for d in plan.deferred])
+    assert len(set(idx)) == len(idx) and np.all(waits >= 1)
+    assert plan.metrics["num_deferred"] == len(idx)
+    assert plan.metrics["mean_deferred_wait_steps"] == pytest.approx(waits.mean())
+    # Outliers (>= pack_len / 4) are delayed far more often than short samples.
+    outlier = lengths[idx] >= 16384 // 4
+    share_outliers = outlier.sum() / np.count_nonzero(lengths >= 16384 // 4)
+    share_short = (~outlier).sum() / np.count_nonzero(lengths < 16384 // 4)
+    assert share_outliers > 3 * share_short
+    # The trained step of a deferred sample is its draw step + wait, so it is a real step of the plan.
+    step_of_pack = np.repeat(np.arange(plan.num_steps), np.diff(plan.step_ptr))[np.argsort(plan.step_packs)]
+    sample_step = np.empty(len(lengths), np.int64)
+    sample_step[plan.pack_samples] = np.repeat(step_of_pack, np.diff(plan.pack_ptr))
+    assert np.all(sample_step[idx] >= waits)
+
+
+def test_bytescale_unequal_micro_batches_balance_step_time():
+    lengths = long_tailed(4000)
+    plan = make_plan(lengths, PlanConfig(strategy="bytescale", **CFG))
+    check_conservation_and_capacity(plan, lengths)
+    d = plan.to_dict()
+    assert d["unequal_micro_batches"] is True and d["requires_zero_stage"] == [0, 1]
+    counts = [[len(r) for r in s["replicas"]] for s in d["steps"]]
+    assert any(len(set(c)) > 1 for c in counts), "lighter replicas should run more micro-batches"
+    assert all(all(len(pk) > 0 for r in s["replicas"] for pk in r) for s in d["steps"])
+    # LPT: per step, replica loads differ by at most the largest single sample cost.
+    model = CostModel.from_calibration()
+    res = simulate(plan, model)
+    assert res.sync == "step"
+    for s in range(plan.num_steps):
+        mat = plan.step_matrix(s)
+        loads = res.pack_seconds[mat].sum(axis=0)
+        heaviest = max(model.pack_time([l], 4) for l in lengths[np.concatenate([plan.pack(p) for p in mat.ravel()])])
+        assert loads.max() - loads.min() <= heaviest * (1 + 1e-9)
+    # ZeRO stages that reduce every micro-batch are refused; other strategies may not claim unequal counts.
+    check_zero_stage(d, 1)
+    check_zero_stage(d, 0)
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match="ZeRO stage"):
+            check_zero_stage(plan, stage)
+    isf = make_plan(lengths, PlanConfig(strategy="isf", **CFG))
+    check_zero_stage(isf, 3)
+    isf.extra["unequal_micro_batches"] = True
+    with pytest.raises(ValueError, match="only valid for strategy 'bytescale'"):
+        isf.validate()
+
+
+def test_pack_cli_strategies_and_zero_stage(tmp_path, capsys):
+    from data_tools import pack
+
+    lengths_file = tmp_path / "lengths.txt"
+    lengths_file.write_text("\n".join(map(str, long_tailed(600))))
+    base = ["--lengths", str(lengths_file), "--world-size", "8", "--groups", "2048:1,16384:4",
+            "--global-tokens", str(16384 * 8), "--quiet"]
+    out = tmp_path / "p.json"
+    assert pack.main(base + ["--strategy", "bytescale", "--zero-stage", "3", "--out", str(out)]) == 2
+    assert "ZeRO stage" in capsys.readouterr().err
+    assert pack.main(base + ["--strategy", "bytescale", "--zero-stage", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["requires_zero_stage"] == [0, 1]
+    # hbp balancing predicted pack time from a calibration; a missing calibration is a one-line error.
+    assert pack.main(base + ["--strategy", "hbp", "--no-baseline", "--calibration", str(DEFAULT_CALIBRATION),
+                             "--out", str(out)]) == 0
+    assert pack.main(base + ["--strategy", "wlb", "--calibration", str(tmp_path / "none.json"),
+                             "--out", str(out)]) == 2

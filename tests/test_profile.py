@@ -1,0 +1,381 @@
+"""Tests for hbp_train/profile.py: Alg. 4 / 3 / 1 on injected curves, OOM and time-budget handling, the NVML
+fallback, the real measurement code path on a tiny CPU model, and the CLI (--dry-run, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from hbp_train import profile as prof
+from hbp_train.profile import CurveBackend, ProfileConfig, Profiler
+
+GB = 10 ** 9
+LAYERS = 16
+
+
+class FakeClock:
+    """Simulated seconds; the curve backend advances it by the simulated cost of each measurement."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def linear_mem(base=20 * GB, full=3e5, kept=5e4):
+    """Bytes per rank: fixed states + per-token activations, full for plain layers, `kept` for checkpointed."""
+    return lambda l, sp, c: base + (l / sp) * ((LAYERS - c) * full + c * kept)
+
+
+def compute_time(comm_per_token=2e-7, recompute=0.3):
+    """Seconds per pack: work/sp (attention quadratic), recompute for checkpointed layers, comm growing with sp."""
+    def time_fn(l, sp, c):
+        work = LAYERS * (1e-6 * l + 2e-12 * l * l)
+        return work * (1 + recompute * c / LAYERS) / sp + (comm_per_token * l * (sp - 1) / sp if sp > 1 else 0)
+    return time_fn
+
+
+def cfg(**kw) -> ProfileConfig:
+    base = dict(max_len=131072, min_len=8192, world_size=8, headroom=0.9, memory_metric="torch", iters=2,
+                progress=False, time_budget_s=1e9)
+    base.update(kw)
+    return ProfileConfig(**base)
+
+
+def backend(time_fn=None, mem_fn=None, device=80 * GB, num_gpus=8, clock=None):
+    return CurveBackend(time_fn or compute_time(), mem_fn or linear_mem(), LAYERS, device, num_gpus=num_gpus,
+                        sleep=clock.advance if clock else None)
+
+
+def brute_min_ckpt(mem_fn, l, sp, budget):
+    """The fewest checkpointed layers whose memory fits, by trying every count (None if none fits)."""
+    return next((c for c in range(LAYERS + 1) if mem_fn(l, sp, c) <= budget), None)
+
+
+# ------------------------------------------------------------------------------------------------- Alg. 4
+@pytest.mark.parametrize("l,sp", [(8192, 1), (32768, 1), (65536, 2), (131072, 1), (131072, 4), (131072, 8)])
+def test_greedy_ckpt_on_linear_memory_is_the_fewest_that_fit(l, sp):
+    mem = linear_mem()
+    b = backend(mem_fn=mem)
+    p = Profiler(b, cfg())
+    choice = p.greedy_profile_ckpt(l, sp)
+    want = brute_min_ckpt(mem, l, sp, p.budget_bytes)
+    if want is None:
+        assert choice.status == "infeasible"
+    else:
+        assert choice.status == "ok" and choice.ckpt_layers == want
+        assert choice.measurement.ckpt_layers == want and p.fits(choice.measurement)
+        # Linear memory: the fit is exact, so the first verified count is right (no step-up), whatever number
+        # of probes ran out of memory before one ran.
+        assert sum(m.purpose == "verify" for m in p.measurements) <= 1
+        probes = [m for m in p.measurements if m.purpose == "ckpt-probe"]
+        assert all(m.oom for m in probes[:-1])
+
+
+def test_greedy_ckpt_covers_every_case_of_the_linear_curve():
+    """The parametrised lengths include a no-checkpointing case, an intermediate one and an infeasible one."""
+    mem, budget = linear_mem(), int(0.9 * 80 * GB)
+    wants = {brute_min_ckpt(mem, l, sp, budget) for l, sp in [(8192, 1), (32768, 1), (131072, 1), (131072, 8)]}
+    assert 0 in wants and None in wants and any(w not in (0, None, LAYERS) for w in wants)
+
+
+def test_greedy_ckpt_steps_up_when_the_linear_fit_is_too_optimistic():
+    # Memory grows faster than linearly as checkpointing is removed: extrapolating the line through the points
+    # at 16 and 8 checkpointed layers below 8 underestimates, so the first verified count does not fit.
+    def mem(l, sp, c):
+        plain = LAYERS - c
+        return 20 * GB + (l / sp) * (plain * 1e5 + plain ** 2 * 2e4)
+    b = backend(mem_fn=mem)
+    p = Profiler(b, cfg())
+    choice = p.greedy_profile_ckpt(16384, 1)
+    assert choice.status == "ok" and p.fits(choice.measurement)
+    want = brute_min_ckpt(mem, 16384, 1, p.budget_bytes)
+    over = [m for m in p.measurements if m.purpose == "verify" and not p.fits(m)]
+    assert over, "the first verified count must have been over budget"
+    assert want <= choice.ckpt_layers < LAYERS
+    # Step-up goes 1, 2, 4, ... layers: it overshoots the true minimum by less than the last step.
+    assert choice.ckpt_layers - want < max(1, 2 ** (len(over) - 1))
+
+
+def test_oom_is_recorded_as_infeasible_not_raised():
+    # On a 60 GB device the probe at half the layers runs out of memory for 32K at sp=1.
+    mem = linear_mem()
+    b = backend(mem_fn=mem, device=60 * GB)
+    p = Profiler(b, cfg())
+    choice = p.greedy_profile_ckpt(32768, 1)
+    ooms = [m for m in p.measurements if m.oom]
+    assert ooms and all(m.time_s is None and m.peak_mem_bytes is None for m in ooms)
+    assert choice.status == "ok" and choice.ckpt_layers == brute_min_ckpt(mem, 32768, 1, p.budget_bytes)
+    # Every layer checkpointed and still out of memory: infeasible, again without an exception.
+    choice = p.greedy_profile_ckpt(131072, 1)
+    assert choice.status == "infeasible" and choice.measurement.oom
+    assert "OOM" in prof._status(choice.measurement)
+
+
+# ------------------------------------------------------------------------------------------------- Alg. 3
+def brute_best_sp(time_fn, mem_fn, l, sps, budget):
+    """Best (sp, ckpt) by throughput per GPU over every sp, each at its fewest fitting checkpoint count."""
+    best = None
+    for sp in sps:
+        c = brute_min_ckpt(mem_fn, l, sp, budget)
+        if c is None:
+            continue
+        tps = l / (time_fn(l, sp, c) * sp)
+        if best is None or tps > best[2]:
+            best = (sp, c, tps)
+    return best
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_find_best_sp_matches_exhaustive_search(prune):
+    time_fn, mem_fn = compute_time(), linear_mem()
+    p = Profiler(backend(time_fn, mem_fn), cfg(prune=prune))
+    chosen = {}
+    for l in [8192, 16384, 32768, 65536, 131072]:
+        s = p.find_best_sp_ckpt(l)
+        want = brute_best_sp(time_fn, mem_fn, l, [1, 2, 4, 8], p.budget_bytes)
+        assert (s.sp, s.ckpt_layers) == want[:2]
+        assert s.tokens_per_s_per_gpu == pytest.approx(want[2])
+        chosen[l] = s.sp
+    # The curves make short packs prefer no SP and long ones need it: the test exercises both outcomes.
+    assert chosen[8192] == 1 and chosen[131072] > 1
+
+
+def test_find_best_sp_trades_recompute_for_communication():
+    # Cheap communication: more SP that saves recompute wins; expensive communication: checkpointing wins.
+    mem_fn = linear_mem()
+    for comm in (1e-9, 5e-6):
+        time_fn = compute_time(comm_per_token=comm)
+        p = Profiler(backend(time_fn, mem_fn), cfg(prune=False))
+        s = p.find_best_sp_ckpt(65536)
+        assert (s.sp, s.ckpt_layers) == brute_best_sp(time_fn, mem_fn, 65536, [1, 2, 4, 8], p.budget_bytes)[:2]
+    cheap = Profiler(backend(compute_time(1e-9), mem_fn), cfg(prune=False)).find_best_sp_ckpt(65536)
+    dear = Profiler(backend(compute_time(5e-6), mem_fn), cfg(prune=False)).find_best_sp_ckpt(65536)
+    assert cheap.sp > dear.sp
+
+
+# ------------------------------------------------------------------------------------------------- Alg. 1
+def strategies(spec):
+    """{length: Strategy} from {length: (sp, ckpt, tokens/s/GPU)}."""
+    return {l: prof.Strategy(l, sp, c, l / (tps * sp), tps, False, "curve") for l, (sp, c, tps) in spec.items()}
+
+
+def test_groups_with_l2_above_l_best():
+    # l_best = 32K at sp=2 -> l1 = 16K; l_max = 128K at sp=2 -> l2 = 64K > l_best: four groups.
+    p = Profiler(backend(device=100 * GB), cfg())
+    groups = p.select_groups(strategies({16384: (1, 4, 900.0), 32768: (2, 2, 1000.0), 65536: (2, 8, 800.0),
+                                         131072: (2, 16, 500.0)}))
+    assert [(g["pack_len"], g["sp"]) for g in groups] == [(16384, 1), (32768, 2), (65536, 1), (131072, 2)]
+    assert [g["role"] for g in groups] == ["l1", "l_best", "l2", "l_max"]
+    # l1 and l2 get their own fewest fitting checkpoint count at sp=1.
+    for g in groups:
+        if g["role"] in ("l1", "l2"):
+            assert g["ckpt_layers"] == brute_min_ckpt(linear_mem(), g["pack_len"], 1, p.budget_bytes)
+
+
+def test_groups_with_l2_below_l_best_and_dedup():
+    # l_best = 32K at sp=2 -> l1 = 16K; l_max = 128K at sp=8 -> l2 = 16K <= l_best: three groups, l2 merged.
+    p = Profiler(backend(), cfg())
+    groups = p.select_groups(strategies({32768: (2, 0, 1000.0), 65536: (4, 0, 700.0), 131072: (8, 4, 600.0)}))
+    assert [(g["pack_len"], g["sp"], g["role"]) for g in groups] == \
+        [(16384, 1, "l1"), (32768, 2, "l_best"), (131072, 8, "l_max")]
+
+
+def test_groups_when_best_needs_no_sp():
+    # l_best at sp=1 is its own l1 (deduplicated); l_max = 64K at sp=2 -> l2 = 32K > l_best = 16K.
+    p = Profiler(backend(), cfg(max_len=65536))
+    groups = p.select_groups(strategies({16384: (1, 0, 1000.0), 32768: (1, 8, 900.0), 65536: (2, 8, 800.0)}))
+    assert [(g["pack_len"], g["sp"], g["role"]) for g in groups] == \
+        [(16384, 1, "l1,l_best"), (32768, 1, "l2"), (65536, 2, "l_max")]
+
+
+def test_full_run_writes_consistent_groups(tmp_path):
+    time_fn, mem_fn = compute_time(), linear_mem()
+    p = Profiler(backend(time_fn, mem_fn), cfg())
+    out = p.run()
+    best = {l: brute_best_sp(time_fn, mem_fn, l, [1, 2, 4, 8], p.budget_bytes) for l in p.cfg.candidate_lengths()}
+    l_best = max(best, key=lambda l: (best[l][2], l))
+    assert out["l_best"] == l_best and out["l_max"] == 131072
+    lens = [g["pack_len"] for g in out["groups"]]
+    assert lens == sorted(set(lens)) and lens[-1] == 131072 and l_best in lens
+    assert l_best // best[l_best][0] in lens
+    for g in out["groups"]:
+        assert p.fits(next(m for m in p.measurements
+                           if (m.pack_len, m.sp, m.ckpt_layers) == (g["pack_len"], g["sp"], g["ckpt_layers"])))
+    json.dumps(out)  # serialisable as is
+    assert "pack_len" in prof.format_table(out) and "chosen groups" in prof.format_table(out)
+
+
+def test_estimated_marks_for_sp_beyond_the_gpus_present():
+    p = Profiler(backend(num_gpus=2), cfg())
+    out = p.run()
+    for m in out["measurements"]:
+        assert m["estimated"] == (m["sp"] > 2)
+    for g in out["groups"]:
+        assert g["estimated"] == (g["sp"] > 2)
+    assert any(g["estimated"] for g in out["groups"]), "the 128K group needs sp > 2 on these curves"
+    assert "estimated" in prof.format_table(out)
+
+
+def test_time_budget_stops_measuring_and_still_chooses():
+    clock = FakeClock()
+    starts = []
+    b = backend(clock=clock)
+    inner = b.measure
+
+    def measure(*args):
+        starts.append(clock())
+        return inner(*args)
+    b.measure = measure
+    budget = 30.0
+    p = Profiler(b, cfg(time_budget_s=budget), clock=clock)
+    out = p.run()
+    assert out["skipped"] and out["profiler"]["budget_exhausted"]
+    assert all(t < budget for t in starts), "no measurement may start after the budget is spent"
+    unlimited = Profiler(backend(), cfg())
+    unlimited.run()
+    assert len(starts) < len(unlimited.measurements)
+    # The longest length is profiled first, so the mandatory l_max group is there.
+    assert out["groups"][-1]["pack_len"] == 131072
+    assert any("time budget" in s["reason"] for s in out["skipped"])
+
+
+def test_nothing_fits_is_a_clear_error():
+    p = Profiler(backend(device=10 * GB), cfg())
+    with pytest.raises(prof.ProfileError, match="no candidate pack length fits"):
+        p.run()
+
+
+def test_memory_metric_nvml_is_used_when_present():
+    # NVML reads 10 GB more than torch (allocator cache): fewer layers fit than torch's peak says.
+    mem = linear_mem()
+    b = CurveBackend(compute_time(), mem, LAYERS, 80 * GB, nvml_fn=lambda l, sp, c: mem(l, sp, c) + 10 * GB)
+    nv = Profiler(b, cfg(memory_metric="nvml")).greedy_profile_ckpt(32768, 1)
+    to = Profiler(backend(mem_fn=mem), cfg(memory_metric="torch")).greedy_profile_ckpt(32768, 1)
+    assert nv.ckpt_layers > to.ckpt_layers
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_candidate_lengths_and_sp_degrees():
+    c = cfg(max_len=100000, min_len=5000, world_size=12)
+    assert c.candidate_lengths() == [8192, 16384, 32768, 65536, 100000]
+    assert c.sp_candidates() == [1, 2, 4]
+    assert cfg(lengths=[4096, 12288]).candidate_lengths() == [4096, 12288, 131072]
+
+
+@pytest.mark.parametrize("field,value", [("headroom", 1.5), ("iters", 0), ("sp_degrees", [3]),
+                                         ("memory_metric", "rss"), ("time_budget_s", 0), ("docs", "/nonexistent")])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"profile.{field}"):
+        cfg(**{field: value})
+
+
+# ------------------------------------------------------------------------------------------------ NVML
+def test_no_nvml_degrades_with_one_log_line(monkeypatch, caplog):
+    import pynvml
+
+    def fail():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    monkeypatch.setitem(prof._nvml, "state", None)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.profile"):
+        assert prof.nvml_used_bytes(0) is None
+        assert prof.nvml_used_bytes(0) is None
+        assert prof.nvml_hardware() is None
+    lines = [r for r in caplog.records if "NVML" in r.getMessage()]
+    assert len(lines) == 1 and "NVMLError_LibraryNotFound" in lines[0].getMessage()
+
+
+# ------------------------------------------------------------------------------------- memory model
+def test_analytic_memory_model_orders():
+    shape = prof.parse_model_shape("llama3-8b")
+    job = prof.JobSettings(zero_stage=2)
+    mem = [prof.analytic_memory_bytes(shape, 32768, 1, c, 8, job) for c in range(0, 33, 8)]
+    assert all(a > b for a, b in zip(mem, mem[1:])), "more checkpointing must need less memory"
+    # Per rank, an SP degree of 4 on 128K holds the activations of a 32K pack.
+    assert prof.analytic_memory_bytes(shape, 131072, 4, 8, 8, job) == pytest.approx(mem[1], rel=1e-3)
+    z3 = prof.analytic_memory_bytes(shape, 32768, 1, 8, 8, prof.JobSettings(zero_stage=3))
+    off = prof.analytic_memory_bytes(shape, 32768, 1, 8, 8, prof.JobSettings(zero_stage=2, offload_optimizer=True))
+    assert z3 < mem[1] and off < mem[1]
+
+
+TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False, vocab_size=512)
+
+
+def test_measurement_code_path_on_a_tiny_cpu_model():
+    """GpuBackend's real fwd+bwd path (model.py, loss.py, checkpointing, SP estimate) on the CPU: times only."""
+    from hbp_train.cost_model import CostModel
+    from hbp_train.model import ModelConfig, num_params
+
+    model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
+    shape = prof.model_shape_of(model_cfg, None)
+    c = cfg(max_len=512, min_len=128, world_size=2, warmup_iters=0, iters=1)
+    b = prof.GpuBackend(model_cfg, c, CostModel.from_calibration(model_shape=shape), prof.JobSettings(),
+                        device="cpu")
+    assert num_params(b.model) == prof.num_params(shape), "the analytic parameter count must match the model"
+    assert b.num_layers == 2
+    plain = b.measure(128, 1, 0, 1)
+    ckpt = b.measure(128, 1, 2, 1)
+    est = b.measure(128, 2, 1, 1)
+    for m in (plain, ckpt, est):
+        assert not m.oom and m.time_s > 0 and m.peak_mem_bytes is None
+    assert not plain.estimated and est.estimated and "slice" in est.note
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def run_cli(argv, capsys):
+    rc = prof.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_dry_run_writes_a_profile_pack_reads(tmp_path, capsys):
+    from data_tools.pack import parse_groups
+
+    path = tmp_path / "profile.json"
+    rc, out, _ = run_cli(["model=tiny_llama", "profile.dry_run=true", f"profile.output={path}",
+                          "profile.max_len=65536", "profile.world_size=4", "profile.progress=false",
+                          "profile.device_memory_gb=0.25"], capsys)
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert data["source"] == "analytic" and all(m["source"] == "analytic" for m in data["measurements"])
+    assert "ANALYTIC" in out and "chosen groups" in out
+    assert data["model"]["num_layers"] == 2 and data["job"]["zero_stage"] == 2
+    for key in ("hardware", "config", "profiler", "strategies", "warnings"):
+        assert key in data
+    specs = parse_groups("auto", str(path), 4)
+    assert [(g.pack_len, g.sp, g.ckpt_layers) for g in specs] == \
+        [(g["pack_len"], g["sp"], g["ckpt_layers"]) for g in data["groups"]]
+    # A quarter GB device: 64K packs need SP, so the round trip carries an sp > 1 group.
+    assert any(g.sp > 1 for g in specs)
+
+
+def test_cli_without_gpu_is_one_line_and_exit_2(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, _, err = run_cli(["model=tiny_llama", "profile.progress=false"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "profile.dry_run=true" in err
+
+
+def test_cli_bad_value_is_one_line_and_exit_2(capsys):
+    rc, _, err = run_cli(["profile.headroom=2", "profile.dry_run=true"], capsys)
+    assert rc == 2 and "profile.headroom" in err and len(err.strip().splitlines()) == 1
+    rc, out, _ = run_cli(["--help"], capsys)
+    assert rc == 0 and "dry_run" in out and "time_budget_s" in out
+
+
+def test_sp_degrees_limited_to_what_ulysses_can_split():
+    shape = prof.parse_model_shape({"hidden": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn": 176,
+                                    "vocab": 512})
+    assert prof.usable_sp_degrees([1, 2, 4, 8], shape) == [1, 2, 4]
+    p = Profiler(backend(), cfg(), sp_degrees=[1, 2, 4])
+    p.find_best_sp_ckpt(131072)
+    assert {m.sp for m in p.measurements} <= {1, 2, 4}

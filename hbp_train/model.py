@@ -1,0 +1,204 @@
+"""Building the HF causal LM for packed training, per-layer activation checkpointing, and FLOP counts for MFU.
+
+The model is built from a local HF directory or from a config (no download), with `use_cache=False` (the
+default cache silently disables packed-sample masking) and the packed attention of attention.py installed.
+`forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk;
+`token_losses` does that through the LM-head module itself (see `ChunkedLMHead`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hbp_train.attention import BACKENDS, register_packed_attention
+from hbp_train.loss import chunked_token_losses
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how to build it."""
+
+    name_or_path: str | None = None
+    """Local HF model directory (config + safetensors) to start from; None builds a fresh model from `config`."""
+
+    config: dict = field(default_factory=dict)
+    """HF config overrides: the whole architecture when name_or_path is None (e.g. hidden_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, intermediate_size), or changes on top of the pretrained config."""
+
+    architecture: str = "llama"
+    """HF model_type used when building from `config` (llama, qwen2, mistral, ...); ignored with name_or_path."""
+
+    dtype: str = "auto"
+    """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
+
+    attention_backend: str = "auto"
+    """Packed attention backend: auto (best available) or one of flash_varlen, torch_varlen, flex, sdpa_block."""
+
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to name_or_path, or the shipped data_tools/assets/tokenizer."""
+
+    seed: int = 0
+    """Seed for the initial weights of a model built from `config`."""
+
+    def __post_init__(self):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if not isinstance(self.config, dict):
+            raise ValueError(f"model.config: must be a mapping of HF config fields, got {type(self.config).__name__}")
+        if self.name_or_path is not None:
+            path = Path(self.name_or_path)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model.name_or_path: {self.name_or_path!r} is not a local HF model dir (no config.json)")
+        elif not self.config:
+            raise ValueError("model.config: give the architecture (e.g. hidden_size, num_hidden_layers) or model.name_or_path")
+        if self.architecture not in CONFIG_MAPPING:
+            raise ValueError(f"model.architecture: {self.architecture!r} is not an HF model_type (e.g. llama, qwen2)")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.attention_backend not in ("auto", *BACKENDS):
+            raise ValueError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"model.seed: must be an integer, got {self.seed!r}")
+        if self.tokenizer is None:
+            self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The parameter dtype `dtype` resolves to on this machine."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return DTYPES[self.dtype]
+
+
+def build_model(cfg: ModelConfig, vocab_size: int | None = None):
+    """The causal LM of `cfg` with use_cache=False and packed attention registered; returns the HF model.
+
+    vocab_size (the tokenizer's) sets the vocabulary of a model built from a config, and grows the embeddings of a
+    pretrained one whose vocabulary is smaller (never shrinks it).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = cfg.torch_dtype()
+    overrides = dict(cfg.config)
+    overrides["use_cache"] = False
+    if cfg.name_or_path is not None:
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        )
+        if vocab_size is not None and vocab_size > model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(vocab_size)
+    else:
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    model.config.use_cache = False
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = ChunkedLMHead  # same parameters and state_dict keys; only forward gains the loss path
+    register_packed_attention(model, cfg.attention_backend)
+    return model
+
+
+class ChunkedLMHead(torch.nn.Linear):
+    """The LM head (an nn.Linear) whose forward can also return chunked per-token losses.
+
+    Computing the loss *inside the head module's forward* matters under ZeRO-3: the head's weight is partitioned
+    and DeepSpeed gathers it only in that module's forward hooks (and re-gathers it for backward from hooks on
+    the module's outputs). Reading `lm_head.weight` from outside the module would see an empty partition.
+    Without shift_labels it is the plain linear layer, so the HF model's own forward is unchanged.
+    """
+
+    def forward(self, hidden, shift_labels=None, chunk_size: int = 4096):
+        if shift_labels is None:
+            return super().forward(hidden)
+        return chunked_token_losses(hidden, self.weight, shift_labels, chunk_size=chunk_size, lm_head_bias=self.bias)
+
+
+def token_losses(model, hidden_BTH, shift_labels, chunk_size: int = 4096) -> torch.Tensor:
+    """Per-token LM losses [T] of the final hidden states, through the model's LM-head module (ZeRO-3 safe)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, ChunkedLMHead):
+        return head(hidden_BTH, shift_labels=shift_labels, chunk_size=chunk_size)
+    return chunked_token_losses(hidden_BTH, head.weight, shift_labels, chunk_size=chunk_size, lm_head_bias=head.bias)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The repeated decoder blocks (model.model.layers for Llama/Qwen/Mistral-style models)."""
+    return model.base_model.layers
+
+
+def set_checkpointed_layers(model, num_layers: int) -> None:
+    """Activation checkpointing on the FIRST num_layers decoder layers only (0 = none); may change every step.
+
+    Checkpointing the first layers and keeping the last ones lets a packing group trade exactly as much
+    recompute for memory as its pack length needs. Uses non-reentrant torch.utils.checkpoint.
+    """
+    layers = decoder_layers(model)
+    if not 0 <= num_layers <= len(layers):
+        raise ValueError(f"checkpointed layers must be in [0, {len(layers)}], got {num_layers}")
+    if num_layers > 0 and not getattr(model, "_hbp_checkpointing_enabled", False):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model._hbp_checkpointing_enabled = True
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < num_layers
+
+
+def forward_hidden(model, input_ids, position_ids, **attn_kwargs) -> torch.Tensor:
+    """Final hidden states [B, T, H] of the decoder (the model without its LM head).
+
+    attn_kwargs go to the attention function (e.g. cu_seq_lens_q / max_length_q); position_ids restart per sample.
+    """
+    out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
+    return out.last_hidden_state
+
+
+def num_params(model) -> int:
+    """Number of parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _shape(model_config):
+    hidden = model_config.hidden_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    return hidden, heads, kv_heads, head_dim
+
+
+def flops_per_token(model_config) -> float:
+    """Linear-layer FLOPs per token, forward + backward: 6 x (matmul weights a token goes through).
+
+    Per layer: q and o projections 2*hidden*heads*head_dim, k and v 2*hidden*kv_heads*head_dim, gated MLP
+    3*hidden*intermediate; plus the LM head hidden*vocab (a matmul even when tied). Embedding lookups, norms and
+    biases are not counted; nor is the recompute of activation checkpointing (the MFU convention).
+    """
+    hidden, heads, kv_heads, head_dim = _shape(model_config)
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * model_config.intermediate_size
+    matmul_weights = model_config.num_hidden_layers * per_layer + hidden * model_config.vocab_size
+    return 6.0 * matmul_weights
+
+
+def attention_flops(model_config, seq_lens) -> float:
+    """Causal attention FLOPs, forward + backward, of one pack with samples of lengths seq_lens.
+
+    Per sample of length L and per layer: QK^T and PV are 2 * 2*L^2*heads*head_dim FLOPs for full attention,
+    half of it causal, and backward is twice forward: 3 * 2*L^2*heads*head_dim = 6*heads*head_dim*L^2, i.e.
+    12*layers*hidden*L^2/2 when heads*head_dim == hidden. Sums L^2 over samples, never T^2: samples of a pack do
+    not attend to each other.
+    """
+    _, heads, _, head_dim = _shape(model_config)
+    sum_sq = float(sum(int(length) ** 2 for length in seq_lens))
+    return 6.0 * model_config.num_hidden_layers * heads * head_dim * sum_sq
+
+
+def pack_flops(model_config, seq_lens) -> float:
+    """Total training FLOPs of one pack: linear FLOPs for all its tokens plus its attention FLOPs."""
+    return flops_per_token(model_config) * float(sum(seq_lens)) + attention_flops(model_config, seq_lens)

@@ -1,0 +1,239 @@
+"""Packed attention: every backend equals per-sample causal attention, on raw tensors and inside a tiny Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hbp_train import attention
+from hbp_train.attention import (
+    available_backends,
+    cu_seqlens_from_position_ids,
+    get_backend,
+    hf_packed_attention,
+    packed_attention,
+    register_packed_attention,
+    select_backend,
+    set_backend,
+)
+
+LENGTHS = (5, 11, 8)
+CPU = torch.device("cpu")
+
+
+def _reference(q_THD, k_TKD, v_TKD, lengths, scale):
+    """Plain-math causal attention run separately on each sample, kv heads repeated for their query group."""
+    groups = q_THD.shape[1] // k_TKD.shape[1]
+    outs, start = [], 0
+    for length in lengths:
+        q = q_THD[start : start + length].transpose(0, 1)
+        k = k_TKD[start : start + length].repeat_interleave(groups, dim=1).transpose(0, 1)
+        v = v_TKD[start : start + length].repeat_interleave(groups, dim=1).transpose(0, 1)
+        scores = (q @ k.transpose(1, 2)) * scale
+        future = torch.ones(length, length, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        outs.append((probs @ v).transpose(0, 1))
+        start += length
+    return torch.cat(outs)
+
+
+def _cu(lengths, device=CPU):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _qkv(num_heads, num_kv_heads, dim=16, device=CPU, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(LENGTHS)
+    make = lambda heads: torch.randn(num_tokens, heads, dim, generator=gen).to(device, dtype)  # noqa: E731
+    return make(num_heads), make(num_kv_heads), make(num_kv_heads)
+
+
+@pytest.fixture(params=["mask", "loop"])
+def sdpa_path(request, monkeypatch):
+    """Run sdpa_block on both its exact paths: one block-diagonal mask, or one causal call per sample."""
+    if request.param == "loop":
+        monkeypatch.setattr(attention, "SDPA_MASK_MAX_ELEMENTS", 0)
+    return request.param
+
+
+# ------------------------------------------------------------------------------------------------ boundaries
+@pytest.mark.parametrize(
+    "position_ids, cu, max_len",
+    [
+        ([0, 1, 2, 0, 1, 0], [0, 3, 5, 6], 3),
+        ([[0, 1, 2, 3]], [0, 4], 4),
+        ([0, 0, 0], [0, 1, 2, 3], 1),  # e.g. SP padding tokens, one per "sample"
+        ([3, 4, 5, 0, 1], [0, 3, 5], 3),  # a pack may start mid-sample (its first token still starts a sample)
+        ([0, 1, 7, 8, 9], [0, 2, 5], 3),  # a jump that is not a reset to 0 also starts a sample
+    ],
+)
+def test_cu_seqlens_from_position_ids(position_ids, cu, max_len):
+    got_cu, got_max = cu_seqlens_from_position_ids(torch.tensor(position_ids))
+    assert got_cu.dtype == torch.int32
+    assert got_cu.tolist() == cu
+    assert got_max == max_len
+
+
+def test_cu_seqlens_rejects_batched_position_ids():
+    with pytest.raises(ValueError, match="batch size 1"):
+        cu_seqlens_from_position_ids(torch.zeros(2, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------ selection
+def test_cpu_backends_and_auto():
+    assert available_backends(CPU) == ["sdpa_block"]
+    assert select_backend("auto", CPU) == "sdpa_block"
+    assert select_backend("sdpa_block", CPU) == "sdpa_block"
+
+
+@pytest.mark.parametrize("name, why", [("flex", "not available on cpu"), ("flash", "unknown")])
+def test_select_backend_errors_name_the_backend_and_the_choices(name, why):
+    with pytest.raises(ValueError) as err:
+        select_backend(name, CPU)
+    assert repr(name) in str(err.value) and why in str(err.value) and "sdpa_block" in str(err.value)
+
+
+def test_gpu_preference_order_and_fp32_leaves_out_flash_kernels(monkeypatch):
+    """Availability on a CUDA device is decided without touching the GPU, so it is checked here too."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    assert available_backends(cuda) == ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
+    assert available_backends(cuda, torch.bfloat16) == ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
+    assert available_backends(cuda, torch.float32) == ["flex", "sdpa_block"]
+    assert select_backend("auto", cuda, torch.float32) == "flex"
+    with pytest.raises(ValueError, match="'torch_varlen' is not available on cuda with torch.float32"):
+        select_backend("torch_varlen", cuda, torch.float32)
+
+
+def test_set_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'nope'"):
+        set_backend("nope")
+
+
+# ------------------------------------------------------------------------------------------- raw attention
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_sdpa_block_matches_per_sample_reference_with_grads(sdpa_path, num_heads, num_kv_heads):
+    q, k, v = (x.requires_grad_() for x in _qkv(num_heads, num_kv_heads))
+    scale = 0.3
+    out = packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "sdpa_block", scale=scale)
+    ref = _reference(q, k, v, LENGTHS, scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_mask_matches_reference_on_cpu_forward():
+    """FlexAttention has no CPU backward; its eager forward still checks the document BlockMask here."""
+    q, k, v = _qkv(4, 2)
+    out = packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "flex")
+    torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 16**-0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_only_backends_refuse_cpu_tensors():
+    q, k, v = _qkv(4, 2)
+    with pytest.raises(ValueError, match="needs a CUDA tensor"):
+        packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "torch_varlen")
+
+
+# ---------------------------------------------------------------------------------------------- tiny Llama
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=4096, use_cache=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _packed_vs_per_sample(model, backend, device, boundaries_from, monkeypatch=None):
+    gen = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 4096, (n,), generator=gen).to(device) for n in LENGTHS]
+    input_ids = torch.cat(samples)[None]
+    position_ids = torch.cat([torch.arange(n, device=device) for n in LENGTHS])[None]
+    kwargs = {}
+    if boundaries_from == "cu_seq_lens":
+        # the boundaries must come from cu_seq_lens_q alone: deriving them from position_ids now fails
+        monkeypatch.setattr(attention, "cu_seqlens_from_position_ids", _fail)
+        kwargs = {"cu_seq_lens_q": _cu(LENGTHS, device), "max_length_q": max(LENGTHS)}
+    chosen = register_packed_attention(model, backend, device=device)
+    assert chosen == get_backend() == (select_backend(backend, device))
+    assert model.config._attn_implementation == "hbp_packed"
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids, **kwargs).logits[0]
+        model.set_attn_implementation("sdpa")
+        per_sample = torch.cat([model(input_ids=s[None]).logits[0] for s in samples])
+    return packed, per_sample
+
+
+def _fail(*args):
+    raise AssertionError("boundaries were derived from position_ids")
+
+
+@pytest.mark.parametrize("boundaries_from", ["position_ids", "cu_seq_lens"])
+def test_tiny_llama_packed_logits_equal_per_sample_logits(sdpa_path, boundaries_from, monkeypatch):
+    packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "sdpa_block", CPU, boundaries_from, monkeypatch)
+    torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_tiny_llama_flex_forward_on_cpu(monkeypatch):
+    monkeypatch.setattr(attention, "available_backends", lambda device, dtype=None: ["flex", "sdpa_block"])
+    packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "flex", CPU, "position_ids")
+    torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_packed_attention_rejects_batches_missing_boundaries_and_short_windows():
+    q = torch.zeros(2, 4, 6, 8)
+    with pytest.raises(ValueError, match="batch size 1"):
+        hf_packed_attention(None, q, q, q, None, position_ids=torch.zeros(2, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match="position_ids"):
+        hf_packed_attention(None, q[:1], q[:1], q[:1], None)
+    position_ids = torch.arange(6)[None]
+    with pytest.raises(ValueError, match="sliding_window=4"):
+        hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=4)
+    out, _ = hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=6)
+    assert out.shape == (1, 6, 4, 8)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+GPU_BACKENDS = ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
+
+
+def _skip_unless_on_gpu(backend):
+    if backend not in available_backends(torch.device("cuda")):
+        pytest.skip(f"{backend} is not available on this GPU machine")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2)])
+def test_gpu_backend_matches_reference_with_grads(backend, num_heads, num_kv_heads):
+    _skip_unless_on_gpu(backend)
+    cuda = torch.device("cuda")
+    q, k, v = (x.requires_grad_() for x in _qkv(num_heads, num_kv_heads, dim=64, device=cuda, dtype=torch.bfloat16))
+    out = packed_attention(q, k, v, _cu(LENGTHS, cuda), max(LENGTHS), backend)
+    q32, k32, v32 = (x.detach().float().cpu().requires_grad_() for x in (q, k, v))
+    ref = _reference(q32, k32, v32, LENGTHS, 64**-0.5)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(cuda, torch.bfloat16))
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad_out)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.float().cpu(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_tiny_llama_packed_logits_equal_per_sample_logits(backend):
+    _skip_unless_on_gpu(backend)
+    cuda = torch.device("cuda")
+    model = _tiny_llama().to(cuda, torch.bfloat16)
+    packed, per_sample = _packed_vs_per_sample(model, backend, cuda, "position_ids")
+    torch.testing.assert_close(packed.float(), per_sample.float(), atol=5e-2, rtol=5e-2)

@@ -1,0 +1,195 @@
+"""Chunked LM-head loss equals full-logits cross-entropy without T x V memory; normalizers match their formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hbp_train.loss import NORMALIZERS, LossConfig, chunked_token_losses, normalize_loss
+
+
+def _problem(num_tokens=37, hidden=16, vocab=50, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    hidden_TH = torch.randn(num_tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    weight_VH = (torch.randn(vocab, hidden, generator=gen) * 0.3).to(dtype).requires_grad_()
+    bias_V = torch.randn(vocab, generator=gen).to(dtype).requires_grad_()
+    labels_T = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    labels_T[torch.rand(num_tokens, generator=gen) < 0.3] = -100
+    labels_T[-1] = -100
+    return hidden_TH, weight_VH, bias_V, labels_T
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 37, 4096])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_losses_and_grads_equal_full_cross_entropy(chunk_size, with_bias):
+    hidden_TH, weight_VH, bias_V, labels_T = _problem()
+    bias = bias_V if with_bias else None
+    loss_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk_size=chunk_size, lm_head_bias=bias)
+    ref_T = F.cross_entropy(F.linear(hidden_TH, weight_VH, bias), labels_T, reduction="none")
+    torch.testing.assert_close(loss_T, ref_T, atol=1e-5, rtol=1e-5)
+    assert (loss_T[labels_T == -100] == 0).all()
+    # a non-uniform upstream gradient, as normalize_loss produces for sample_mean
+    weights_T = torch.linspace(0.5, 2.0, labels_T.numel())
+    inputs = (hidden_TH, weight_VH, bias_V) if with_bias else (hidden_TH, weight_VH)
+    grads = torch.autograd.grad((loss_T * weights_T).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref_T * weights_T).sum(), inputs)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_losses_accept_batched_shapes_and_all_ignored_labels():
+    hidden_TH, weight_VH, _, labels_T = _problem()
+    loss_T = chunked_token_losses(hidden_TH[None], weight_VH, labels_T[None], chunk_size=8)
+    assert loss_T.shape == labels_T.shape
+    ignored_T = torch.full_like(labels_T, -100)
+    loss_T = chunked_token_losses(hidden_TH, weight_VH, ignored_T, chunk_size=8)
+    assert (loss_T == 0).all()
+    grad_hidden, grad_weight = torch.autograd.grad(loss_T.sum(), (hidden_TH, weight_VH))
+    assert (grad_hidden == 0).all() and (grad_weight == 0).all()
+
+
+def test_chunked_losses_bf16_close_to_hf_style_upcast_loss():
+    hidden_TH, weight_VH, _, labels_T = _problem(dtype=torch.bfloat16)
+    loss_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk_size=8)
+    assert loss_T.dtype == torch.float32
+    ref_T = F.cross_entropy((hidden_TH @ weight_VH.t()).float(), labels_T, reduction="none")
+    torch.testing.assert_close(loss_T, ref_T, atol=1e-4, rtol=1e-4)
+    grad, = torch.autograd.grad(loss_T.sum(), hidden_TH)
+    ref_grad, = torch.autograd.grad(ref_T.sum(), hidden_TH)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=2e-2, rtol=2e-2)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op produces (forward and backward run under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.max_numel = max(self.max_numel, tensor.numel())
+        return out
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 4096])
+def test_no_tensor_grows_with_tokens_times_vocab(num_tokens):
+    vocab, hidden, chunk = 1000, 8, 128
+    hidden_TH, weight_VH, _, labels_T = _problem(num_tokens=num_tokens, hidden=hidden, vocab=vocab)
+    with _LargestTensor() as mode:
+        loss_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk_size=chunk)
+        loss_T.sum().backward()
+    # the biggest tensors are one chunk of logits, the weight (and its grad), or the hidden states: never T x V
+    assert mode.max_numel == max(chunk * vocab, vocab * hidden, num_tokens * hidden)
+    assert mode.max_numel <= num_tokens * vocab / 8
+
+
+# ------------------------------------------------------------------------------------------------ normalizers
+def _step(seed=0, dp_world_size=2, num_micro_batches=3):
+    """One optimizer step: per rank, per micro-batch (loss_T leaf, shift_labels_T, sample_ids_T)."""
+    gen = torch.Generator().manual_seed(seed)
+    step = []
+    for _ in range(dp_world_size):
+        micro_batches = []
+        for _ in range(num_micro_batches):
+            lengths = torch.randint(2, 9, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
+            sample_ids_T = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+            labels_T = torch.randint(0, 100, (sum(lengths),), generator=gen)
+            labels_T[torch.rand(sum(lengths), generator=gen) < 0.3] = -100
+            ends = torch.tensor(lengths).cumsum(0) - 1
+            labels_T[ends] = -100  # a sample's last token predicts nothing
+            labels_T[ends - 1] = 7  # ... and each sample keeps at least one loss token
+            loss_T = (torch.rand(sum(lengths), generator=gen) * 5).requires_grad_()
+            micro_batches.append((loss_T, labels_T, sample_ids_T))
+        step.append(micro_batches)
+    return step
+
+
+def _direct_objective(step, mode):
+    """The normalizer's definition, computed straight from the token losses of the whole step."""
+    valid = lambda labels: labels != -100  # noqa: E731
+    if mode == "sum":
+        return sum(loss[valid(lab)].sum() for rank in step for loss, lab, _ in rank)
+    if mode == "ave_token":
+        total = sum(loss[valid(lab)].sum() for rank in step for loss, lab, _ in rank)
+        return total / sum(int(valid(lab).sum()) for rank in step for _, lab, _ in rank)
+    if mode == "token_mean":
+        per_rank = [
+            sum(loss[valid(lab)].sum() for loss, lab, _ in rank) / sum(int(valid(lab).sum()) for _, lab, _ in rank)
+            for rank in step
+        ]
+        return sum(per_rank) / len(step)
+    sample_means = [
+        loss[(ids == s) & valid(lab)].mean()
+        for rank in step for loss, lab, ids in rank for s in ids.unique().tolist()
+    ]
+    return sum(sample_means) / len(sample_means)
+
+
+def _engine_objective(step, mode):
+    """What DeepSpeed's gradient corresponds to: mean over ranks and micro-batches of the returned scalars."""
+    dp_world_size, num_micro_batches = len(step), len(step[0])
+    global_loss_tokens = sum(int((lab != -100).sum()) for rank in step for _, lab, _ in rank)
+    global_num_samples = sum(int(ids.unique().numel()) for rank in step for _, _, ids in rank)
+    total = 0.0
+    for rank in step:
+        rank_loss_tokens = sum(int((lab != -100).sum()) for _, lab, _ in rank)
+        for loss_T, labels_T, sample_ids_T in rank:
+            total = total + normalize_loss(
+                loss_T, labels_T, sample_ids_T, mode,
+                global_loss_tokens=global_loss_tokens, rank_loss_tokens=rank_loss_tokens,
+                global_num_samples=global_num_samples, dp_world_size=dp_world_size,
+                num_micro_batches=num_micro_batches,
+            )
+    return total / (dp_world_size * num_micro_batches)
+
+
+@pytest.mark.parametrize("mode", NORMALIZERS)
+def test_normalizer_gradient_after_engine_averaging_equals_definition(mode):
+    step = _step()
+    leaves = [loss for rank in step for loss, _, _ in rank]
+    engine, direct = _engine_objective(step, mode), _direct_objective(step, mode)
+    torch.testing.assert_close(engine, direct)
+    for got, want in zip(torch.autograd.grad(engine, leaves), torch.autograd.grad(direct, leaves)):
+        torch.testing.assert_close(got, want)
+
+
+def test_sample_mean_with_sample_token_counts_splits_like_sequence_parallel():
+    """Two SP slices of one pack, given whole-sample counts, add up to the unsplit micro-batch's loss."""
+    (loss_T, labels_T, sample_ids_T), = _step(seed=3, dp_world_size=1, num_micro_batches=1)[0]
+    whole = normalize_loss(loss_T, labels_T, sample_ids_T, "sample_mean", global_num_samples=5)
+    counts_T = torch.stack([((sample_ids_T == s) & (labels_T != -100)).sum() for s in sample_ids_T.tolist()])
+    cut = labels_T.numel() // 2
+    halves = [
+        normalize_loss(loss_T[part], labels_T[part], sample_ids_T[part], "sample_mean", global_num_samples=5,
+                       sample_loss_tokens_T=counts_T[part])
+        for part in (slice(0, cut), slice(cut, None))
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], whole)
+
+
+@pytest.mark.parametrize(
+    "mode, kwargs, match",
+    [
+        ("mean", {}, "'mean'"),
+        ("ave_token", {}, "global_loss_tokens"),
+        ("token_mean", {"rank_loss_tokens": 0}, "rank_loss_tokens"),
+        ("sample_mean", {}, "global_num_samples"),
+    ],
+)
+def test_normalize_loss_errors(mode, kwargs, match):
+    loss_T = torch.ones(3)
+    with pytest.raises(ValueError, match=match):
+        normalize_loss(loss_T, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), mode, **kwargs)
+
+
+def test_loss_config_validation():
+    assert LossConfig().normalizer == "ave_token" and LossConfig().chunk_size == 4096
+    with pytest.raises(ValueError, match="loss.normalizer"):
+        LossConfig(normalizer="mean")
+    with pytest.raises(ValueError, match="loss.chunk_size"):
+        LossConfig(chunk_size=0)

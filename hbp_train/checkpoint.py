@@ -1,0 +1,165 @@
+"""Checkpoints: periodic and on SIGTERM/SIGINT saves, and resuming at the exact plan step with the same RNG state.
+
+Layout under ``CKPT_ROOT`` (= RUN_DIR/checkpoints):
+
+    latest                      DeepSpeed's pointer to the newest tag
+    step_00000012/              one DeepSpeed tag: model/optimizer shards of every rank, plus
+        rng_rank<r>.pt          each rank's python/numpy/torch(/cuda) RNG state (client_state is written by rank 0 only)
+        config.yaml             the resolved run config
+        hf/                     the model's HF config and the tokenizer (what export needs besides the weights)
+
+``client_state`` holds ``next_step`` (the global step to run next) and the config. Resuming loads the DeepSpeed
+state (weights, optimizer, LR schedule), restores every rank's RNG state and continues at ``next_step``, so a
+resumed run reproduces the uninterrupted run's loss trace.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TAG_RE = re.compile(r"^step_(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    """The tag of a checkpoint taken after ``step`` steps have run."""
+    return f"step_{step:08d}"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
+         keep_last: int = 0) -> str:
+    """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory."""
+    tag = tag_for(next_step)
+    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml})
+    tag_dir = os.path.join(ckpt_root, tag)
+    torch.save(rng_state(), os.path.join(tag_dir, f"rng_rank{_rank()}.pt"))
+    if _rank() == 0:
+        with open(os.path.join(tag_dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        hf_dir = os.path.join(tag_dir, "hf")
+        os.makedirs(hf_dir, exist_ok=True)
+        if hf_model is not None:
+            hf_model.config.save_pretrained(hf_dir)
+            if getattr(hf_model, "generation_config", None) is not None:
+                hf_model.generation_config.save_pretrained(hf_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(hf_dir)
+        if keep_last > 0:
+            prune(ckpt_root, keep_last)
+    _barrier()
+    return tag_dir
+
+
+def list_tags(ckpt_root: str) -> list:
+    """Checkpoint tags under ckpt_root, oldest first."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    tags = [d for d in os.listdir(ckpt_root) if TAG_RE.match(d) and os.path.isdir(os.path.join(ckpt_root, d))]
+    return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
+
+
+def prune(ckpt_root: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints."""
+    for tag in list_tags(ckpt_root)[:-keep_last]:
+        shutil.rmtree(os.path.join(ckpt_root, tag), ignore_errors=True)
+
+
+def resolve(path: str) -> tuple:
+    """(ckpt_root, tag) of a checkpoint given as a tag directory or as a root holding ``latest``."""
+    path = os.path.abspath(path)
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return path, f.read().strip()
+    if os.path.isdir(path) and TAG_RE.match(os.path.basename(path)):
+        return os.path.dirname(path), os.path.basename(path)
+    tags = list_tags(path)
+    if tags:
+        return path, tags[-1]
+    raise ValueError(f"{path}: not a checkpoint (expected a step_<n> directory or a directory with 'latest')")
+
+
+def find_resume(resume: Optional[str], ckpt_root: str) -> Optional[tuple]:
+    """Where ``train.resume`` points: None (start fresh), 'auto' (the newest checkpoint in ckpt_root, if any)
+    or a path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        if not os.path.isfile(os.path.join(ckpt_root, "latest")) and not list_tags(ckpt_root):
+            return None
+        return resolve(ckpt_root)
+    return resolve(resume)
+
+
+def load(engine, ckpt_root: str, tag: str) -> int:
+    """Load a checkpoint into the engine and restore this rank's RNG state; returns the step to run next."""
+    load_path, client_state = engine.load_checkpoint(ckpt_root, tag=tag, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=True)
+    if load_path is None:
+        raise ValueError(f"{os.path.join(ckpt_root, tag)}: DeepSpeed could not load this checkpoint")
+    rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
+    if os.path.isfile(rng_path):
+        set_rng_state(torch.load(rng_path, weights_only=False))
+    return int(client_state["next_step"])
+
+
+class StopSignal:
+    """Turns SIGTERM/SIGINT into a flag the training loop checks after each step (finish the step, save, exit 0).
+
+    A second SIGINT while the flag is set interrupts immediately (the user insists).
+    """
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._previous = {}
+
+    def install(self) -> "StopSignal":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,174 @@
+"""The run config: composes each module's dataclass, registers the schema with Hydra, converts at the boundary.
+
+Each part lives next to its code (model.ModelConfig, data.DataConfig, loss.LossConfig, trainer.TrainConfig and
+trainer.DeepSpeedConfig, metrics.LoggingConfig); this file only puts them together as ``HBPConfig``, stores it in
+Hydra's ConfigStore as ``hbp_schema`` (the first entry of conf/config.yaml's defaults, so every YAML value is
+type-checked against it), and turns the composed DictConfig into dataclasses with ``OmegaConf.to_object`` — after
+that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
+
+``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value) and
+prints the resolved YAML.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hbp_train.data import DataConfig
+from hbp_train.loss import LossConfig
+from hbp_train.metrics import LoggingConfig
+from hbp_train.model import ModelConfig
+from hbp_train.profile import ProfileConfig
+from hbp_train.trainer import DeepSpeedConfig, TrainConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class HBPConfig:
+    """A whole training run (conf/config.yaml composes it from the conf/ groups)."""
+
+    model: ModelConfig = MISSING
+    """The model to train (conf/model/)."""
+    data: DataConfig = MISSING
+    """The packed shards to train on (conf/data/)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO stage and offloading (conf/deepspeed/: zero2, zero3, offload)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer, schedule, checkpoints, resume (conf/train/)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Loss normalizer and LM-head chunking (conf/loss/)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics outputs and MFU peak (conf/logging/)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Auto group selection profiler (python -m hbp_train.profile; profile.* overrides; unused by training)."""
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: one line naming the field."""
+
+
+def register() -> None:
+    """Store the schema in Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name="hbp_schema", node=HBPConfig)
+
+
+register()
+
+
+def to_dataclass(cfg) -> HBPConfig:
+    """Turn the composed DictConfig into an HBPConfig (runs every __post_init__); raises ConfigError."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if type(e).__name__ == "MissingMandatoryValue" and key:
+        return f"{key}: required but not set (add {key}=... to the command line or the experiment preset)"
+    return f"{key}: {first}" if key and key not in first else first
+
+
+def compose(overrides: list | None = None) -> object:
+    """Compose conf/config.yaml with Hydra overrides into a DictConfig (no run dir, no logging set-up)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))
+
+
+def load(overrides: list | None = None) -> HBPConfig:
+    """Compose and convert; every failure is a ConfigError with one line naming the field or override."""
+    try:
+        cfg = compose(overrides)
+    except Exception as e:  # Hydra's override/compose errors: unknown group option, bad type, missing key
+        raise ConfigError(_hydra_error_line(e)) from None
+    return to_dataclass(cfg)
+
+
+def _hydra_error_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
+    if cause is not None:
+        return _one_line(cause) + (f" ({lines[0]})" if lines else "")
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type", "reference_type")))
+    text = text.split(" Config search path:")[0]
+    return f"{key}: {text}" if key else text
+
+
+def resolved_yaml(cfg: HBPConfig) -> str:
+    """The resolved config as YAML (saved into the run dir and every checkpoint)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def user_overrides(argv: list) -> list:
+    """The Hydra overrides of a command line (no flags such as --cfg or -m; no hydra.* settings)."""
+    return [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]
+
+
+def field_docs(cls) -> dict:
+    """{field: docstring} of a config dataclass, read from the string literal under each field in its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def help_text(prog: str = "python -m hbp_train.train") -> str:
+    """Usage, the conf/ groups and their options, and every field with its default and docstring."""
+    defaults = OmegaConf.to_container(compose(), resolve=False)
+    lines = [f"usage: {prog} [experiment=NAME] [GROUP=OPTION ...] [SECTION.FIELD=VALUE ...]", "",
+             "Fine-tune a causal LM on packed shards (data_tools.pack --shards) with DeepSpeed. Launch with torchrun",
+             "or ./launch.sh train (NPROC processes); a bad value exits 2 with one line naming the field.",
+             "Hydra flags work too: --cfg job (print the composed config), --hydra-help.", "", "config groups:"]
+    for group in sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()):
+        options = sorted(f.stem for f in (CONF_DIR / group).glob("*.yaml"))
+        lines.append(f"  {group:<11} {', '.join(options)}")
+    for section in fields(HBPConfig):
+        cls = section.type if isinstance(section.type, type) else globals()[section.type]
+        lines += ["", f"{section.name}: {' '.join((cls.__doc__ or '').split())}"]
+        for name, doc in field_docs(cls).items():
+            default = defaults.get(section.name, {}).get(name)
+            lines.append(f"  {section.name}.{name} = {default!r}\n      {doc}")
+    return "\n".join(lines)
+
+
+def main(argv: list | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m hbp_train.config [OVERRIDES...]\n\nCompose conf/config.yaml with Hydra overrides "
+              "(e.g. experiment=cpu_demo train.lr=1e-4), check every value, print the resolved YAML.\n"
+              "Exit 2 with one line naming the field on a bad value.")
+        return 0
+    try:
+        cfg = load(user_overrides(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(resolved_yaml(cfg), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

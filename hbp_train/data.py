@@ -1,0 +1,233 @@
+"""Packed-shard loader and collate: this rank's micro-batches for plan step ``s``.
+
+Reads ``OUT/plan.json`` and the memory-mapped ``OUT/group_<g>/`` datasets written by ``data_tools.pack --shards``
+(formats: docs/architecture.md). For step ``s`` in group ``g`` (SP degree ``sp``), this rank serves replica
+``r = rank // sp`` and gets that replica's packs, one micro-batch each. The step's global loss-token and sample
+counts come from the plan and the shard metadata, so every rank knows them without a collective.
+
+Legend: T = tokens in a pack, n = samples in a pack, m = micro-batches (packs) per replica in a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DataConfig:
+    """Where the packed shards are and how they are read."""
+
+    shards: str = "???"
+    """Packed-shard directory written by ``data_tools.pack --shards OUT`` (holds plan.json and group_<g>/)."""
+    epochs: int = 1
+    """How many times the plan's steps are run. The plan is one pass over the data; epoch e replays it."""
+    check_counts: bool = True
+    """Check each pack's stored num_loss_tokens against its labels when it is loaded (cheap; catches stale shards)."""
+
+    def __post_init__(self):
+        if not isinstance(self.shards, str) or not self.shards or self.shards == "???":
+            raise ValueError("data.shards: set it to a packed-shard directory (data_tools.pack --shards OUT)")
+        if self.epochs < 1:
+            raise ValueError(f"data.epochs={self.epochs}: must be >= 1")
+
+
+# A micro-batch is a plain dict (what the model, the SP split and the loss read), for one pack on one rank:
+#   input_ids, position_ids, shift_labels [1, T] int64   (position_ids restart at 0 per sample; shift_labels are the
+#                                                          labels shifted inside each sample, -100 on its last token)
+#   sample_ids [1, T] int64            which sample of the pack each token belongs to (0..n-1)
+#   sample_loss_tokens [1, T] int64    per token: the loss tokens of its whole sample (for sample_mean; stays right
+#                                      after the SP split, where a rank only sees a slice of the sample)
+#   cu_seqlens [n+1] int32, max_seqlen int, seq_lens list[int]   sample boundaries / lengths (attention FLOPs)
+#   num_loss_tokens int, num_samples int   (num_samples 0 marks the empty dummy pack)
+# Per-token tensors are [1, T] so that ulysses.split_for_sp slices all of them the same way.
+
+
+@dataclass
+class StepBatch:
+    """Everything one rank needs for one optimizer step."""
+
+    step: int
+    """Global step index (epoch * plan steps + plan step)."""
+    plan_step: int
+    """Index into plan['steps']."""
+    group: int
+    sp: int
+    replica: int
+    micro_batches: list
+    """This replica's packs, in order; ``len`` = m, which varies by step."""
+    rank_loss_tokens: int
+    """Loss tokens of this replica over all its micro-batches."""
+    rank_num_samples: int
+    global_loss_tokens: int
+    """Loss tokens of the whole step, all replicas (from shard metadata: no collective)."""
+    global_num_samples: int
+    dp_size: int
+    """Replicas in this step (= world_size // sp)."""
+    ckpt_layers: Optional[int]
+    """Checkpointed layers for this step's group, from the plan (None: the trainer's default)."""
+    plan_metrics: dict = field(default_factory=dict)
+    """The plan's ABR/DBR/tokens for this step."""
+
+
+def collate_pack(row: dict, check_counts: bool = True, where: str = "") -> dict:
+    """Turn one packed-shard row into a micro-batch: shift labels inside each sample, derive sample ids."""
+    input_ids = np.asarray(row["input_ids"], dtype=np.int64)
+    labels = np.asarray(row["labels"], dtype=np.int64)
+    position_ids = np.asarray(row["position_ids"], dtype=np.int64)
+    cu = np.asarray(row["cu_seqlens"], dtype=np.int64)
+    num_tokens = len(input_ids)
+    if cu[0] != 0 or cu[-1] != num_tokens or len(labels) != num_tokens or len(position_ids) != num_tokens:
+        raise ValueError(f"{where}: cu_seqlens/labels/position_ids do not match input_ids ({num_tokens} tokens)")
+    seq_lens = np.diff(cu)
+    num_samples = len(seq_lens)
+    shift_labels = np.full(num_tokens, IGNORE_INDEX, dtype=np.int64)
+    shift_labels[:-1] = labels[1:]
+    # The last token of each sample would otherwise predict the first token of the next one.
+    shift_labels[cu[1:] - 1] = IGNORE_INDEX
+    sample_ids = np.repeat(np.arange(num_samples, dtype=np.int64), seq_lens)
+    per_sample = np.bincount(sample_ids[shift_labels != IGNORE_INDEX], minlength=num_samples)
+    num_loss_tokens = int(per_sample.sum())
+    if check_counts and "num_loss_tokens" in row and int(row["num_loss_tokens"]) != num_loss_tokens:
+        raise ValueError(
+            f"{where}: num_loss_tokens={int(row['num_loss_tokens'])} but the labels give {num_loss_tokens}: "
+            "the shards are stale or corrupt, re-run data_tools.pack --shards"
+        )
+    return {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "position_ids": torch.from_numpy(position_ids)[None],
+        "shift_labels": torch.from_numpy(shift_labels)[None],
+        "sample_ids": torch.from_numpy(sample_ids)[None],
+        "sample_loss_tokens": torch.from_numpy(per_sample[sample_ids].astype(np.int64))[None],
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "max_seqlen": int(seq_lens.max()),
+        "seq_lens": [int(x) for x in seq_lens],
+        "num_loss_tokens": num_loss_tokens,
+        "num_samples": num_samples,
+    }
+
+
+def empty_micro_batch(pad_token_id: int = 0) -> dict:
+    """A one-token dummy pack with no loss token: keeps every rank's forward/backward count equal (ZeRO hooks and
+    collectives must match) when a replica has fewer real packs than the others."""
+    batch = collate_pack(
+        {"input_ids": [pad_token_id], "labels": [IGNORE_INDEX], "position_ids": [0], "cu_seqlens": [0, 1]},
+        check_counts=False,
+    )
+    batch["num_samples"] = 0
+    return batch
+
+
+def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
+    """Split a micro-batch along T into ``sp`` slices for Ulysses sequence parallelism; identity for sp=1.
+
+    The single place where a batch is sharded for SP (the Ulysses work replaces the sp>1 branch).
+    """
+    if sp == 1:
+        return batch
+    raise NotImplementedError("Ulysses: see hbp_train/ulysses.py")
+
+
+def _is_empty_row(row) -> bool:
+    return row is None or (isinstance(row, (int, np.integer)) and row < 0)
+
+
+class PackedData:
+    """The packed shards of one plan: plan.json plus one memory-mapped HF dataset per group."""
+
+    def __init__(self, path: str, check_counts: bool = True):
+        plan_path = os.path.join(path, "plan.json")
+        if not os.path.isfile(plan_path):
+            raise ValueError(f"data.shards={path}: no plan.json there (write it with data_tools.pack --shards {path})")
+        with open(plan_path) as f:
+            self.plan = json.load(f)
+        self.path = path
+        self.check_counts = check_counts
+        self.groups = self.plan["groups"]
+        self.steps = self.plan["steps"]
+        if not self.steps:
+            raise ValueError(f"{plan_path}: the plan has no steps")
+        for s, step in enumerate(self.steps):
+            if "rows" not in step:
+                raise ValueError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
+                                 f"(run data_tools.pack --shards {path})")
+        self._datasets = {}
+        self._loss_tokens = {}
+        self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.plan["world_size"])
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def sp_degrees(self) -> list:
+        return sorted({int(g.get("sp", 1)) for g in self.groups})
+
+    def dataset(self, group: int):
+        """The group's packed dataset, opened (memory-mapped) on first use."""
+        if group not in self._datasets:
+            from datasets import load_from_disk
+
+            gdir = os.path.join(self.path, f"group_{group}")
+            if not os.path.isdir(gdir):
+                raise ValueError(f"{self.path}: missing {gdir} for group {group} of plan.json")
+            ds = load_from_disk(gdir).with_format("numpy")
+            self._datasets[group] = ds
+            self._loss_tokens[group] = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
+        return self._datasets[group]
+
+    def pack_loss_tokens(self, group: int, row) -> int:
+        if _is_empty_row(row):
+            return 0
+        self.dataset(group)
+        return int(self._loss_tokens[group][row])
+
+    def step_batch(self, step: int, rank: int, pad_token_id: int = 0) -> StepBatch:
+        """This rank's micro-batches for global step ``step`` and the step's global counts."""
+        plan_step = step % self.num_steps
+        entry = self.steps[plan_step]
+        group = int(entry["group"])
+        sp = int(self.groups[group].get("sp", 1))
+        replica = rank // sp
+        rows = entry["rows"]
+        packs = entry["replicas"]
+        dp_size = len(rows)
+        if dp_size != self.world_size // sp:
+            raise ValueError(f"{self.path}/plan.json: step {plan_step} has {dp_size} replicas, expected "
+                             f"world_size/sp = {self.world_size}//{sp}")
+        # m is the same for all replicas (the plan pads with empty packs); be robust to ragged lists anyway.
+        num_micro = max(len(r) for r in rows)
+        global_loss_tokens = sum(self.pack_loss_tokens(group, row) for r in rows for row in r)
+        global_num_samples = sum(len(p) for r in packs for p in r)
+        ds = self.dataset(group)
+        micro_batches = []
+        for k in range(num_micro):
+            row = rows[replica][k] if k < len(rows[replica]) else None
+            # Empty packs ([] in the plan, a zero-token row in the shards) become a dummy micro-batch.
+            if _is_empty_row(row) or (k < len(packs[replica]) and len(packs[replica][k]) == 0):
+                micro_batches.append(empty_micro_batch(pad_token_id))
+                continue
+            record = ds[int(row)]
+            if len(record["input_ids"]) == 0:
+                micro_batches.append(empty_micro_batch(pad_token_id))
+            else:
+                where = f"{self.path}/group_{group} row {row}"
+                micro_batches.append(collate_pack(record, self.check_counts, where))
+        metrics = self.step_metrics[plan_step] if plan_step < len(self.step_metrics) else {}
+        return StepBatch(
+            step=step, plan_step=plan_step, group=group, sp=sp, replica=replica, micro_batches=micro_batches,
+            rank_loss_tokens=sum(mb["num_loss_tokens"] for mb in micro_batches),
+            rank_num_samples=sum(mb["num_samples"] for mb in micro_batches),
+            global_loss_tokens=global_loss_tokens, global_num_samples=global_num_samples, dp_size=dp_size,
+            ckpt_layers=self.groups[group].get("ckpt_layers"), plan_metrics=dict(metrics),
+        )

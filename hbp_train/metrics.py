@@ -1,0 +1,209 @@
+"""Live step metrics: one namespaced dict per step, one rank-0 line, a JSON-lines file, TensorBoard, a tqdm bar.
+
+Keys are namespaced (``loss/…``, ``optim/…``, ``perf/…``, ``balance/…``, ``memory/…``, ``plan/…``). The balance
+figures compare what the plan predicted (its step ABR/DBR) with what the ranks measured: every rank's compute time
+for the step is all-gathered (one small vector per rank, also carrying the flags the ranks must agree on) and the
+live imbalance is max/mean over ranks; ``balance/live_BR`` applies the plan's ABR formula (1 - mean/max) to the
+measured times so the two can be compared directly.
+
+MFU counts attention FLOPs per sample (sum of len^2 over the samples of a pack, not T^2): a packed pack of short
+samples does far less attention work than one long sample of the same T.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name(). Used when peak_flops is 0.
+KNOWN_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+@dataclass
+class LoggingConfig:
+    """What is reported each step and where."""
+
+    log_every: int = 1
+    """Print the rank-0 line every this many steps (the JSON-lines file and TensorBoard get every step)."""
+    jsonl: bool = True
+    """Write RUN_DIR/metrics.jsonl, one JSON object per step."""
+    tensorboard: bool = True
+    """Write TensorBoard events to RUN_DIR/tb."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0 (the per-step line is then written through tqdm.write)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU, e.g. 989e12 for an H100 in bf16. 0 = look the GPU up in
+    KNOWN_PEAK_FLOPS; on a CPU (or an unknown GPU) with 0, MFU is reported as n/a."""
+
+    def __post_init__(self):
+        if self.log_every < 1:
+            raise ValueError(f"logging.log_every={self.log_every}: must be >= 1")
+        if self.peak_flops < 0:
+            raise ValueError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
+
+
+def resolve_peak_flops(configured: float) -> Optional[float]:
+    """The peak FLOP/s used for MFU, or None when unknown (CPU without a configured figure)."""
+    if configured > 0:
+        return configured
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in KNOWN_PEAK_FLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def peak_memory_gib() -> float:
+    """Peak memory of this rank: CUDA max allocated on a GPU, else the process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def all_gather_floats(values: list, device: torch.device) -> torch.Tensor:
+    """[world_size, len(values)] float64 tensor of every rank's values (one collective)."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local[None].cpu()
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return torch.stack(out).cpu()
+
+
+class MetricsLogger:
+    """Builds the step's metric dict on rank 0 and fans it out (stdout line, JSON lines, TensorBoard, tqdm)."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: str, rank: int, total_steps: int, start_step: int = 0):
+        self.cfg = cfg
+        self.rank = rank
+        self.peak_flops = resolve_peak_flops(cfg.peak_flops)
+        self.jsonl = None
+        self.tb = None
+        self.bar = None
+        if rank != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if cfg.jsonl:
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        if cfg.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def step_metrics(self, *, step: int, total_steps: int, gathered: torch.Tensor, columns: list, lr: float,
+                     grad_norm: Optional[float], step_time: float, data_time: float, group: int, sp: int,
+                     num_micro_batches: int, plan_metrics: dict, skipped: bool, num_skipped: int) -> dict:
+        """The namespaced metric dict of one step from every rank's gathered values."""
+        col = {name: gathered[:, i] for i, name in enumerate(columns)}
+        compute = col["compute_time"]
+        loss_tokens = float(col["loss_tokens"].sum())
+        tokens = float(col["tokens"].sum())
+        flops = float(col["flops"].sum())
+        world = gathered.shape[0]
+        mean_compute = float(compute.mean())
+        metrics = {
+            "loss/train": float(col["loss_sum"].sum()) / max(loss_tokens, 1.0),
+            "loss/tokens": loss_tokens,
+            "optim/lr": lr,
+            "optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),
+            "optim/skipped": int(skipped),
+            "optim/skipped_total": num_skipped,
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+            "perf/tflops_per_device": flops / world / step_time / 1e12 if step_time > 0 else 0.0,
+            "perf/mfu": (flops / (world * self.peak_flops * step_time)) if self.peak_flops and step_time > 0
+            else None,
+            "perf/data_wait_pct": 100.0 * data_time / step_time if step_time > 0 else 0.0,
+            "balance/compute_time_max_s": float(compute.max()),
+            "balance/compute_time_mean_s": mean_compute,
+            "balance/imbalance": float(compute.max()) / mean_compute if mean_compute > 0 else 1.0,
+            # The plan's ABR/DBR formula, sum_r (max - v_r) / (max * N) = 1 - mean/max, on measured compute times.
+            "balance/live_BR": 1.0 - mean_compute / float(compute.max()) if float(compute.max()) > 0 else 0.0,
+            "balance/plan_ABR": plan_metrics.get("ABR"),
+            "balance/plan_DBR": plan_metrics.get("DBR"),
+            "memory/peak_gib": float(col["peak_mem_gib"].max()),
+            "plan/step": step,
+            "plan/total_steps": total_steps,
+            "plan/group": group,
+            "plan/sp": sp,
+            "plan/micro_batches": num_micro_batches,
+        }
+        return metrics
+
+    def log(self, metrics: dict) -> None:
+        """Write one step's metrics (rank 0 only)."""
+        if self.rank != 0:
+            return
+        step = metrics["plan/step"]
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"time": time.time(), **metrics}) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and value is not None and not key.startswith("plan/step"):
+                    self.tb.add_scalar(key, value, step)
+        line = format_line(metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {metrics['loss/train']:.4f}")
+        if step % self.cfg.log_every == 0 or step + 1 == metrics["plan/total_steps"]:
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        """A rank-0 message that does not break the progress bar."""
+        if self.rank != 0:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt(value, spec: str, missing: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return missing
+    return format(value, spec)
+
+
+def format_line(m: dict) -> str:
+    """The rank-0 line of one step."""
+    mfu = m["perf/mfu"]
+    return (
+        f"step {m['plan/step'] + 1}/{m['plan/total_steps']} | loss {m['loss/train']:.4f}"
+        f"{' (skipped)' if m['optim/skipped'] else ''} | lr {m['optim/lr']:.2e} | gnorm {_fmt(m['optim/grad_norm'], '.3f')}"
+        f" | {m['perf/tokens_per_s']:,.0f} tok/s | mfu {_fmt(None if mfu is None else 100 * mfu, '.1f')}%"
+        f" | imb {m['balance/imbalance']:.3f} (BR live {m['balance/live_BR']:.3f}, plan ABR {_fmt(m['balance/plan_ABR'], '.3f')}"
+        f" DBR {_fmt(m['balance/plan_DBR'], '.3f')}) | mem {m['memory/peak_gib']:.2f} GiB"
+        f" | group {m['plan/group']} sp {m['plan/sp']} m {m['plan/micro_batches']}"
+        f" | data {m['perf/data_wait_pct']:.1f}%"
+    )

@@ -1,0 +1,107 @@
+"""Hydra entry point for training: ``python -m hbp_train.train [experiment=NAME] [group=option] [key=value ...]``.
+
+Launch with torchrun (``./launch.sh train ...``), the deepspeed launcher (its ``--local_rank`` is stripped) or as a
+single process. The config is checked before anything is built: a bad value prints one line naming the field and
+exits with code 2. Then: init distributed, save the resolved config, ``trainer.train()``, tear down. SIGTERM/SIGINT
+finish the current step, save a checkpoint and exit 0. ``--help`` lists the config groups and every field with its
+default and meaning (``--cfg job`` prints the composed config, ``--hydra-help`` Hydra's own help).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+
+def _strip_local_rank(argv: list) -> list:
+    """Drop the deepspeed launcher's --local_rank[=N] (Hydra rejects it); keep its value in LOCAL_RANK."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            if "=" in arg:
+                os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+            elif i + 1 < len(argv):
+                os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+                skip = True
+            continue
+        out.append(arg)
+    return out
+
+
+def _fail(message: str, code: int):
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def run(cfg, config_yaml: str) -> dict:
+    """Everything after the config: distributed set-up, the training, the tear-down."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hbp_train import trainer
+    from hbp_train.parallel import init_distributed
+
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    init_distributed()
+    try:
+        if dist.get_rank() == 0:
+            os.makedirs(cfg.train.out_dir, exist_ok=True)
+            with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
+                f.write(config_yaml)
+        summary = trainer.train(cfg, config_yaml)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary
+
+
+def _task(dict_cfg) -> None:
+    from hbp_train.config import ConfigError, resolved_yaml, to_dataclass
+
+    try:
+        cfg = to_dataclass(dict_cfg)
+    except ConfigError as e:
+        _fail(f"config error: {e}", 2)
+    try:
+        summary = run(cfg, resolved_yaml(cfg))
+    except ValueError as e:  # user input found while building (plan/world-size mismatch, bad shards, ...)
+        if os.environ.get("HBP_DEBUG"):
+            raise
+        _fail(f"error: {str(e).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)", 2)
+    except FloatingPointError as e:  # train.on_nan=abort
+        _fail(f"error: {e}", 1)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[train] {summary['ended']}: steps {summary['start_step']}..{summary['end_step']}, "
+              f"{summary['skipped']} skipped; outputs in {cfg.train.out_dir}", flush=True)
+
+
+def main() -> None:
+    import hydra
+
+    from hbp_train.config import CONF_DIR, ConfigError, load, user_overrides
+
+    argv = _strip_local_rank(sys.argv[1:])
+    sys.argv = [sys.argv[0]] + argv
+    if any(a in ("-h", "--help") for a in argv):
+        from hbp_train.config import help_text
+
+        print(help_text())
+        sys.exit(0)
+    if not any(a.startswith("-") for a in argv):  # --help, --cfg, --info ... are Hydra's business
+        try:
+            load(user_overrides(argv))  # fail fast, one line, before any rank builds anything
+        except ConfigError as e:
+            _fail(f"config error: {e}", 2)
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,437 @@
+"""The training loop: ``train()`` builds everything and runs the plan's steps; ``train_step()`` runs one step.
+
+A plan step has m micro-batches (packs) per replica, and m changes from step to step. DeepSpeed fixes
+gradient_accumulation_steps at initialize, so we initialize it with 1 and drive the accumulation boundary
+ourselves: ``engine.set_gradient_accumulation_boundary(k == m - 1)`` before micro-batch k, one ``engine.step()``
+after the last one. With gradient_accumulation_steps=1, ``engine.backward`` does not divide the loss, and
+DeepSpeed only averages gradients over its data-parallel ranks; ``loss.normalize_loss`` is told exactly that
+(``num_micro_batches=1``, ``dp_world_size`` = the ranks DeepSpeed averages over), so every step's gradient is the
+one the normalizer's formula defines, whatever m (tests/test_trainer_dist.py proves it against a reference).
+
+Per step, in order: the group's activation-checkpointing depth, the SP degree (attention size switch), then per
+micro-batch the SP split of the collated pack, forward, loss normalization (the SP loss reduction hooks in there),
+backward; then the optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the
+stop and NaN flags every rank must agree on).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hbp_train import checkpoint as ckpt
+from hbp_train.data import PackedData, StepBatch, split_for_sp
+from hbp_train.loss import chunked_token_losses, normalize_loss
+from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
+
+ON_NAN = ("skip", "abort")
+
+
+@dataclass
+class TrainConfig:
+    """The optimization, the schedule and the run's bookkeeping."""
+
+    out_dir: str = "runs/hbp"
+    """Run directory: resolved config, metrics.jsonl, TensorBoard events, checkpoints/. Also Hydra's run dir."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps in total; None = every step of the plan, data.epochs times."""
+    lr: float = 2e-5
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 10
+    """Linear warm-up steps (starting at lr / warmup_steps); 0 = none."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    seed: int = 0
+    """Seed of python/numpy/torch RNGs on every rank (the model's initial weights use model.seed)."""
+    ckpt_layers: Optional[list] = None
+    """Activation-checkpointed layers per packing group, overriding the plan's groups[g].ckpt_layers: one value
+    per group, or a single value for all groups. None = the plan's value (0 where the plan has none)."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end and on SIGTERM/SIGINT)."""
+    save_final: bool = True
+    """Save a checkpoint when the run ends."""
+    keep_last: int = 2
+    """Keep only the newest this many checkpoints (0 = keep all)."""
+    resume: Optional[str] = None
+    """Resume from a checkpoint: 'auto' (the newest in out_dir/checkpoints, if any) or a checkpoint path."""
+    on_nan: str = "skip"
+    """A NaN/inf loss on any rank: 'skip' (drop the step's gradients, no optimizer step, counted in metrics) or
+    'abort' (save nothing, exit with an error)."""
+    exit_after_steps: Optional[int] = None
+    """Stop (with a checkpoint) after this many steps in this invocation, e.g. for time-limited job slots;
+    resume later with train.resume=auto."""
+
+    def __post_init__(self):
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps={self.max_steps}: must be >= 1 (or null for the whole plan)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"train.lr={self.lr}: must be a positive number")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay={self.weight_decay}: must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas={list(self.betas)}: must be two numbers in [0, 1)")
+        if self.eps <= 0:
+            raise ValueError(f"train.eps={self.eps}: must be > 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip={self.grad_clip}: must be >= 0 (0 = off)")
+        if self.ckpt_layers is not None and (not self.ckpt_layers or any(int(k) < 0 for k in self.ckpt_layers)):
+            raise ValueError(f"train.ckpt_layers={list(self.ckpt_layers)}: one value >= 0 per group, or null")
+        if self.save_every < 0 or self.keep_last < 0:
+            raise ValueError("train.save_every and train.keep_last must be >= 0")
+        if self.on_nan not in ON_NAN:
+            raise ValueError(f"train.on_nan={self.on_nan!r}: must be one of {', '.join(ON_NAN)}")
+        if self.exit_after_steps is not None and self.exit_after_steps < 1:
+            raise ValueError(f"train.exit_after_steps={self.exit_after_steps}: must be >= 1 (or null)")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How DeepSpeed shards and places the model state (precision follows model.dtype)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 2 (shard optimizer state and gradients) or 3 (also parameters)."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on the CPU (ZeRO-Offload); the optimizer step runs there (torch AdamW)."""
+    offload_param: bool = False
+    """Keep parameters on the CPU between uses (ZeRO-3 only)."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (GPU only; always off on the CPU)."""
+    reduce_bucket_size: int = 200_000_000
+    """Elements per gradient-reduction bucket."""
+    extra: dict = field(default_factory=dict)
+    """Raw DeepSpeed config entries merged last (advanced; e.g. {"zero_optimization": {"stage3_max_live_parameters": 1e9}})."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (2, 3):
+            raise ValueError(f"deepspeed.zero_stage={self.zero_stage}: must be 2 or 3")
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param: needs deepspeed.zero_stage=3")
+        if self.reduce_bucket_size < 1:
+            raise ValueError(f"deepspeed.reduce_bucket_size={self.reduce_bucket_size}: must be >= 1")
+
+
+def deepspeed_config(ds: DeepSpeedConfig, train: TrainConfig, total_steps: int, world_size: int,
+                     bf16: bool) -> dict:
+    """The DeepSpeed JSON config: one pack per micro-batch, gradient_accumulation_steps=1 (see module doc)."""
+    on_gpu = torch.cuda.is_available()
+    zero = {"stage": ds.zero_stage, "overlap_comm": bool(ds.overlap_comm and on_gpu), "contiguous_gradients": True,
+            "reduce_bucket_size": ds.reduce_bucket_size}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    warmup = max(1, train.warmup_steps)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": train.grad_clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        # torch AdamW: DeepSpeed's FusedAdam is a JIT build that fails on some images and takes ~90 s on a CPU.
+        "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
+                                                  "weight_decay": train.weight_decay, "torch_adam": True}},
+        # Linear warm-up from lr/warmup_steps, then cosine down to lr * min_lr_ratio (build() starts it at step 0).
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total_steps, warmup + 1), "warmup_num_steps": warmup,
+            "warmup_min_ratio": 1.0 / warmup if train.warmup_steps > 0 else 1.0, "warmup_type": "linear",
+            "cos_min_ratio": train.min_lr_ratio}},
+        # A NaN/inf gradient makes ZeRO skip the update and clear the gradients (on_nan=skip relies on it).
+        "bf16": {"enabled": bf16, **({"check_grad_overflow": True} if bf16 else {})},
+    }
+    if ds.offload_optimizer:
+        config["zero_force_ds_cpu_optimizer"] = False
+    return _merge(config, ds.extra)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class PackedCausalLM(torch.nn.Module):
+    """The HF model plus the chunked LM-head loss: forward(batch) -> per-token losses [T] (0 where no label).
+
+    Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the LM-head weight, used here outside
+    its own module's forward, is registered as an external parameter so it is gathered for the loss.
+    """
+
+    def __init__(self, model, chunk_size: int):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
+        from hbp_train.model import forward_hidden
+
+        kwargs = {}
+        if cu_seqlens is not None:
+            kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
+                      "max_length_k": max_seqlen}
+        hidden = forward_hidden(self.model, input_ids, position_ids, **kwargs)
+        head = self.model.get_output_embeddings()
+        return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
+                                    lm_head_bias=getattr(head, "bias", None))
+
+
+@dataclass
+class Run:
+    """Everything train_step needs, built once by :func:`build`."""
+
+    cfg: object
+    engine: object
+    model: object
+    """The HF model (engine.module.model)."""
+    data: PackedData
+    pstate: object
+    device: torch.device
+    tokenizer: object
+    total_steps: int
+    grad_divisor: int
+    """How many ranks DeepSpeed averages gradients over (its data-parallel world: all ranks, no mpu)."""
+    pad_token_id: int = 0
+    config_yaml: str = ""
+
+
+def ckpt_layers_for(run: Run, step_batch: StepBatch) -> int:
+    """Activation-checkpointed layers for this step's group: config override, else the plan, else 0."""
+    override = run.cfg.train.ckpt_layers
+    if override is not None:
+        return int(override[0] if len(override) == 1 else override[step_batch.group])
+    return int(step_batch.ckpt_layers or 0)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _set_sp(sp: int) -> None:
+    """SP: switch the attention to the step's SP degree (the Ulysses dispatcher's active size)."""
+    if sp > 1:
+        raise NotImplementedError("Ulysses: see hbp_train/ulysses.py")
+
+
+def forward_backward(run: Run, step_batch: StepBatch) -> dict:
+    """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
+    ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
+    from hbp_train.model import pack_flops, set_checkpointed_layers
+
+    engine, cfg = run.engine, run.cfg
+    set_checkpointed_layers(run.model, ckpt_layers_for(run, step_batch))
+    sp = step_batch.sp
+    sp_rank = run.pstate.sp_rank(sp)
+    _set_sp(sp)
+    num_micro = len(step_batch.micro_batches)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    tokens = flops = loss_tokens = 0.0
+    for k, micro_batch in enumerate(step_batch.micro_batches):
+        if micro_batch["num_samples"]:
+            # Under SP each rank of the group does 1/sp of the pack's work (its token slice, its share of heads).
+            tokens += micro_batch["input_ids"].shape[1] / sp
+            flops += pack_flops(run.model.config, micro_batch["seq_lens"]) / sp
+        # One boundary per step, at its last micro-batch: ZeRO accumulates gradients until then.
+        engine.set_gradient_accumulation_boundary(k == num_micro - 1)
+        batch = _to_device(split_for_sp(micro_batch, sp, sp_rank), run.device)  # SP: the collate split
+        loss_tokens += micro_batch["num_loss_tokens"] if sp == 1 else float((batch["shift_labels"] != -100).sum())
+        loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
+                        batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
+        loss = _normalized_loss(run, loss_T, batch, step_batch)
+        engine.backward(loss)
+        loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
+    # A NaN/inf token loss anywhere makes the sum NaN/inf.
+    return {"loss_sum": float(loss_sum), "loss_tokens": loss_tokens, "tokens": tokens,
+            "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum)))}
+
+
+def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
+    """The micro-batch's scalar for backward (SP: the loss reduction over the SP group belongs here)."""
+    return normalize_loss(
+        loss_T, batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
+        # max(.., 1): a replica (or step) may hold only empty packs; its token sum is 0 anyway.
+        global_loss_tokens=max(step_batch.global_loss_tokens, 1), rank_loss_tokens=max(step_batch.rank_loss_tokens, 1),
+        global_num_samples=max(step_batch.global_num_samples, 1), rank_num_samples=step_batch.rank_num_samples,
+        dp_world_size=run.grad_divisor, num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
+        sample_loss_tokens_T=batch["sample_loss_tokens"],
+    )
+
+
+STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib"]
+
+
+def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) -> tuple:
+    """One optimizer step. Returns (gathered per-rank stats [W, len(STAT_COLUMNS)], skipped: bool, lr used).
+
+    The stats all-gather happens before the optimizer step so that every rank decides the same about a NaN/inf
+    loss (and about stopping: ``stop_requested()`` is read just before it) from the same numbers.
+    """
+    reset_peak_memory()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    local = forward_backward(run, step_batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    compute_time = time.perf_counter() - start
+    values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
+              local["nonfinite"], float(stop_requested()), peak_memory_gib()]
+    gathered = all_gather_floats(values, run.device)
+    any_nonfinite = bool(gathered[:, STAT_COLUMNS.index("nonfinite")].max() > 0)
+    if any_nonfinite and run.cfg.train.on_nan == "abort":
+        raise FloatingPointError(
+            f"step {step_batch.step}: the loss is NaN/inf (train.on_nan=abort); set train.on_nan=skip to skip such "
+            "steps, or lower train.lr")
+    lr = run.engine.get_lr()[0]  # the rate this step's update uses (the scheduler moves on inside step())
+    # A NaN/inf loss gives NaN/inf gradients: ZeRO then skips the update and clears them (see deepspeed_config).
+    run.engine.step()
+    skipped = any_nonfinite or not run.engine.was_step_applied()
+    return gathered, skipped, lr
+
+
+def build(cfg, config_yaml: str = "") -> Run:
+    """Open the data, build the parallel state, the model and the DeepSpeed engine."""
+    import deepspeed
+    from transformers import AutoTokenizer
+
+    from hbp_train.model import build_model
+    from hbp_train.parallel import build_parallel_state
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    data = PackedData(cfg.data.shards, cfg.data.check_counts)
+    if data.world_size != world_size:
+        raise ValueError(f"{cfg.data.shards}/plan.json was planned for world size {data.world_size}, but this run has "
+                         f"{world_size} ranks: re-plan with data_tools.pack --world-size {world_size}")
+    from hbp_train.planning.bytescale import check_zero_stage
+
+    check_zero_stage(data.plan, cfg.deepspeed.zero_stage)  # bytescale plans (unequal micro-batches) need ZeRO 0/1
+    if cfg.train.ckpt_layers is not None and len(cfg.train.ckpt_layers) not in (1, len(data.groups)):
+        raise ValueError(f"train.ckpt_layers has {len(cfg.train.ckpt_layers)} values but the plan has "
+                         f"{len(data.groups)} groups: give one per group or a single one")
+    pstate = build_parallel_state(data.sp_degrees())
+    total_steps = data.num_steps * cfg.data.epochs
+    if cfg.train.max_steps is not None:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bf16 = cfg.model.torch_dtype() == torch.bfloat16
+    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, bf16)
+    # Under ZeRO-3 each rank builds the full model in host memory once; deepspeed.initialize then partitions it.
+    model = build_model(cfg.model, vocab_size=len(tokenizer))
+    from hbp_train.model import decoder_layers
+
+    num_layers = len(decoder_layers(model))
+    wanted = cfg.train.ckpt_layers or [g.get("ckpt_layers") or 0 for g in data.groups]
+    if any(int(k) > num_layers for k in wanted):
+        source = "train.ckpt_layers" if cfg.train.ckpt_layers else f"{cfg.data.shards}/plan.json groups[].ckpt_layers"
+        raise ValueError(f"{source}={list(wanted)}: the model has only {num_layers} decoder layers")
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
+    if cfg.deepspeed.zero_stage == 3:
+        head = model.get_output_embeddings()
+        deepspeed.zero.register_external_parameter(wrapper, head.weight)
+        if getattr(head, "bias", None) is not None:
+            deepspeed.zero.register_external_parameter(wrapper, head.bias)
+    engine, _, _, _ = deepspeed.initialize(
+        model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
+    if engine.lr_scheduler is not None:
+        # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
+        # A resumed run overwrites this with the checkpoint's scheduler state.
+        engine.lr_scheduler.step(0)
+    return Run(cfg=cfg, engine=engine, model=model, data=data, pstate=pstate, device=engine.device,
+               tokenizer=tokenizer, total_steps=total_steps, grad_divisor=engine.dp_world_size,
+               pad_token_id=pad_token_id, config_yaml=config_yaml)
+
+
+def train(cfg, config_yaml: str = "") -> dict:
+    """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
+    run = build(cfg, config_yaml)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
+    start_step = 0
+    resume = ckpt.find_resume(cfg.train.resume, ckpt_root)
+    if resume is not None:
+        start_step = ckpt.load(run.engine, *resume)
+    metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank, run.total_steps, start_step)
+    if resume is not None:
+        metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}")
+    elif cfg.train.resume == "auto":
+        metrics.message(f"[train] train.resume=auto: no checkpoint in {ckpt_root}, starting fresh")
+    stop = ckpt.StopSignal().install()
+    num_skipped = 0
+    history = []
+    step = start_step
+    ended = "finished"
+    saved_at = None
+
+    def save(next_step):
+        nonlocal saved_at
+        if saved_at == next_step:
+            return
+        ckpt.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer, cfg.train.keep_last)
+        saved_at = next_step
+        metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, ckpt.tag_for(next_step))}")
+
+    try:
+        while step < run.total_steps:
+            t0 = time.perf_counter()
+            step_batch = run.data.step_batch(step, rank, run.pad_token_id)
+            data_time = time.perf_counter() - t0
+            gathered, skipped, lr = train_step(run, step_batch, lambda: stop.requested)
+            num_skipped += int(skipped)
+            step_time = time.perf_counter() - t0
+            m = metrics.step_metrics(
+                step=step, total_steps=run.total_steps, gathered=gathered, columns=STAT_COLUMNS,
+                lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
+                step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
+                num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
+                skipped=skipped, num_skipped=num_skipped)
+            metrics.log(m)
+            if skipped:
+                metrics.message(f"[train] step {step}: NaN/inf loss or gradient, step skipped (train.on_nan=skip)")
+            history.append(m["loss/train"])
+            step += 1
+            if bool(gathered[:, STAT_COLUMNS.index("stop")].max() > 0):
+                ended = f"stopped by {stop.received or 'a signal on another rank'}"
+                break
+            if cfg.train.exit_after_steps is not None and step - start_step >= cfg.train.exit_after_steps:
+                ended = f"stopped after train.exit_after_steps={cfg.train.exit_after_steps}"
+                break
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < run.total_steps:
+                save(step)
+        if ended != "finished" or cfg.train.save_final:
+            save(step)
+        if ended != "finished":
+            metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
+    finally:
+        stop.uninstall()
+        metrics.close()
+    return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
+            "skipped": num_skipped, "run": run}
+
+
+def _grad_norm(engine) -> Optional[float]:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)

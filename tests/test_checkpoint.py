@@ -1,0 +1,56 @@
+"""Checkpoint bookkeeping without DeepSpeed: tags, resume resolution, pruning, RNG round trip, signal flag.
+(Saving/loading through DeepSpeed, exact resume and SIGTERM are in tests/test_trainer.py.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from hbp_train import checkpoint as ckpt
+
+
+def _make(root, steps, latest=None):
+    for s in steps:
+        os.makedirs(os.path.join(root, ckpt.tag_for(s)))
+    if latest is not None:
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write(ckpt.tag_for(latest))
+
+
+def test_resolve_and_find_resume(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    assert ckpt.find_resume(None, root) is None
+    assert ckpt.find_resume("auto", root) is None  # nothing yet: start fresh
+    _make(root, [2, 10, 4], latest=4)
+    assert ckpt.list_tags(root) == [ckpt.tag_for(s) for s in (2, 4, 10)]
+    assert ckpt.find_resume("auto", root) == (root, ckpt.tag_for(4))  # DeepSpeed's 'latest' wins
+    assert ckpt.resolve(os.path.join(root, ckpt.tag_for(10))) == (root, ckpt.tag_for(10))
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        ckpt.resolve(str(tmp_path))
+    ckpt.prune(root, 2)
+    assert ckpt.list_tags(root) == [ckpt.tag_for(4), ckpt.tag_for(10)]
+
+
+def test_rng_state_round_trip():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    state = ckpt.rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_stop_signal_sets_flag_and_restores_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = ckpt.StopSignal().install()
+    try:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.received == "SIGTERM"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before

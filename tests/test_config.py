@@ -1,0 +1,106 @@
+"""Every conf/ config composes and converts to dataclasses; bad values fail with one line naming the field (and
+exit code 2 from the entry point, before anything is built)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hbp_train import config
+from hbp_train.config import CONF_DIR, ConfigError, HBPConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def fake_hf_model(tmp_path_factory) -> str:
+    """A local dir with a config.json, so presets that name a real model (8B) convert here."""
+    d = tmp_path_factory.mktemp("hf_model")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(d)
+
+
+def _options(group: str) -> list:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_preset_and_group_option_composes(tmp_path, fake_hf_model):
+    base = [f"data.shards={tmp_path}", f"model.name_or_path={fake_hf_model}"]
+    for experiment in _options("experiment"):
+        cfg = config.load([f"experiment={experiment}", *base])
+        assert isinstance(cfg, HBPConfig) and cfg.data.shards == str(tmp_path)
+    groups = [g.name for g in CONF_DIR.iterdir() if g.is_dir() and g.name != "experiment"]
+    assert {"model", "data", "deepspeed", "train", "loss", "logging"} <= set(groups)
+    for group in groups:
+        for option in _options(group):
+            cfg = config.load([f"{group}={option}", *base])
+            assert type(getattr(cfg, group)).__name__.endswith("Config"), (group, option)
+    # The presets mean what they say.
+    demo = config.load(["experiment=cpu_demo"])
+    assert demo.model.name_or_path is None and demo.model.dtype == "fp32" and demo.deepspeed.zero_stage == 2
+    big = config.load(["experiment=llama3_8b_128k", *base])
+    assert big.deepspeed.zero_stage == 3 and big.model.dtype == "bf16" and big.train.resume == "auto"
+    assert config.load(["deepspeed=offload"]).deepspeed.offload_optimizer
+    for normalizer in _options("loss"):
+        assert config.load([f"loss={normalizer}"]).loss.normalizer == normalizer
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.lr=-1", "train.lr"),
+    ("train.lr=abc", "train.lr"),
+    ("train.on_nan=maybe", "train.on_nan"),
+    ("train.betas=[0.9]", "train.betas"),
+    ("train.bogus=1", "train.bogus"),
+    ("loss.normalizer=mean", "loss.normalizer"),
+    ("deepspeed.zero_stage=1", "deepspeed.zero_stage"),
+    ("deepspeed.offload_param=true", "deepspeed.offload_param"),
+    ("data=custom", "data.shards"),
+    ("logging.log_every=0", "logging.log_every"),
+    ("model.dtype=fp8", "model.dtype"),
+])
+def test_bad_value_names_the_field(override, field):
+    with pytest.raises(ConfigError) as info:
+        config.load([override])
+    message = str(info.value)
+    assert field in message and "\n" not in message
+
+
+def test_resolved_yaml_round_trips():
+    from omegaconf import OmegaConf
+
+    cfg = config.load(["experiment=cpu_demo", "train.lr=0.5"])
+    again = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HBPConfig),
+                                                OmegaConf.create(config.resolved_yaml(cfg))))
+    assert again == cfg
+
+
+def test_help_documents_every_field():
+    text = config.help_text()
+    for section in ("model", "data", "deepspeed", "train", "loss", "logging"):
+        section_cls = type(getattr(config.load([]), section))
+        for name in config.field_docs(section_cls):
+            assert f"{section}.{name} = " in text
+    assert "experiment" in text and "cpu_demo" in text
+
+
+def test_entry_point_rejects_bad_value_with_exit_2():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "hbp_train.train", "experiment=cpu_demo", "train.warmup_steps=-3"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert lines == ["config error: train.warmup_steps=-3: must be >= 0"]
+
+
+def test_deepspeed_launcher_local_rank_is_stripped(monkeypatch):
+    from hbp_train.train import _strip_local_rank
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _strip_local_rank(["--local_rank=3", "experiment=cpu_demo"]) == ["experiment=cpu_demo"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert _strip_local_rank(["a=1", "--local_rank", "1", "b=2"]) == ["a=1", "b=2"]

@@ -1,0 +1,109 @@
+"""The packed-shard loader: per-sample label shift, sample ids, this rank's packs for a step, the step's global
+counts from metadata, empty packs, and one-line errors for shards that do not fit the run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hbp_train.data import IGNORE_INDEX, DataConfig, PackedData, collate_pack, empty_micro_batch, split_for_sp
+from tests.assets.packed_fixture import TWO_RANK_STEPS, loss_tokens, synthetic_samples, write_packed
+
+SAMPLES = synthetic_samples(14, 100, seed=5)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_packed(str(tmp_path_factory.mktemp("packed")), SAMPLES, TWO_RANK_STEPS, world_size=2)
+
+
+def test_collate_shifts_inside_each_sample():
+    a_ids, a_lab = [5, 6, 7, 8], [-100, -100, 7, 8]
+    b_ids, b_lab = [9, 10, 11], [-100, 10, 11]
+    batch = collate_pack({"input_ids": a_ids + b_ids, "labels": a_lab + b_lab, "position_ids": [0, 1, 2, 3, 0, 1, 2],
+                          "cu_seqlens": [0, 4, 7], "num_loss_tokens": 4})
+    assert batch["shift_labels"].tolist() == [[-100, 7, 8, IGNORE_INDEX, 10, 11, IGNORE_INDEX]]
+    assert batch["sample_ids"].tolist() == [[0, 0, 0, 0, 1, 1, 1]]
+    assert batch["sample_loss_tokens"].tolist() == [[2, 2, 2, 2, 2, 2, 2]]
+    assert batch["num_loss_tokens"] == 4 and batch["num_samples"] == 2 and batch["max_seqlen"] == 4
+    assert batch["cu_seqlens"].dtype == torch.int32 and batch["input_ids"].shape == (1, 7)
+    with pytest.raises(ValueError, match="num_loss_tokens=5"):
+        collate_pack({"input_ids": a_ids, "labels": a_lab, "position_ids": [0, 1, 2, 3], "cu_seqlens": [0, 4],
+                      "num_loss_tokens": 5}, where="x")
+
+
+def test_step_batches_follow_the_plan(shards):
+    data = PackedData(shards)
+    assert data.num_steps == 3 and data.world_size == 2 and data.sp_degrees() == [1]
+    for step, entry in enumerate(TWO_RANK_STEPS):
+        all_samples = [i for replica in entry["replicas"] for pack in replica for i in pack]
+        global_tokens = sum(loss_tokens(SAMPLES[i][1]) for i in all_samples)
+        for rank in range(2):
+            sb = data.step_batch(step, rank)
+            packs = entry["replicas"][rank]
+            assert sb.replica == rank and len(sb.micro_batches) == len(packs) and sb.dp_size == 2
+            assert sb.global_loss_tokens == global_tokens and sb.global_num_samples == len(all_samples)
+            assert sb.rank_num_samples == sum(len(p) for p in packs)
+            assert sb.rank_loss_tokens == sum(loss_tokens(SAMPLES[i][1]) for p in packs for i in p)
+            for pack, mb in zip(packs, sb.micro_batches):
+                expected_ids = [t for i in pack for t in SAMPLES[i][0]]
+                if not pack:  # an empty pack becomes a one-token dummy without loss
+                    assert mb["num_samples"] == 0 and mb["num_loss_tokens"] == 0 and mb["input_ids"].shape == (1, 1)
+                else:
+                    assert mb["input_ids"][0].tolist() == expected_ids
+                    assert mb["seq_lens"] == [len(SAMPLES[i][0]) for i in pack]
+    # Epochs replay the plan.
+    assert data.step_batch(4, 1).plan_step == 1 and data.step_batch(4, 1).step == 4
+
+
+def test_split_for_sp_is_identity_at_sp1_and_points_to_ulysses_beyond():
+    batch = empty_micro_batch()
+    assert split_for_sp(batch, 1, 0) is batch
+    with pytest.raises(NotImplementedError, match="ulysses"):
+        split_for_sp(batch, 2, 0)
+
+
+def test_bad_shards_fail_with_a_message(tmp_path, shards):
+    with pytest.raises(ValueError, match="no plan.json"):
+        PackedData(str(tmp_path))
+    plan = json.loads(open(f"{shards}/plan.json").read())
+    for step in plan["steps"]:
+        del step["rows"]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match="not packed shards"):
+        PackedData(str(tmp_path))
+    with pytest.raises(ValueError, match="data.shards"):
+        DataConfig(shards="???")
+    with pytest.raises(ValueError, match="data.epochs"):
+        DataConfig(shards="x", epochs=0)
+
+
+def test_reads_the_planner_writer_format(tmp_path):
+    """Shards written by hbp_train.planning.shards (the real writer) load the same way."""
+    shards_mod = pytest.importorskip("hbp_train.planning.shards")
+    from datasets import Dataset
+
+    from hbp_train.planning.plan import Plan
+
+    lengths = np.array([len(s[0]) for s in SAMPLES])
+    Dataset.from_dict({"input_ids": [s[0] for s in SAMPLES], "labels": [s[1] for s in SAMPLES],
+                       "length": lengths.tolist()}).save_to_disk(str(tmp_path / "tok"))
+    plan = Plan.from_dict(_plan_dict(lengths))
+    shards_mod.write_shards(plan, tmp_path / "tok", tmp_path / "out", progress=False)
+    data = PackedData(str(tmp_path / "out"))
+    for step, entry in enumerate(TWO_RANK_STEPS):
+        for rank in range(2):
+            sb = data.step_batch(step, rank)
+            for pack, mb in zip(entry["replicas"][rank], sb.micro_batches):
+                assert mb["input_ids"][0].tolist() == ([t for i in pack for t in SAMPLES[i][0]] if pack else [0])
+                assert mb["num_loss_tokens"] == sum(loss_tokens(SAMPLES[i][1]) for i in pack)
+
+
+def _plan_dict(lengths):
+    return {"version": 1, "world_size": 2, "strategy": "test", "seed": 0, "max_len": int(lengths.max() * 3),
+            "global_tokens": 1000, "groups": [{"pack_len": int(lengths.max() * k), "sp": 1, "ckpt_layers": None} for k in (3, 4)],
+            "steps": TWO_RANK_STEPS, "dropped": [], "deferred": [], "num_samples": len(lengths),
+            "lengths": lengths.tolist()}

@@ -1,0 +1,61 @@
+"""Step metrics: namespaced dict from every rank's gathered values (imbalance, MFU with sum-of-len^2 attention
+FLOPs), the rank-0 line and the JSON-lines file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hbp_train.metrics import LoggingConfig, MetricsLogger, all_gather_floats, format_line
+from hbp_train.trainer import STAT_COLUMNS
+
+
+def _gathered(rows):
+    return torch.tensor([[r[c] for c in STAT_COLUMNS] for r in rows], dtype=torch.float64)
+
+
+def test_step_metrics_and_outputs(tmp_path):
+    cfg = LoggingConfig(tensorboard=True, progress_bar=False, peak_flops=1e12)
+    logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=10)
+    rows = [dict(compute_time=2.0, loss_sum=30.0, loss_tokens=10, tokens=100, flops=3e12, nonfinite=0, stop=0,
+                 peak_mem_gib=1.5),
+            dict(compute_time=1.0, loss_sum=10.0, loss_tokens=30, tokens=50, flops=1e12, nonfinite=0, stop=0,
+                 peak_mem_gib=2.5)]
+    m = logger.step_metrics(step=3, total_steps=10, gathered=_gathered(rows), columns=STAT_COLUMNS, lr=1e-4,
+                            grad_norm=0.5, step_time=2.0, data_time=0.5, group=1, sp=2, num_micro_batches=3,
+                            plan_metrics={"ABR": 1.1, "DBR": 1.05}, skipped=False, num_skipped=0)
+    assert m["loss/train"] == pytest.approx(40.0 / 40)  # token-weighted over ranks
+    assert m["perf/tokens_per_s"] == pytest.approx(75.0)
+    assert m["balance/imbalance"] == pytest.approx(2.0 / 1.5)
+    assert m["balance/live_BR"] == pytest.approx(((2.0 - 2.0) + (2.0 - 1.0)) / (2.0 * 2))  # the plan's ABR formula
+    assert m["perf/mfu"] == pytest.approx(4e12 / (2 * 1e12 * 2.0))
+    assert m["memory/peak_gib"] == 2.5 and m["perf/data_wait_pct"] == pytest.approx(25.0)
+    assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan"}
+    logger.log(m)
+    logger.close()
+    line = format_line(m)
+    assert "step 4/10" in line and "imb 1.333" in line and "BR live 0.250, plan ABR 1.100" in line and "mfu 100.0%" in line
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["balance/plan_DBR"] == 1.05 and record["plan/sp"] == 2
+    assert list((tmp_path / "tb").iterdir())
+
+
+def test_mfu_is_na_without_a_peak_on_cpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("auto peak FLOPs may be known on this GPU")
+    logger = MetricsLogger(LoggingConfig(jsonl=False, tensorboard=False, progress_bar=False), str(tmp_path), 0, 1)
+    row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=1, flops=1.0, nonfinite=0, stop=0,
+               peak_mem_gib=0.1)
+    m = logger.step_metrics(step=0, total_steps=1, gathered=_gathered([row]), columns=STAT_COLUMNS, lr=0.1,
+                            grad_norm=None, step_time=1.0, data_time=0.0, group=0, sp=1, num_micro_batches=1,
+                            plan_metrics={}, skipped=True, num_skipped=1)
+    assert m["perf/mfu"] is None
+    assert "mfu n/a" in format_line(m) and "(skipped)" in format_line(m) and "gnorm n/a" in format_line(m)
+
+
+def test_all_gather_without_process_group_is_local():
+    assert all_gather_floats([1.0, 2.0], torch.device("cpu")).tolist() == [[1.0, 2.0]]
+    with pytest.raises(ValueError, match="logging.log_every"):
+        LoggingConfig(log_every=0)

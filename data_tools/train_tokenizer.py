@@ -26,23 +26,14 @@ import json
 import sys
 from pathlib import Path
 
+from data_tools.preprocess import DEFAULT_CHAT_TEMPLATE
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tokenizer"
 BOS, EOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# The shipped tokenizer carries the same ChatML template preprocessing gives tokenizers that have none.
+CHAT_TEMPLATE = DEFAULT_CHAT_TEMPLATE
 
 # Training text: demo conversations, fixed arguments (the tokenizer must not change when demo defaults do).
 TRAIN_NUM_SAMPLES = 3000

@@ -335,7 +335,8 @@ class Plan:
         return out
 
     def to_json(self, path: str | Path, step_rows: list | None = None) -> None:
-        """Write the plan as compact JSON to ``path``."""
+        """Write the plan as compact JSON to ``path`` (creating its folder)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             # dumps + write: json.dump streams through the pure-Python iterencode, several times slower.
             f.write(json.dumps(self.to_dict(step_rows), separators=(",", ":")))

@@ -2,6 +2,7 @@
 
     python -m data_tools.compare --lengths lengths.txt --max-len 131072 --world-size 32 \\
         --groups 16384:1,131072:8 [--calibration FILE] [--plot cmp.png] [--out cmp.json]
+    python -m data_tools.compare --lengths lengths.txt --world-size 8 --groups auto --profile profile.json
 
 Plans the lengths with each strategy (isf, sorted, hbp, hbp-cost = hbp balancing predicted pack time from the
 cost model instead of Σ len², wlb, bytescale), simulates each plan with the cost model (data_tools.simulate's
@@ -16,16 +17,16 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from data_tools.simulate import add_cost_model_args, add_link_args, cost_model_from_args, format_table
+from data_tools.simulate import (add_cost_model_args, add_link_args, check_writable, cost_model_from_args,
+                                 format_table, write_outputs)
 
 STRATEGIES = ("isf", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
 
 COLUMNS = [("name", "strategy", "s"), ("ABR", "ABR", ".4f"), ("DBR", "DBR", ".4f"), ("PR", "PR", ".4f"),
-           ("CR", "CR", ".3f"), ("num_steps", "steps", "d"), ("planning_seconds", "plan s", ".2f"),
+           ("CR", "CR", ".3f"), ("num_steps", "steps", "d"), ("num_slots", "slots", "d"), ("planning_seconds", "plan s", ".2f"),
            ("mean_deferred_wait_steps", "wait", ".2f"), ("sync", "sync", "s"),
            ("simulated_hours", "sim hours", ".3f"), ("idle_fraction", "idle", ".3f"),
            ("speedup", "speed-up", ".3f")]
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
                         "use the last group")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="with --groups auto: the profiler's JSON (python -m hbp_train.profile)")
     p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024, help="target tokens per optimizer step "
                    "(default 4194304)")
     p.add_argument("--seed", type=int, default=0, help="planning seed (default 0)")
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
         bad = [s for s in strategies if s not in STRATEGIES]
         if bad or not strategies:
             raise ValueError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(STRATEGIES)}")
-        groups = parse_groups(args.groups, None, args.world_size)
+        groups = parse_groups(args.groups, args.profile, args.world_size)
         model = cost_model_from_args(args)
         sim_cfg = SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers)
         lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
         from hbp_train.planning import PlanConfig
 
         PlanConfig(**plan_kwargs)  # validate the settings before the long part
+        check_writable(args.out)
+        check_writable(args.plot)
     except (ValueError, CliError) as exc:
         print(f"compare: error: {exc}", file=sys.stderr)
         return 2
@@ -123,15 +128,20 @@ def main(argv=None) -> int:
     print(f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}; SIMULATED with cost model "
           f"{model.source} ({model.note}), shape {model.shape.name}")
     print(format_table(rows, COLUMNS))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"simulated": True, "cost_model": model.describe(),
-                                              "settings": {**vars(args)}, "rows": rows}, indent=1))
-        print(f"wrote {args.out}")
-    if args.plot:
-        names = sorted(out, key=lambda n: n != "isf")  # the plot's speed-ups are over its first plan
-        plot_comparison(names, [out[n][1] for n in names], args.plot,
-                        f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}, {model.source} cost model")
-        print(f"wrote {args.plot}")
+    try:
+        if args.out:
+            write_outputs(args.out, lambda path: path.write_text(json.dumps(
+                {"simulated": True, "cost_model": model.describe(), "settings": {**vars(args)}, "rows": rows},
+                indent=1)))
+            print(f"wrote {args.out}")
+        if args.plot:
+            names = sorted(out, key=lambda n: n != "isf")  # the plot's speed-ups are over its first plan
+            title = f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}, {model.source} cost model"
+            write_outputs(args.plot, lambda path: plot_comparison(names, [out[n][1] for n in names], path, title))
+            print(f"wrote {args.plot}")
+    except ValueError as exc:
+        print(f"compare: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

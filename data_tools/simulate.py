@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,8 +54,36 @@ def add_link_args(parser: argparse.ArgumentParser) -> None:
 def cost_model_from_args(args) -> CostModel:
     """Build the CostModel the options ask for (ValueError with a one-line message on bad input)."""
     if args.analytic:
-        return CostModel.analytic(args.model_shape or "llama3-8b", args.peak_tflops, args.efficiency)
-    return CostModel.from_calibration(args.calibration, args.model_shape)
+        model = CostModel.analytic(args.model_shape or "llama3-8b", args.peak_tflops, args.efficiency)
+    else:
+        model = CostModel.from_calibration(args.calibration, args.model_shape)
+    if getattr(args, "ckpt_layers", 0) > model.shape.num_layers:
+        raise ValueError(f"--ckpt-layers {args.ckpt_layers} exceeds the {model.shape.num_layers} layers of model "
+                         f"shape {model.shape.name}")
+    return model
+
+
+def check_writable(path_text: str | None) -> None:
+    """ValueError (one line) when an output file's folder cannot be created or written; checked before the work."""
+    if not path_text:
+        return
+    folder = Path(path_text).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{path_text}: cannot create its folder ({exc.strerror})") from None
+    if Path(path_text).is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"{path_text}: not a writable file path")
+
+
+def write_outputs(path_text: str, write) -> None:
+    """Call write(path) for an output file, turning an unwritable path into a one-line ValueError."""
+    path = Path(path_text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as exc:
+        raise ValueError(f"{path_text}: cannot write ({exc.strerror})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,9 +158,18 @@ def main(argv=None) -> int:
         sim_cfg = SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers,
                             args.sync)
         plans = [load_plan(p) for p in args.plan]
+        check_writable(args.out)
+        check_writable(args.plot)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for path, plan in zip(args.plan, plans):
+        over = sorted({g.ckpt_layers for g in plan.config.groups
+                       if g.ckpt_layers is not None and g.ckpt_layers > model.shape.num_layers})
+        if over:
+            print(f"note: {path}: groups with ckpt_layers {over} are simulated with all {model.shape.num_layers} "
+                  f"layers of {model.shape.name} checkpointed (the plan was made for a deeper model?)",
+                  file=sys.stderr)
     names = args.name or [f"{pl.config.strategy}:{Path(p).name}" for pl, p in zip(plans, args.plan)]
     results, rows = [], []
     for name, plan in zip(names, plans):
@@ -158,11 +196,17 @@ def main(argv=None) -> int:
                             "gpus_per_node": args.gpus_per_node, "ckpt_layers_default": args.ckpt_layers},
                   "baseline": names[0],
                   "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
-        Path(args.out).write_text(json.dumps(report))
-        print(f"wrote {args.out}")
-    if args.plot:
-        plot_comparison(names, results, args.plot, f"{model.source} cost model, {model.shape.name}")
-        print(f"wrote {args.plot}")
+    try:
+        if args.out:
+            write_outputs(args.out, lambda path: path.write_text(json.dumps(report)))
+            print(f"wrote {args.out}")
+        if args.plot:
+            write_outputs(args.plot, lambda path: plot_comparison(names, results, path,
+                                                                  f"{model.source} cost model, {model.shape.name}"))
+            print(f"wrote {args.plot}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -110,6 +111,30 @@ def _noop_attention(module, query, key, value, attention_mask, scaling=None, dro
     return mixed.transpose(1, 2), None
 
 
+def parse_doc_lens(text: str, tokens: int) -> list[int]:
+    """The --doc-lens list; ValueError naming the flag."""
+    try:
+        doc_lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--doc-lens must be comma-separated integers, got {text!r}") from None
+    if not doc_lens or any(l < 1 or l > tokens for l in doc_lens):
+        raise ValueError(f"--doc-lens must be positive and <= --tokens ({tokens}), got {text}")
+    return doc_lens
+
+
+def writable(path: str, flag: str) -> Path:
+    """``path`` with its folder created; ValueError naming ``flag`` when it cannot be written (checked before the
+    measurements, which take minutes)."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create its folder ({exc.strerror})") from None
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: not a writable file path")
+    return out
+
+
 def cu_seqlens_for(lengths, device):
     import torch
 
@@ -126,9 +151,7 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
 
     timed = _timer(device)
     backend = select_backend(args.backend, device, dtype)
-    doc_lens = [int(x) for x in args.doc_lens.split(",") if x.strip()]
-    if not doc_lens or any(l < 1 or l > args.tokens for l in doc_lens):
-        raise ValueError(f"--doc-lens must be positive and <= --tokens ({args.tokens}), got {args.doc_lens}")
+    doc_lens = parse_doc_lens(args.doc_lens, args.tokens)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     fwdbwd, fwd = {}, {}
     for length in doc_lens:
@@ -259,6 +282,10 @@ def main(argv=None) -> int:
             raise ValueError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:
             raise ValueError("--out JSON is required to write the calibration")
+        if not args.validate:
+            parse_doc_lens(args.doc_lens, args.tokens)
+        out_path = writable(args.out, "--out") if args.out and not args.validate else None
+        report_path = writable(args.validate_out, "--validate-out") if args.validate and args.validate_out else None
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.validate:
@@ -266,15 +293,18 @@ def main(argv=None) -> int:
             report = validate(shape, model, args, device, dtype)
             print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
                   f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
-            if args.validate_out:
-                Path(args.validate_out).write_text(json.dumps(report, indent=1))
-                print(f"wrote {args.validate_out}")
+            if report_path:
+                report_path.write_text(json.dumps(report, indent=1))
+                print(f"wrote {report_path}")
         else:
             result = calibrate(shape, args, device, dtype)
-            Path(args.out).write_text(json.dumps(result, indent=1))
-            print(f"wrote {args.out}")
+            out_path.write_text(json.dumps(result, indent=1))
+            print(f"wrote {out_path}")
     except ValueError as exc:
         print(f"calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"calibrate: error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
         return 2
     return 0
 

@@ -5,7 +5,8 @@ The model, per pack of samples with lengths l_i (T = Σ l_i tokens) run by an SP
 
     compute/layer   = Σ_i A_fb(l_i) + C_fb · T                 (attention fwd+bwd per document + linear part)
     recompute/layer = Σ_i A_f(l_i)  + C_fb/3 · T               (one extra forward for a checkpointed layer)
-    a2a             = (T/sp) · (sp-1)/sp · bytes_per_token / bw (one Ulysses all-to-all, per rank)
+    a2a             = (T/sp) · (sp-1)/sp · bytes_per_token / bw (one Ulysses all-to-all, per rank; SP groups
+                      spanning nodes: the off-node share over the inter-node link, see a2a_seconds)
     pack time       = [layers·compute + ckpt·recompute + H_fb·T] / sp + (8·layers + 4·ckpt) · a2a_q/k/v/o
 
 where A(l) comes from the calibration table (ms for 32768 tokens made of documents of length l, interpolated in
@@ -263,16 +264,20 @@ class CostModel:
                     inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8) -> np.ndarray:
         """Seconds of the four all-to-alls of ONE layer forward for packs of ``tokens`` at degree ``sp``.
 
-        Each rank holds T/sp tokens and sends the (sp-1)/sp of them that belong to other ranks' heads; an SP group
-        larger than a node is limited by the inter-node link.
+        Each rank holds T/sp tokens and sends 1/sp of them to each of its sp-1 peers (the heads those peers own).
+        An SP group is sp consecutive ranks: min(sp, gpus_per_node)-1 peers share the rank's node (NVLink), the
+        other sp-min(sp, gpus_per_node) are on other nodes (the GPU's own NIC). Both parts run at the same time,
+        so the slower one sets the time; within a node this is (T/sp)·(sp-1)/sp·width·bytes / intra bandwidth.
         """
         tokens = np.asarray(tokens, dtype=np.float64)
         sp = np.broadcast_to(np.asarray(sp, dtype=np.int64), tokens.shape)
-        gbps = np.where(sp <= gpus_per_node, intra_node_gbps, inter_node_gbps) * 1e9
         shape = self.shape
         width = 2 * shape.attn_width + 2 * np.maximum(shape.num_kv_heads, sp) * shape.head_dim  # = a2a_width
-        moved = tokens / sp * (sp - 1) / sp * width * self.dtype_bytes
-        return moved / gbps
+        per_peer = tokens / sp / sp * width * self.dtype_bytes
+        local_peers = np.minimum(sp, gpus_per_node) - 1
+        remote_peers = sp - 1 - local_peers
+        return np.maximum(per_peer * local_peers / (intra_node_gbps * 1e9),
+                          per_peer * remote_peers / (inter_node_gbps * 1e9))
 
     def pack_times(self, lengths, offsets, sp, ckpt_layers=0, intra_node_gbps=DEFAULT_INTRA_NODE_GBPS,
                    inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8) -> np.ndarray:

@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -436,6 +437,12 @@ class Profiler:
         # Best throughput; ties go to the longer length (fewer, larger packs).
         l_best = max(strategies, key=lambda l: (strategies[l].tokens_per_s_per_gpu, l))
         s_best, s_max = strategies[l_best], strategies[l_max]
+        if self.cfg.docs == "single" and l_best == min(strategies) < l_max:
+            # One document per pack: attention per token grows with the length, so the shortest candidate wins
+            # unless fixed per-pack costs outweigh that. Real packs hold many shorter documents.
+            self._warn(f"l_best={l_best} is the shortest candidate: with profile.docs=single (one document per "
+                       "pack) attention per token grows with the pack length; set profile.docs to the tokenized "
+                       "dataset to profile packs like the training data")
         l1, l2 = l_best // s_best.sp, l_max // s_max.sp
         roles = {l_best: ["l_best"], l_max: ["l_max"]} if l_best != l_max else {l_max: ["l_best", "l_max"]}
         groups: dict[int, dict] = {}
@@ -948,7 +955,10 @@ profile.* options (defaults in brackets):
   progress [true]           tqdm progress bar
 
 Without a GPU and without profile.dry_run=true: one line and exit code 2. Bad values: one line naming the field,
-exit code 2. See docs/profiler.md.
+exit code 2. A dry run needs only the model's config.json (model.name_or_path=DIR holding it; without a tokenizer
+the config's vocab_size is used) and no data.shards, e.g.
+  python -m hbp_train.profile experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
+See docs/profiler.md.
 """
 
 
@@ -970,6 +980,23 @@ def model_shape_of(model_cfg, vocab_size: Optional[int]) -> ModelShape:
         fields.pop("head_dim", None)
     fields["name"] = name
     return parse_model_shape(fields)
+
+
+def tokenizer_vocab(tokenizer_dir: str, dry_run: bool) -> Optional[int]:
+    """The tokenizer's vocabulary size (what build_model sizes the embeddings by). A dry run without a loadable
+    tokenizer uses the model config's vocab_size (warned); a GPU run needs it (ValueError naming the field)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not dry_run:
+            raise ValueError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir!r} ({reason}); set "
+                             "model.tokenizer=DIR (e.g. data_tools/assets/tokenizer)") from None
+        log.warning("model.tokenizer: no tokenizer in %r; the dry run uses the model config's vocab_size",
+                    tokenizer_dir)
+        return None
 
 
 def usable_sp_degrees(candidates: list[int], shape: ModelShape) -> list[int]:
@@ -995,10 +1022,19 @@ def main(argv: Optional[list] = None) -> int:
     t0 = time.monotonic()
     from hbp_train import config as run_config
 
+    overrides = run_config.user_overrides(argv)
+    if not any(o.lstrip("+~").startswith("data.shards=") for o in overrides):
+        # The profiler reads no data (it runs before packing), but presets such as experiment=llama3_8b_128k
+        # leave data.shards required.
+        overrides.append("data.shards=unused-by-profiler")
     try:
-        run = run_config.load(run_config.user_overrides(argv))
+        run = run_config.load(overrides)
     except run_config.ConfigError as e:
-        print(f"profile: config error: {e}", file=sys.stderr)
+        hint = ""
+        if str(e).startswith("model.name_or_path"):
+            hint = ("; the profiler needs only the model's config.json (plus a tokenizer, or model.tokenizer=DIR): "
+                    "point model.name_or_path (or HBP_MODEL_DIR) at a directory holding it")
+        print(f"profile: config error: {e}{hint}", file=sys.stderr)
         return 2
     pcfg: ProfileConfig = run.profile
     job = JobSettings(zero_stage=run.deepspeed.zero_stage, offload_optimizer=run.deepspeed.offload_optimizer,
@@ -1010,10 +1046,16 @@ def main(argv: Optional[list] = None) -> int:
             print("profile: no CUDA GPU found: the profiler measures on a GPU; add profile.dry_run=true for the "
                   "analytic estimate from the model config and the calibration", file=sys.stderr)
             return 2
+    path = Path(pcfg.output)
+    try:  # fail now, not after the profiling
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise PermissionError(13, "permission denied")
+    except OSError as e:
+        print(f"profile: profile.output={pcfg.output}: cannot write there ({e.strerror})", file=sys.stderr)
+        return 2
     try:
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(run.model.tokenizer))
+        vocab = tokenizer_vocab(run.model.tokenizer, pcfg.dry_run)
         shape = model_shape_of(run.model, vocab)
         cost_model = CostModel.from_calibration(pcfg.calibration or None, model_shape=shape)
         if pcfg.dry_run:
@@ -1039,11 +1081,14 @@ def main(argv: Optional[list] = None) -> int:
     out["profiler"]["total_s"] = round(time.monotonic() - t0, 3)
     if pcfg.dry_run:
         # What the same profile would spend measuring on a GPU (iterations only: no model build, no OOM cost).
+        # GpuBackend runs every sp > 1 as its l/sp slice on one GPU: about time/sp of the SP configuration.
         out["profiler"]["predicted_gpu_measure_s"] = round(sum(
-            (pcfg.warmup_iters + pcfg.iters) * m["time_s"] for m in out["measurements"] if m["time_s"]), 1)
-    path = Path(pcfg.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+            (pcfg.warmup_iters + pcfg.iters) * m["time_s"] / m["sp"] for m in out["measurements"] if m["time_s"]), 1)
+    try:
+        path.write_text(json.dumps(out, indent=1) + "\n")
+    except OSError as e:
+        print(f"profile: profile.output={pcfg.output}: cannot write ({e.strerror})", file=sys.stderr)
+        return 2
     print(format_table(out))
     print(f"wrote {path}: use it with  python -m data_tools.pack --groups auto --profile {path} "
           f"--world-size {pcfg.world_size} ...")

@@ -99,11 +99,18 @@ def test_sp_divides_compute_and_adds_comm(model):
     got_ckpt = model.pack_time(pack, sp=sp, ckpt_layers=10, intra_node_gbps=gbps) - model.pack_time(
         pack, sp=sp, ckpt_layers=10, intra_node_gbps=1e30)
     assert got_ckpt == pytest.approx((2 * 32 + 10) * per_layer_fwd, rel=1e-9)
-    # An SP group larger than a node is limited by the inter-node link; kv heads are replicated up to sp.
+    # An SP group of 16 over nodes of 8 GPUs: each rank sends 1/16 of its T/16 tokens to each of 15 peers, 7 on
+    # its node and 8 on the other node; both links work at once, the slower sets the time. kv heads are
+    # replicated up to sp (16 x 128 wide).
     sp = 16
-    cross = model.pack_time(pack, sp=sp, intra_node_gbps=1e30, inter_node_gbps=gbps) - t1 / sp
     width = 2 * 4096 + 2 * 16 * 128
-    assert cross == pytest.approx(2 * 32 * tokens / sp * (sp - 1) / sp * width * 2 / (gbps * 1e9), rel=1e-9)
+    per_peer = tokens / sp / sp * width * 2
+    cross = model.pack_time(pack, sp=sp, intra_node_gbps=1e30, inter_node_gbps=gbps) - t1 / sp
+    assert cross == pytest.approx(2 * 32 * 8 * per_peer / (gbps * 1e9), rel=1e-9)
+    slow_nvlink = model.pack_time(pack, sp=sp, intra_node_gbps=gbps / 4, inter_node_gbps=gbps) - t1 / sp
+    assert slow_nvlink == pytest.approx(2 * 32 * 7 * per_peer / (gbps / 4 * 1e9), rel=1e-9)
+    # Within a node the inter-node link is never used.
+    assert model.pack_time(pack, sp=8, inter_node_gbps=1e-3) < 2 * model.pack_time(pack, sp=8)
     assert model.pack_time(pack, sp=1, intra_node_gbps=1e-3) == t1  # sp=1 never communicates
 
 
@@ -201,3 +208,40 @@ def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path)
         assert p["predicted_s"] == pytest.approx(model.pack_time(p["lengths"]))
         assert p["error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
     assert calibrate.main(common + ["--doc-lens", "256", "--out", str(out)]) == 2  # longer than --tokens
+
+
+def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
+    """The planner hook: a group's sp and ckpt_layers (null -> the default), and hbp balancing with it evens the
+    predicted slot times at least as well as the default sum of len^2 does."""
+    from hbp_train.cost_model import pack_cost_fn
+    from hbp_train.planning import GroupSpec, PlanConfig, make_plan
+    from hbp_train.planning.metrics import cost_balance_ratio
+
+    lengths = np.array([300, 5000, 20000, 64000, 1000])
+    ptr = np.array([0, 2, 4, 5])
+    cost = pack_cost_fn(model, ckpt_layers_default=6)
+    np.testing.assert_allclose(cost(lengths, ptr, GroupSpec(65536, 4, 10)), model.pack_times(lengths, ptr, 4, 10))
+    np.testing.assert_allclose(cost(lengths, ptr, GroupSpec(65536, 2, None)), model.pack_times(lengths, ptr, 2, 6))
+    rng = np.random.default_rng(0)
+    mix = np.minimum(rng.lognormal(6.5, 1.3, 3000).astype(np.int64) + 1, 32768)
+    base = dict(world_size=8, groups=[GroupSpec(4096, 1), GroupSpec(32768, 4)], global_tokens=1 << 18)
+    by_time = make_plan(mix, PlanConfig(pack_cost=cost, **base))
+    by_len2 = make_plan(mix, PlanConfig(**base))
+    isf = make_plan(mix, PlanConfig(strategy="isf", **base))
+    by_time.validate()
+    assert cost_balance_ratio(by_time, cost) < cost_balance_ratio(by_len2, cost)
+    assert cost_balance_ratio(by_time, cost) < cost_balance_ratio(isf, cost) / 5
+
+
+def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
+    from hbp_train import calibrate
+
+    common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128"]
+    assert calibrate.main(common + ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
+    assert "--doc-lens" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert calibrate.main(common + ["--doc-lens", "16", "--out", str(blocker / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and len(err.strip().splitlines()) == 1
+    assert calibrate.main(common + ["--doc-lens", "16", "--out", str(tmp_path)]) == 2

@@ -327,6 +327,24 @@ def test_measurement_code_path_on_a_tiny_cpu_model():
     for m in (plain, ckpt, est):
         assert not m.oom and m.time_s > 0 and m.peak_mem_bytes is None
     assert not plain.estimated and est.estimated and "slice" in est.note
+    # The estimate's arithmetic, with the slice run replaced by a known reading: slice time + the attention swap
+    # (whole-pack attention / sp for the slice's own) + (2L + c) forward all-to-all sets; memory + a2a buffers.
+    ran = []
+
+    def fake_run(docs, ckpt_layers, iters):
+        ran.append(list(docs))
+        return 0.5, 10 ** 9, 2 * 10 ** 9
+    b._run = fake_run
+    cm, sp, c, L = b.cost_model, 4, 1, 2
+    m = b.measure(512, sp, c, 1)
+    assert ran == [[128]] and m.estimated
+    swap = L * (cm.attention_fwdbwd([512]).sum() / sp - cm.attention_fwdbwd([128]).sum()) + \
+        c * (cm.attention_fwd([512]).sum() / sp - cm.attention_fwd([128]).sum())
+    a2a = float(cm.a2a_seconds(512, sp))
+    assert a2a > 0 and m.time_s == pytest.approx(0.5 + swap + (2 * L + c) * a2a, rel=1e-12)
+    buffers = 2 * (512 // sp) * shape.a2a_width(sp) * 2
+    assert m.peak_mem_bytes == 10 ** 9 + b.state_correction + buffers
+    assert m.nvml_used_bytes == 2 * 10 ** 9 + b.state_correction + buffers
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -379,3 +397,57 @@ def test_sp_degrees_limited_to_what_ulysses_can_split():
     p = Profiler(backend(), cfg(), sp_degrees=[1, 2, 4])
     p.find_best_sp_ckpt(131072)
     assert {m.sp for m in p.measurements} <= {1, 2, 4}
+
+
+LLAMA8B_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+                  "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+                  "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def test_cli_dry_run_8b_from_a_config_json_alone(tmp_path, capsys):
+    """The 128K experiment preset on a machine without the weights: a folder with only config.json (no tokenizer:
+    the config's vocabulary is used), no data.shards (the profiler reads no data). The l_max group's checkpoint
+    count is the fewest layers that fit the analytic memory model."""
+    from data_tools.pack import parse_groups
+
+    model_dir = tmp_path / "llama8b"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA8B_CONFIG))
+    path = tmp_path / "p8.json"
+    rc, out, err = run_cli(["experiment=llama3_8b_128k", f"model.name_or_path={model_dir}", "profile.dry_run=true",
+                            "profile.progress=false", f"profile.output={path}"], capsys)
+    assert rc == 0, err
+    data = json.loads(path.read_text())
+    assert data["model"]["vocab"] == 128256 and data["model"]["num_layers"] == 32
+    assert data["job"]["zero_stage"] == 3 and data["job"]["loss_chunk_tokens"] == 8192
+    top = data["groups"][-1]
+    assert top["pack_len"] == 131072 and top["role"].endswith("l_max")
+    shape = prof.parse_model_shape(data["model"])
+    job = prof.JobSettings(3, False, 8192)
+    fits = [c for c in range(33)
+            if prof.analytic_memory_bytes(shape, 131072, top["sp"], c, 8, job) <= data["memory_budget_bytes"]]
+    assert top["ckpt_layers"] == min(fits) and 0 < top["ckpt_layers"] < 32
+    # One document per pack makes the shortest candidate the best: said in the output.
+    assert data["l_best"] == 8192 and any("profile.docs" in w for w in data["warnings"])
+    # Every sp > 1 would run as its 1/sp slice on one GPU.
+    want = sum(4 * m["time_s"] / m["sp"] for m in data["measurements"] if m["time_s"])
+    assert data["profiler"]["predicted_gpu_measure_s"] == pytest.approx(want, abs=0.1)
+    assert [(g.pack_len, g.sp, g.ckpt_layers) for g in parse_groups("auto", str(path), 8)] == \
+        [(g["pack_len"], g["sp"], g["ckpt_layers"]) for g in data["groups"]]
+
+
+def test_cli_missing_model_dir_and_unwritable_output_are_one_line(tmp_path, capsys):
+    rc, _, err = run_cli(["model=llama3_8b", "model.name_or_path=/nonexistent/model", "profile.dry_run=true"],
+                         capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "config.json" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, _, err = run_cli(["profile.dry_run=true", f"profile.output={blocker}/p.json"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "profile.output" in err
+
+
+def test_gpu_run_needs_a_tokenizer(tmp_path):
+    with pytest.raises(ValueError, match="model.tokenizer"):
+        prof.tokenizer_vocab(str(tmp_path), dry_run=False)
+    assert prof.tokenizer_vocab(str(tmp_path), dry_run=True) is None

@@ -146,6 +146,14 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert "invalid JSON" in capsys.readouterr().err
     assert cli.main(["--plan", str(tmp_path / "missing.json")]) == 2
     assert cli.main(["--plan", str(bad), "--calibration", str(bad)]) == 2
+    capsys.readouterr()
+    good = tmp_path / "plan.json"
+    plan_a().to_json(good)
+    # Outputs that cannot be written, and more checkpointed layers than the model has: one line, exit 2.
+    for flags in (["--out", str(bad / "r.json")], ["--plot", str(tmp_path)], ["--ckpt-layers", "33"]):
+        assert cli.main(["--plan", str(good), *flags]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error:")
 
 
 def test_compare_cli_all_strategies(tmp_path, capsys):
@@ -168,4 +176,15 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
     assert rows["wlb"]["mean_deferred_wait_steps"] is not None
     assert "speed-up" in capsys.readouterr().out and png.stat().st_size > 10_000
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:3"]) == 2
+    # Groups from a profile (the profiler's JSON), as data_tools.pack reads them.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"groups": [{"pack_len": 2048, "sp": 1, "ckpt_layers": 0},
+                                              {"pack_len": 16384, "sp": 4, "ckpt_layers": 8}]}))
+    capsys.readouterr()
+    assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "auto", "--profile", str(profile),
+                         "--strategies", "isf,hbp", "--quiet", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"isf", "hbp"} and rows["hbp"]["num_steps"] > 0
+    assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "auto"]) == 2
+    assert "--profile" in capsys.readouterr().err
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:1", "--strategies", "x"]) == 2

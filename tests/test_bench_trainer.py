@@ -1,0 +1,120 @@
+"""bench/bench_trainer.py works (it does NOT check speed): the CPU smoke run trains both paths and writes the JSON;
+the HF baseline's batches carry exactly our packs and targets; the pack search escalates checkpointing on OOM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "bench_trainer.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_trainer", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_writes_both_paths(tmp_path):
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--model-shape", "tiny", "--pack-len", "1024", "--steps", "2",
+         "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["complete"]
+    paths = results["paths"]
+    assert set(paths) == {"ours", "hf_sdpa"}  # no faster HF attention trains on a CPU
+    for name, path in paths.items():
+        assert path["ran"], (name, path.get("error"))
+        assert path["tokens_per_s"] > 0 and len(path["step_times_s"]) == 2
+        assert path["device"].startswith("CPU") and path["mfu"] is None  # no peak FLOP/s for a CPU
+    # Same initial weights, same packs, fp32: the first step's loss is the same in both paths.
+    assert paths["ours"]["first_loss"] == pytest.approx(paths["hf_sdpa"]["first_loss"], rel=1e-4)
+    assert paths["ours"]["attention"] == "hbp_packed/sdpa_block"
+    assert results["sp1_check"]["speed_ratio_dispatcher_over_direct"] > 0  # ran; its value is not asserted
+    assert "ours/hf_sdpa" in results["ratios"] and results["ratios"]["ours/best_hf"]["best_hf"] == "hf_sdpa"
+    search = results["pack_search"]
+    assert [a["pack_len"] for a in search["attempts"]] == [1024, 2048] and search["longest_ok"] == 2048
+    assert "measured on CPU" in proc.stdout and "longest pack that trained: 2048" in proc.stdout
+
+
+def test_hf_batch_holds_the_same_tokens_and_targets_as_ours():
+    from hbp_train.data import collate_pack
+
+    packs = bench.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
+    again = bench.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
+    for pack, twin in zip(packs, again):
+        assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(pack, twin))  # seeded
+        assert sum(len(d["input_ids"]) for d in pack) == 2048  # every pack is exactly pack_len
+        ours = collate_pack(bench.pack_row(pack))
+        hf = bench.hf_batch(pack, flash_kwargs=True)
+        assert torch.equal(hf["input_ids"], ours["input_ids"]) and torch.equal(hf["position_ids"], ours["position_ids"])
+        # HF's loss shifts the flattened labels by one; the collator masks each sample's first label, so no sample
+        # predicts its neighbour's first token: the targets are exactly our per-sample shifted labels.
+        hf_targets = torch.cat([hf["labels"][0, 1:], torch.tensor([-100])])
+        assert torch.equal(hf_targets, ours["shift_labels"][0])
+        assert torch.equal(hf["cu_seq_lens_q"].to(torch.int32), ours["cu_seqlens"])
+
+
+def test_pack_search_adds_checkpointing_after_oom(monkeypatch):
+    """Fake engine: a pack of `length` tokens fits iff length * (layers - ckpt + 1) <= budget."""
+    num_layers, budget = 8, 5 * 4096
+    built, destroyed = [], []
+
+    def fake_run():
+        run = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(
+            num_hidden_layers=num_layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=500)), device=torch.device("cpu"))
+        built.append(run)
+        return run
+
+    def fake_step(run, batch, step, ckpt):
+        assert all(run is not gone for gone in destroyed), "a destroyed engine was used again"
+        if batch["input_ids"].shape[1] * (num_layers - ckpt + 1) > budget:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        return 0.5, 1.0
+
+    monkeypatch.setattr(bench, "ours_step", fake_step)
+    monkeypatch.setattr(bench, "destroy_ours", destroyed.append)
+    args = SimpleNamespace(ckpt_levels=None, pack_len=1024, max_pack_search=32768, search_docs="single", seed=0,
+                           prompt_frac=0.0, search_budget_s=60.0, search_steps=1)
+    first = {"pack_len": 1024, "ckpt_layers": 0, "ok": True, "oom": False}
+    saved = []  # attempts in the partial result handed over after each attempt (the bench saves it right then)
+    result, run = bench.pack_search(args, fake_run(), fake_run, {"vocab_size": 500}, torch.device("cpu"), None, first,
+                                    lambda partial: saved.append(len(partial["attempts"])))
+    tried = [(a["pack_len"], a["ckpt_layers"], a["ok"]) for a in result["attempts"]]
+    # Levels 0, 2, 4, 6, 8, tried from the last one that fitted: 2048 fits at 0, 4096 needs 4, 8192 and 16384
+    # need all 8, 32768 fits at none (the search stops there).
+    assert tried == [(1024, 0, True), (2048, 0, True), (4096, 0, False), (4096, 2, False), (4096, 4, True),
+                     (8192, 4, False), (8192, 6, False), (8192, 8, True), (16384, 8, True), (32768, 8, False)]
+    assert all(a["oom"] for a in result["attempts"] if not a["ok"])
+    assert result["longest_ok"] == 16384 and result["ckpt_layers_needed"] == 8 and not result["goal_met"]
+    # One fresh engine per OOM, none after the last level failed (nothing is left to try).
+    assert len(destroyed) == 5 and len(built) == 5 and run is None
+    assert saved == list(range(2, 11))
+
+
+def test_bad_model_shape_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets these for a CPU run; restored after the test
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert bench.main(["--device", "cpu", "--model-shape", "{\"hidden_size\": 8}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing HF config field" in err[0]

@@ -121,6 +121,8 @@ def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0) -> 
         raise ValueError(f"num_samples must be >= 0, got {num_samples}")
     if max_tokens < 64:
         raise ValueError(f"max_tokens must be >= 64 (room for one short exchange), got {max_tokens}")
+    if seed < 0:  # numpy's generator rejects it with a message that names no option
+        raise ValueError(f"seed must be >= 0, got {seed}")
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(num_samples):
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=2048,
                         help="longest sample, in tokens of the shipped tokenizer with its chat template; the long "
                              "tail reaches almost this (default 2048, sized for the CPU demo)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same file (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same file (default 0)")
     args = parser.parse_args(argv)
     try:
         records = generate(args.num_samples, args.max_tokens, args.seed)

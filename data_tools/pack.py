@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "* W/sp)))")
     p.add_argument("--curriculum-steps", type=int, default=0,
                    help="the first K steps use only the shortest group (isf: only packs of short samples)")
-    p.add_argument("--seed", type=int, default=0, help="seed for all shuffles; same inputs + seed = same plan")
+    p.add_argument("--seed", type=int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same plan")
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
                    "move samples between the packs of a slot to even their cost")
@@ -104,7 +104,13 @@ def read_lengths(path: str) -> np.ndarray:
         if len(bad):
             raise CliError(f"{path}[{int(bad[0])}]: length {int(arr[bad[0]])}; every sample needs >= 1 token")
         return arr
-    lines = f.read_text().split("\n")
+    data = f.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data[:e.start].count(b"\n") + 1
+        raise CliError(f"{path}:{line_no}: not UTF-8 text; give one integer per line or a .npy file") from None
+    lines = text.split("\n")
     while lines and not lines[-1].strip():
         lines.pop()
     try:
@@ -112,9 +118,11 @@ def read_lengths(path: str) -> np.ndarray:
     except (ValueError, OverflowError):
         for no, line in enumerate(lines, 1):
             try:
-                int(line.strip())
+                value = int(line.strip())
             except ValueError:
                 raise CliError(f"{path}:{no}: {line.strip()[:40]!r} is not an integer token length") from None
+            if not -(1 << 63) <= value < 1 << 63:
+                raise CliError(f"{path}:{no}: length {line.strip()[:40]} is too large for a token length") from None
         raise CliError(f"{path}: could not read the lengths") from None
     bad = np.flatnonzero(arr <= 0)
     if len(bad):
@@ -127,7 +135,10 @@ def read_dataset_lengths(path: str) -> np.ndarray:
         raise CliError(f"--dataset {path}: not a dataset saved with save_to_disk (no state.json)")
     import datasets
 
-    ds = datasets.load_from_disk(path)
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # noqa: BLE001 - a damaged dataset dir is a user error; say why in one line
+        raise CliError(f"--dataset {path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if "length" not in ds.column_names:
         raise CliError(f"--dataset {path}: no 'length' column (columns: {', '.join(ds.column_names)})")
     arr = np.asarray(ds.data.column("length").to_numpy(), np.int64)
@@ -150,6 +161,8 @@ def parse_groups(text: str, profile: str | None, world_size: int):
             raise CliError(f"--profile {profile}: no such file") from None
         except json.JSONDecodeError as e:
             raise CliError(f"--profile {profile}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except UnicodeDecodeError:
+            raise CliError(f"--profile {profile}: not UTF-8 text; pass the profiler's profile.json") from None
         if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
             raise CliError(f"--profile {profile}: missing key 'groups' (a list of {{pack_len, sp, ckpt_layers}})")
         items = []
@@ -211,8 +224,10 @@ def run(argv=None) -> int:
     for flag, val in (("--global-tokens", args.global_tokens), ("--max-len", args.max_len)):
         if val is not None and val < 1:
             raise CliError(f"{flag} must be >= 1, got {val}")
-    if args.curriculum_steps < 0:
-        raise CliError(f"--curriculum-steps must be >= 0, got {args.curriculum_steps}")
+    for flag, val in (("--curriculum-steps", args.curriculum_steps), ("--seed", args.seed),
+                      ("--isf-rounds", args.isf_rounds), ("--isf-threshold", args.isf_threshold)):
+        if val is not None and val < 0:
+            raise CliError(f"{flag} must be >= 0, got {val}")
     groups = parse_groups(args.groups, args.profile, args.world_size)
     if args.max_len is not None and args.max_len > groups[-1].pack_len:
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
@@ -289,6 +304,9 @@ def main(argv=None) -> int:
         return 2
     except ValueError as e:  # config validation (PlanConfig/GroupSpec) reports the field
         print(f"pack: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an output (or input) path the OS refuses: a directory, no permission, a full disk
+        print(f"pack: error: {e.filename or ''}: {e.strerror or e}; check the path and its permissions", file=sys.stderr)
         return 2
 
 

@@ -415,6 +415,11 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
         raise PreprocessError(f"--max-len {max_len} is too small; it must be >= 2 (one input and one target)")
     if num_proc < 1:
         raise PreprocessError(f"--num-proc {num_proc} must be >= 1")
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if num_proc > num_cpus:
+        # More tokenizer workers than CPUs only adds memory (each holds a tokenizer); a huge N would fork-bomb.
+        print(f"warning: --num-proc {num_proc} > {num_cpus} CPUs available; using {num_cpus}", file=sys.stderr)
+        num_proc = num_cpus
     if num_shards is not None and num_shards < 1:
         raise PreprocessError(f"--num-shards {num_shards} must be >= 1")
     inputs = [str(p) for p in inputs]
@@ -423,8 +428,12 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
 
     encoder = ChatEncoder(str(tokenizer))
     features = _features()
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.staging-", dir=output_dir.parent))
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.staging-", dir=output_dir.parent))
+    except OSError as e:
+        raise PreprocessError(f"{output_dir}: cannot create the output directory ({e.strerror}); pass a writable "
+                              f"--output path") from None
     pool = dropped_file = writer = bar = None
     try:
         if num_proc > 1:
@@ -614,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "exit code 2; skip drops it and counts it by reason in report.json/dropped.jsonl "
                              "(default fail)")
     parser.add_argument("--num-proc", type=int, default=1, metavar="N",
-                        help="tokenizer worker processes; the output is identical for any N (default 1)")
+                        help="tokenizer worker processes, at most the number of CPUs; the output is identical for "
+                             "any N (default 1)")
     parser.add_argument("--num-shards", type=int, default=None, metavar="N",
                         help="number of dataset shard files (default: datasets' choice, ~500 MB each)")
     return parser

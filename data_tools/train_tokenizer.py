@@ -56,6 +56,7 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    out.mkdir(parents=True, exist_ok=True)  # before training: an unusable --out fails at once
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -76,7 +77,6 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
         model_max_length=1_000_000,  # a property of the model, not of this tokenizer; keep HF from warning
         clean_up_tokenization_spaces=False,
     )
-    out.mkdir(parents=True, exist_ok=True)
     hf_tokenizer.save_pretrained(str(out))
     # The chat template lives in tokenizer_config.json (read by every transformers version, one file to review),
     # and the class is named by its portable alias rather than transformers 5's internal "TokenizersBackend".
@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab_size < 300:
         print("error: --vocab-size must be >= 300 (256 bytes + special tokens + merges)", file=sys.stderr)
         return 2
-    out = train(args.out, args.vocab_size)
+    try:
+        out = train(args.out, args.vocab_size)
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror or e}; pass a writable --out directory", file=sys.stderr)
+        return 2
     print(f"saved tokenizer to {out}")
     return 0
 

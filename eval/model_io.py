@@ -27,7 +27,10 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: no CUDA GPU is visible; use --device cpu or auto")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:  # torch's message lists every device type it knows; ours says what is meant
+        raise UsageError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -208,8 +208,9 @@ def run_opencompass(args) -> int:
     model_dir = check_model_dir(args.model)
     families = oc.parse_datasets(args.datasets)
     for option, value in (("--max-out-len", args.max_out_len), ("--batch-size", args.batch_size),
-                          ("--num-gpus", args.num_gpus), ("--max-num-workers", args.max_num_workers)):
-        if value < 1:
+                          ("--num-gpus", args.num_gpus), ("--max-num-workers", args.max_num_workers),
+                          ("--max-seq-len", args.max_seq_len)):
+        if value is not None and value < 1:
             raise UsageError(f"{option} {value}: need >= 1")
     venv = Path(args.venv or oc.DEFAULT_VENV)
     root = oc.data_root(args.data_cache)
@@ -226,7 +227,11 @@ def run_opencompass(args) -> int:
     lengths = oc.parse_lengths(args.long_lengths, families)
     max_seq_len = args.max_seq_len
     if max_seq_len is None:
-        config = json.loads((model_dir / "config.json").read_text())
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UsageError(f"--model {model_dir}: config.json is not valid JSON ({err}); re-export the "
+                             "checkpoint or pass --max-seq-len") from None
         max_seq_len = int(config.get("max_position_embeddings") or 32768)
     longest = max((_length_tokens(n) for names in lengths.values() for n in names), default=0)
     if longest > max_seq_len:

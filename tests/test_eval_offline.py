@@ -191,6 +191,7 @@ def test_needle_scores_match_direct_computation(loaded):
     (["--depths", "0,1.5"], "--depths: need fractions in [0, 1]"),
     (["--distractors", "0"], "--distractors: need >= 1"),
     (["--dataset", "/nonexistent/heldout"], "--dataset /nonexistent/heldout: no such directory"),
+    (["--device", "tpu", "--lengths", "200"], "--device tpu: not a device"),
 ])
 def test_offline_bad_input_is_one_line(checkpoint, tmp_path, capsys, argv_tail, expected):
     code = main(["offline", "--model", str(checkpoint), "--out", str(tmp_path), "--no-progress", *argv_tail])

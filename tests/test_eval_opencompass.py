@@ -224,3 +224,35 @@ def test_setup_creates_venv_then_installs(tmp_path, monkeypatch):
     installs = [c[-1] for c in calls[1:]]
     assert installs[-1] == oc.OPENCOMPASS_REQUIREMENT
     assert any(i.startswith("torch==") for i in installs)  # torch pinned before OpenCompass can pull a CUDA build
+
+
+def test_bad_config_json_and_max_seq_len_are_one_line(model_dir, tmp_path, capsys):
+    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--max-seq-len", "0",
+                 "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --max-seq-len 0: need >= 1"
+    (model_dir / "config.json").write_text("{not json")
+    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.json is not valid JSON" in err and "\n" not in err
+    assert not (tmp_path / "oc").exists()  # nothing written before the input is known to be good
+
+
+def test_help_documents_every_option(capsys):
+    """--help of the CLI and of both subcommands explains every option."""
+    import argparse
+
+    from eval.run import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for argv, sub in (([], parser), (["offline"], subparsers.choices["offline"]),
+                      (["opencompass"], subparsers.choices["opencompass"])):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--help"])
+        assert info.value.code == 0
+        text = capsys.readouterr().out
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), action.option_strings
+            assert all(opt in text for opt in action.option_strings), action.option_strings

@@ -79,3 +79,7 @@ def test_bad_arguments(tmp_path, capsys):
     assert "max_tokens must be >= 64" in capsys.readouterr().err
     with pytest.raises(ValueError, match="num_samples"):
         generate(-1)
+    assert main(["--out", str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2
+    assert "seed must be >= 0" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--num-samples", "1"]) == 2  # a directory, not a file
+    assert f"cannot write {tmp_path}" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def lengths_file(tmp_path):
 
 def test_full_run_writes_plan_table_and_plot(tmp_path, lengths_file, capsys):
     path, lengths = lengths_file
-    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    out, png = tmp_path / "plan.json", tmp_path / "figures" / "plan.png"  # the plot's folder is created
     assert main(["--lengths", str(path), *BASE, "--out", str(out), "--plot", str(png), "--curriculum-steps", "2"]) == 0
     printed = capsys.readouterr().out
     assert "hbp" in printed and "isf" in printed and "ABR" in printed and "sp_required_share" in printed
@@ -67,6 +67,9 @@ def test_help_explains_every_flag(capsys):
     for flag in ("--lengths", "--dataset", "--shards", "--max-len", "--world-size", "--groups", "--profile",
                  "--strategy", "--global-tokens", "--curriculum-steps", "--seed", "--out", "--plot"):
         assert flag in text
+    for action in build_parser()._actions:  # every option, including ones added later, is explained
+        assert action.help and action.help.strip(), action.option_strings
+        assert all(opt in text for opt in action.option_strings)
 
 
 def _error(capsys, argv, expect):
@@ -95,7 +98,49 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
     prof = tmp_path / "prof.json"
     prof.write_text(json.dumps({"layers": []}))
     _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "missing key 'groups'")
+    prof.write_bytes(b"\xff\xfe{}")
+    _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "not UTF-8")
+    _error(capsys, common + ["--groups", "auto", "--profile", str(tmp_path)], f"{tmp_path}: Is a directory")
     _error(capsys, ["--lengths", str(tmp_path / "missing.txt"), *BASE, "--out", "x.json"], "no such file")
     _error(capsys, ["--lengths", str(good), *BASE], "--out FILE is required")
     _error(capsys, ["--lengths", str(good), *BASE, "--shards", "o", "--out", "x"], "--shards needs --dataset")
     _error(capsys, ["--world-size", "4"], "required")
+    notutf8 = tmp_path / "latin1.txt"
+    notutf8.write_bytes(b"12\n7\n\xe9\n")
+    _error(capsys, ["--lengths", str(notutf8), *BASE, "--out", "x.json"], f"{notutf8}:3: not UTF-8")
+    huge = tmp_path / "huge.txt"
+    huge.write_text("12\n7\n99999999999999999999999\n")
+    _error(capsys, ["--lengths", str(huge), *BASE, "--out", "x.json"], f"{huge}:3: length 99999999999999999999999 is too large")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _error(capsys, ["--lengths", str(empty), *BASE, "--out", "x.json"], "no samples")
+    _error(capsys, ["--lengths", str(good), *BASE, "--out", "x.json", "--seed", "-1"], "--seed must be >= 0")
+    _error(capsys, ["--lengths", str(good), *BASE, "--out", str(tmp_path)], f"{tmp_path}: Is a directory")
+    broken = tmp_path / "broken_ds"
+    broken.mkdir()
+    (broken / "state.json").write_text("{")
+    _error(capsys, ["--dataset", str(broken), *BASE, "--out", "x.json"], f"--dataset {broken}: cannot load")
+
+
+def test_plot_edge_cases(tmp_path):
+    """The figure also draws a plan whose samples were all dropped (no steps), without warnings; with two
+    groups the per-replica panels show NUM_STEPS_SHOWN steps taken from both groups."""
+    import warnings
+
+    from hbp_train.planning import GroupSpec, PlanConfig, make_plan
+    from hbp_train.planning.plot import NUM_STEPS_SHOWN, _steps_to_show, plot_plans
+
+    cfg = dict(world_size=2, groups=[GroupSpec(64, 1)])
+    empty = {s: make_plan([100, 200], PlanConfig(strategy=s, **cfg)) for s in ("isf", "hbp")}
+    assert empty["hbp"].num_steps == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_plans(empty["isf"], empty["hbp"], tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").stat().st_size > 10_000
+
+    rng = np.random.default_rng(0)
+    lengths = np.r_[rng.integers(1, 256, 400), rng.integers(257, 1024, 40)]
+    plan = make_plan(lengths, PlanConfig(world_size=4, groups=[GroupSpec(256, 1), GroupSpec(1024, 2)],
+                                         global_tokens=2048))
+    shown = _steps_to_show(plan)
+    assert len(shown) == NUM_STEPS_SHOWN and set(plan.step_group[shown].tolist()) == {0, 1}

@@ -86,3 +86,32 @@ def test_custom_pack_cost_is_balanced():
 
     isf = make_plan(lengths, PlanConfig(world_size=8, groups=cfg.groups, global_tokens=1 << 16, strategy="isf"))
     assert cost_balance_ratio(plan, cost) < cost_balance_ratio(isf, cost) / 5
+
+
+def test_size_classes_same_above_the_table_limit(monkeypatch):
+    """Past SIZE_CLASS_TABLE_MAX the classes come from a float log2 per sample: same classes as the table."""
+    import hbp_train.planning.hbp as hbp
+
+    sizes = np.r_[1, 2, 3, 1000, 1 << 16, (1 << 16) + 1, np.random.default_rng(0).integers(1, 1 << 20, 500)]
+    table = size_classes(sizes)
+    monkeypatch.setattr(hbp, "SIZE_CLASS_TABLE_MAX", 8)
+    assert np.array_equal(size_classes(sizes), table)
+    assert np.array_equal(table, np.floor(np.log2(sizes) * 2).astype(np.int16))
+
+
+def test_very_long_sample_plans_without_a_length_sized_table():
+    """One sample of 2^26 tokens: planning must not allocate memory proportional to the longest length
+    (a 3e9-token line once made a 24 GB lookup table)."""
+    import tracemalloc
+
+    lengths = np.r_[np.full(50, 100), 1 << 26]
+    cfg = PlanConfig(world_size=2, groups=[GroupSpec(1024, 1), GroupSpec(1 << 27, 2)], global_tokens=1 << 27)
+    tracemalloc.start()
+    try:
+        plan = make_plan(lengths, cfg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    plan.validate()
+    assert plan.num_samples == 51 and len(plan.dropped) == 0
+    assert peak < 64 << 20, peak

@@ -157,3 +157,45 @@ def test_tail_splits_multi_sample_packs_before_using_empty_packs():
     plan = make_plan([4] * 8, PlanConfig(world_size=4, groups=[GroupSpec(16, 1)], global_tokens=1))
     plan.validate()
     assert plan.num_empty_packs == 0 and plan.num_packs == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=4), curriculum=st.integers(0, 50),
+       seed=st.integers(0, 5))
+def test_curriculum_then_proportional_interleave(counts, curriculum, seed):
+    """order_steps: a permutation; the first K steps from the lowest level; after them every prefix holds each
+    level's steps in proportion to its remaining count (within L - 1 steps for L levels: each level's keys
+    (j + u) / n put it within one step of its share); deterministic for a seed."""
+    from hbp_train.planning.curriculum import order_steps
+
+    level = np.repeat(np.arange(len(counts)), counts)
+    order = order_steps(level, curriculum, np.random.default_rng(seed))
+    assert np.array_equal(order, order_steps(level, curriculum, np.random.default_rng(seed)))
+    assert sorted(order.tolist()) == list(range(len(level)))
+    if len(level) == 0:
+        return
+    lowest = level.min()
+    k = min(curriculum, int(np.count_nonzero(level == lowest)))
+    assert np.all(level[order[:k]] == lowest)
+    rest = level[order[k:]]
+    num_levels = len(np.unique(rest))
+    for v in np.unique(rest):
+        share = np.count_nonzero(rest == v) / len(rest)
+        seen = np.cumsum(rest == v)
+        assert np.all(np.abs(seen - share * np.arange(1, len(rest) + 1)) <= max(1, num_levels - 1) + 1e-9)
+
+
+@SETTINGS
+@given(cases())
+def test_refine_never_worse_than_paper_sort(case):
+    """balance="refine" starts from the paper's cost-sorted slots and accepts only moves that lower a slot's
+    maximum at equal total, so its ABR is never above balance="sort" on the same packs."""
+    lengths, cfg = case
+    if cfg.strategy != "hbp":
+        return
+    from dataclasses import replace
+
+    sort = make_plan(lengths, replace(cfg, balance="sort"))
+    refine = make_plan(lengths, replace(cfg, balance="refine"))
+    assert refine.metrics["ABR"] <= sort.metrics["ABR"] + 1e-12
+    assert refine.metrics["tokens"] == sort.metrics["tokens"]

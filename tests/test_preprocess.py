@@ -155,6 +155,16 @@ def test_json_file_with_json_lines_is_read_as_jsonl(tmp_path):
     assert report["kept"] == 2
 
 
+def test_format_flag_forces_the_shape(tmp_path):
+    """--format skips detection: records of another shape are bad input (missing_field), counted in skip mode."""
+    report, dataset = run(tmp_path, [ASSETS / "alpaca.json", ASSETS / "messages.jsonl"], fmt="alpaca",
+                          on_error="skip")
+    assert report["formats"] == {"alpaca": 3} and report["dropped"] == {"missing_field": 4}
+    assert report["read"] == 7 and len(dataset) == report["kept"] == 3
+    with pytest.raises(PreprocessError, match=r"messages.jsonl:1: missing field 'instruction'"):
+        run(tmp_path, [ASSETS / "messages.jsonl"], "fail", fmt="alpaca")
+
+
 # ------------------------------------------------------------------------------------------ chat templates
 
 
@@ -331,6 +341,18 @@ def test_bad_arguments_and_nothing_kept(tmp_path):
         run(tmp_path, [good], "taken")
     with pytest.raises(PreprocessError, match=r"no sample kept out of 1 read \(overlong: 1\)"):
         run(tmp_path, [good], max_len=4)
+    with pytest.raises(PreprocessError, match="cannot create the output directory"):
+        run(tmp_path, [good], "good.jsonl/out")  # a file where the output's parent should be
+
+
+def test_num_proc_above_the_cpu_count_is_capped_with_a_warning(tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD])
+    report, dataset = run(tmp_path, [path], num_proc=10**6)  # would fork a million workers
+    assert report["kept"] == len(dataset) == 2
+    assert "--num-proc 1000000 > 1 CPUs available; using 1" in capsys.readouterr().err
 
 
 def test_help_explains_every_option(capsys):
@@ -341,6 +363,10 @@ def test_help_explains_every_option(capsys):
     for option in ("--input", "--output", "--tokenizer", "--format", "--max-len", "--overlong", "--on-error",
                    "--num-proc", "--num-shards", "default ChatML template"):
         assert option in text
+    from data_tools.preprocess import build_parser
+
+    for action in build_parser()._actions:  # every option, including ones added later, is explained
+        assert action.help and action.help.strip(), action.option_strings
 
 
 # ------------------------------------------------------------------------------------------- saved dataset
@@ -356,6 +382,18 @@ def test_roundtrip_shards_and_rerun(tmp_path, encoder):
     assert report["num_shards"] == 3 and len(list((tmp_path / "out").glob("data-*.arrow"))) == 3
     dataset = datasets.load_from_disk(str(tmp_path / "out"))  # memory-mapped from the shards
     assert len(dataset) == 60
+    # report.json on disk is the returned report and has every key of the contract (docs/architecture.md).
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
+    for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles", "inputs",
+                "tokenizer", "max_len", "formats", "chat_template", "label_mode", "overlong", "on_error",
+                "num_shards"):
+        assert key in report, key
+    lengths = np.asarray(dataset["length"])
+    assert report["length_percentiles"] == {
+        **{f"p{q}": int(np.percentile(lengths, q)) for q in (50, 90, 99)},
+        "min": int(lengths.min()), "max": int(lengths.max()), "mean": round(float(lengths.mean()), 1)}
+    assert (report["read"], report["kept"], report["tokens"]) == (60, 60, int(lengths.sum()))
+    assert report["loss_tokens"] == sum(dataset["num_loss_tokens"])
     for i, record in enumerate(records):
         ids, labels = encoder.encode(record["messages"])
         row = dataset[i]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from data_tools.train_tokenizer import BOS, EOS, IM_END, IM_START, PAD, train
+from data_tools.train_tokenizer import BOS, EOS, IM_END, IM_START, PAD, main, train
 
 
 def test_training_is_deterministic_and_reproduces_the_shipped_files(tmp_path, tokenizer_dir):
@@ -35,3 +35,13 @@ def test_shipped_tokenizer_loads_offline_with_specials_and_assistant_mask(tokeni
     prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt == (f"{BOS}{IM_START}system\nBe exact.{IM_END}\n{IM_START}user\nRepeat: babo{IM_END}\n"
                       f"{IM_START}assistant\n")
+
+
+def test_cli_bad_arguments_are_one_line_exit_2(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "tok"), "--vocab-size", "10"]) == 2
+    assert "--vocab-size must be >= 300" in capsys.readouterr().err
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    assert main(["--out", str(taken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write {taken}") and "\n" not in err

@@ -30,12 +30,17 @@ from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 
 # Size classes per doubling of length: 2 -> classes [2^(c/2), 2^((c+1)/2)), samples within 1.41x of each other.
 CLASSES_PER_OCTAVE = 2
+# Longest sample for which size_classes uses a lookup table (32 MB); beyond it, a float log2 per sample.
+SIZE_CLASS_TABLE_MAX = 1 << 22
 
 
 def size_classes(sizes: np.ndarray) -> np.ndarray:
     """int16 size class of every size (larger size -> larger class): floor(2 * log2(size))."""
     sizes = np.maximum(np.asarray(sizes, np.int64), 1)
     top = int(sizes.max()) if len(sizes) else 1
+    if top > SIZE_CLASS_TABLE_MAX:
+        # Absurdly long samples: a table over 1..top would need 8 * top bytes (3e9 tokens -> 24 GB). Same formula.
+        return np.floor(np.log2(sizes.astype(np.float64)) * CLASSES_PER_OCTAVE).astype(np.int16)
     # A lookup table over 1..max length is far cheaper than a float log2 per sample.
     table = np.floor(np.log2(np.arange(1, top + 1, dtype=np.float64)) * CLASSES_PER_OCTAVE).astype(np.int16)
     return table[sizes - 1]

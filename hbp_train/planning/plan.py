@@ -77,7 +77,7 @@ class PlanConfig:
     curriculum_steps: int = 0
     """The first K steps use only the shortest group (hbp) / only packs of short samples (isf)."""
     seed: int = 0
-    """Seed for every random choice (shuffles, step order, interleave); same seed + lengths -> same plan."""
+    """Seed (>= 0) for every random choice (shuffles, step order, interleave); same seed + lengths -> same plan."""
     isf_rounds: int = 4
     """ISF: shuffle-and-fill rounds before the leftovers are packed as they come."""
     isf_threshold: int | None = None
@@ -114,6 +114,8 @@ class PlanConfig:
             )
         if self.curriculum_steps < 0:
             raise ValueError(f"curriculum_steps must be >= 0, got {self.curriculum_steps}")
+        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:  # numpy's RNG takes no negative seed
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.isf_rounds < 0:
             raise ValueError(f"isf_rounds must be >= 0, got {self.isf_rounds}")
         if self.isf_threshold is not None and self.isf_threshold < 0:

@@ -3,6 +3,8 @@ steps (isf vs hbp), and ABR per step. Used by ``data_tools.pack --plot``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from hbp_train.planning.plan import Plan
@@ -56,7 +58,8 @@ def plot_plans(isf: Plan | None, hbp: Plan | None, path: str) -> None:
         ax.set_ylim(0, 1.15)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(f"{name}: per-replica attention cost of {len(shown)} steps (1 = balanced)")
-        ax.legend(fontsize=8)
+        if shown:  # a plan whose samples were all dropped has no steps to draw
+            ax.legend(fontsize=8)
     if len(plans) == 1:
         axes[1, 0].axis("off")
 
@@ -70,14 +73,16 @@ def plot_plans(isf: Plan | None, hbp: Plan | None, path: str) -> None:
     ax.set_title("attention balance ratio per step (lower is better)")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as Plan.to_json does for plan.json
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def _steps_to_show(plan: Plan) -> list[int]:
-    """A few steps: for several groups, the first steps of each group, so every group is represented."""
+    """The first NUM_STEPS_SHOWN steps taken round-robin over the groups (each group's first steps), so every
+    group is represented when there are few groups and isf and hbp show the same number of steps."""
+    per_group = [np.flatnonzero(plan.step_group == g).tolist() for g in np.unique(plan.step_group)]
     out = []
-    groups = np.unique(plan.step_group)
-    for g in groups:
-        out.extend(np.flatnonzero(plan.step_group == g)[: max(1, NUM_STEPS_SHOWN // len(groups))].tolist())
-    return sorted(out)[:NUM_STEPS_SHOWN] if len(groups) <= NUM_STEPS_SHOWN else out[:NUM_STEPS_SHOWN]
+    for k in range(NUM_STEPS_SHOWN):
+        out.extend(steps[k] for steps in per_group if k < len(steps))
+    return sorted(out[:NUM_STEPS_SHOWN])

@@ -126,13 +126,13 @@ def empty_micro_batch(pad_token_id: int = 0) -> dict:
 
 
 def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
-    """Split a micro-batch along T into ``sp`` slices for Ulysses sequence parallelism; identity for sp=1.
+    """This SP rank's slice of a micro-batch along T (padded to a multiple of sp); see ulysses.split_for_sp.
 
-    The single place where a batch is sharded for SP (the Ulysses work replaces the sp>1 branch).
+    The single place where a batch is sharded for SP. Adds num_local_tokens (real tokens in the slice).
     """
-    if sp == 1:
-        return batch
-    raise NotImplementedError("Ulysses: see hbp_train/ulysses.py")
+    from hbp_train.ulysses import split_for_sp as ulysses_split  # SP (issue #6)
+
+    return ulysses_split(batch, sp, sp_rank)
 
 
 def _is_empty_row(row) -> bool:

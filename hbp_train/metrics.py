@@ -204,6 +204,7 @@ def format_line(m: dict) -> str:
         f" | {m['perf/tokens_per_s']:,.0f} tok/s | mfu {_fmt(None if mfu is None else 100 * mfu, '.1f')}%"
         f" | imb {m['balance/imbalance']:.3f} (BR live {m['balance/live_BR']:.3f}, plan ABR {_fmt(m['balance/plan_ABR'], '.3f')}"
         f" DBR {_fmt(m['balance/plan_DBR'], '.3f')}) | mem {m['memory/peak_gib']:.2f} GiB"
-        f" | group {m['plan/group']} sp {m['plan/sp']} m {m['plan/micro_batches']}"
+        f" | group {m['plan/group']} sp={m['plan/sp']} m {m['plan/micro_batches']}"
+        f"{' cr ' + format(m['sp/cr'], '.2f') if m.get('sp/cr') is not None else ''}"
         f" | data {m['perf/data_wait_pct']:.1f}%"
     )

@@ -56,6 +56,33 @@ def valid_sp_degrees(world_size: int) -> list[int]:
     return [s for s in (1 << i for i in range(world_size.bit_length())) if world_size % s == 0]
 
 
+def check_sp_degrees(sp_degrees, world_size: int) -> list[int]:
+    """Validate SP degrees against the world size; return them sorted, unique, with 1 always included.
+
+    Raises ValueError (one line, naming the degree and the fix) for a degree that is not an integer, is below 1,
+    or is not a power of two dividing the world size: an SP group is ``sp`` consecutive ranks, and the ranks
+    must split into whole groups.
+    """
+    degrees = {1}
+    for sp in sp_degrees:
+        if isinstance(sp, bool) or not hasattr(sp, "__index__"):  # ints and numpy ints, not floats or strings
+            raise ValueError(f"sp={sp!r} is not an integer; SP degrees are powers of two such as 1, 2, 4")
+        sp = sp.__index__()
+        if sp < 1 or sp not in valid_sp_degrees(world_size):
+            raise ValueError(
+                f"sp={sp} is not usable with world size {world_size}: SP degrees must be powers of two that "
+                f"divide the world size ({', '.join(map(str, valid_sp_degrees(world_size)))})"
+            )
+        degrees.add(sp)
+    return sorted(degrees)
+
+
+def sp_group_ranks(rank: int, sp: int) -> list[int]:
+    """The global ranks of the SP group of degree ``sp`` that ``rank`` belongs to (consecutive ranks)."""
+    start = rank - rank % sp
+    return list(range(start, start + sp))
+
+
 @dataclass
 class ParallelState:
     """Ranks and groups for every SP degree in use. Built once by :func:`build_parallel_state`."""
@@ -67,6 +94,15 @@ class ParallelState:
     """SP degree -> the SP group this rank belongs to (None for sp == 1: no communication)."""
     dp_groups: dict[int, object] = field(default_factory=dict)
     """SP degree -> the data-parallel group of ranks with the same SP rank."""
+
+    def sp_group(self, sp: int):
+        """This rank's SP group of degree ``sp`` (None for sp == 1); ValueError for a degree never built."""
+        if sp not in self.sp_groups:
+            raise ValueError(
+                f"sp={sp} was not built by build_parallel_state (built: {', '.join(map(str, self.sp_degrees))}); "
+                f"pass every SP degree of the plan's groups to it at start-up"
+            )
+        return self.sp_groups[sp]
 
     def sp_rank(self, sp: int) -> int:
         """This rank's position inside its SP group of degree ``sp``."""
@@ -89,20 +125,14 @@ def build_parallel_state(sp_degrees: list[int]) -> ParallelState:
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    degrees = sorted(set(int(s) for s in sp_degrees) | {1})
-    for sp in degrees:
-        if sp not in valid_sp_degrees(world_size):
-            raise ValueError(
-                f"sp={sp} is not usable with world size {world_size}: SP degrees must be powers of two that "
-                f"divide the world size ({valid_sp_degrees(world_size)})"
-            )
+    degrees = check_sp_degrees(sp_degrees, world_size)
     state = ParallelState(world_size=world_size, rank=rank, sp_degrees=degrees)
     for sp in degrees:
         if sp == 1:
             state.sp_groups[1] = None
         else:
             for start in range(0, world_size, sp):
-                ranks = list(range(start, start + sp))
+                ranks = sp_group_ranks(start, sp)
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     state.sp_groups[sp] = group

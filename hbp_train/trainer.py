@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hbp_train import checkpoint as ckpt
+from hbp_train import ulysses
 from hbp_train.data import PackedData, StepBatch, split_for_sp
 from hbp_train.loss import chunked_token_losses, normalize_loss
 from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
@@ -230,8 +231,7 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 def _set_sp(sp: int) -> None:
     """SP: switch the attention to the step's SP degree (the Ulysses dispatcher's active size)."""
-    if sp > 1:
-        raise NotImplementedError("Ulysses: see hbp_train/ulysses.py")
+    ulysses.set_active_sp(sp)
 
 
 def forward_backward(run: Run, step_batch: StepBatch) -> dict:
@@ -255,6 +255,8 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
         # One boundary per step, at its last micro-batch: ZeRO accumulates gradients until then.
         engine.set_gradient_accumulation_boundary(k == num_micro - 1)
         batch = _to_device(split_for_sp(micro_batch, sp, sp_rank), run.device)  # SP: the collate split
+        # SP: live CR — the attention dispatcher books this slice's real tokens as SP tokens or not.
+        ulysses.begin_micro_batch(batch["num_local_tokens"] if micro_batch["num_samples"] else 0)
         loss_tokens += micro_batch["num_loss_tokens"] if sp == 1 else float((batch["shift_labels"] != -100).sum())
         loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                         batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
@@ -267,18 +269,25 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
 
 
 def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
-    """The micro-batch's scalar for backward (SP: the loss reduction over the SP group belongs here)."""
-    return normalize_loss(
+    """The micro-batch's scalar for backward.
+
+    SP: each rank holds the token losses of its slice only. Its partial loss is scaled for the W/sp data-parallel
+    replicas and summed over the SP group with a differentiable all-reduce, so every rank back-propagates its
+    group's loss; DeepSpeed's average over all W ranks then gives the exact step gradient (docs/sequence_parallel.md).
+    """
+    return ulysses.reduce_sp_loss(normalize_loss(
         loss_T, batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
         # max(.., 1): a replica (or step) may hold only empty packs; its token sum is 0 anyway.
         global_loss_tokens=max(step_batch.global_loss_tokens, 1), rank_loss_tokens=max(step_batch.rank_loss_tokens, 1),
         global_num_samples=max(step_batch.global_num_samples, 1), rank_num_samples=step_batch.rank_num_samples,
-        dp_world_size=run.grad_divisor, num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
+        dp_world_size=run.grad_divisor // step_batch.sp,  # SP: W/sp replicas, see above
+        num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
         sample_loss_tokens_T=batch["sample_loss_tokens"],
-    )
+    ))
 
 
-STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib"]
+STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib",
+                "booked_tokens", "sp_tokens"]  # SP: live CR (tokens booked by the attention dispatcher)
 
 
 def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) -> tuple:
@@ -296,7 +305,7 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
         torch.cuda.synchronize()
     compute_time = time.perf_counter() - start
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
-              local["nonfinite"], float(stop_requested()), peak_memory_gib()]
+              local["nonfinite"], float(stop_requested()), peak_memory_gib(), *ulysses.stats().take_step_counts()]
     gathered = all_gather_floats(values, run.device)
     any_nonfinite = bool(gathered[:, STAT_COLUMNS.index("nonfinite")].max() > 0)
     if any_nonfinite and run.cfg.train.on_nan == "abort":
@@ -330,6 +339,7 @@ def build(cfg, config_yaml: str = "") -> Run:
         raise ValueError(f"train.ckpt_layers has {len(cfg.train.ckpt_layers)} values but the plan has "
                          f"{len(data.groups)} groups: give one per group or a single one")
     pstate = build_parallel_state(data.sp_degrees())
+    ulysses.set_active_sp(1)  # SP: a previous build in this process may have left another degree active
     total_steps = data.num_steps * cfg.data.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
@@ -339,6 +349,10 @@ def build(cfg, config_yaml: str = "") -> Run:
     ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, bf16)
     # Under ZeRO-3 each rank builds the full model in host memory once; deepspeed.initialize then partitions it.
     model = build_model(cfg.model, vocab_size=len(tokenizer))
+    if max(pstate.sp_degrees) > 1:  # SP: one Ulysses attention per degree; sp=1 keeps the plain packed attention
+        ulysses.setup_sequence_parallel(model, pstate)
+    else:
+        ulysses.teardown_sequence_parallel()
     from hbp_train.model import decoder_layers
 
     num_layers = len(decoder_layers(model))
@@ -406,6 +420,8 @@ def train(cfg, config_yaml: str = "") -> dict:
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
                 skipped=skipped, num_skipped=num_skipped)
+            m.update(ulysses.stats().step_metrics(  # SP: live CR and per-rank compute times
+                *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
             metrics.log(m)
             if skipped:
                 metrics.message(f"[train] step {step}: NaN/inf loss or gradient, step skipped (train.on_nan=skip)")

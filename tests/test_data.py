@@ -59,11 +59,13 @@ def test_step_batches_follow_the_plan(shards):
     assert data.step_batch(4, 1).plan_step == 1 and data.step_batch(4, 1).step == 4
 
 
-def test_split_for_sp_is_identity_at_sp1_and_points_to_ulysses_beyond():
+def test_split_for_sp_is_identity_at_sp1_and_slices_beyond():
+    # SP (issue #6): the split itself is tested in tests/test_ulysses.py; here the data module hands over to it.
     batch = empty_micro_batch()
-    assert split_for_sp(batch, 1, 0) is batch
-    with pytest.raises(NotImplementedError, match="ulysses"):
-        split_for_sp(batch, 2, 0)
+    same = split_for_sp(batch, 1, 0)
+    assert all(same[k] is batch[k] for k in batch) and same["num_local_tokens"] == 1
+    halves = [split_for_sp(batch, 2, r) for r in range(2)]  # 1 token + 1 padding token
+    assert [h["input_ids"].shape[1] for h in halves] == [1, 1] and [h["num_local_tokens"] for h in halves] == [1, 0]
 
 
 def test_bad_shards_fail_with_a_message(tmp_path, shards):

@@ -13,7 +13,8 @@ from hbp_train.trainer import STAT_COLUMNS
 
 
 def _gathered(rows):
-    return torch.tensor([[r[c] for c in STAT_COLUMNS] for r in rows], dtype=torch.float64)
+    # columns a row does not name (e.g. the SP token counts) are 0
+    return torch.tensor([[r.get(c, 0.0) for c in STAT_COLUMNS] for r in rows], dtype=torch.float64)
 
 
 def test_step_metrics_and_outputs(tmp_path):

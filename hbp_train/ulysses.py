@@ -1,0 +1,293 @@
+"""DeepSpeed-Ulysses sequence parallelism (SP) with several SP degrees, switched from one step to the next.
+
+HBP puts every step in one group, and groups use different SP degrees (short packs sp=1, long packs sp=2, 4, …),
+so one training run switches the SP degree between steps inside one DeepSpeed engine. The pieces:
+
+* start-up (`setup_sequence_parallel`): one DeepSpeed `UlyssesSPAttentionHF` per SP degree > 1, each on this
+  rank's SP group from `parallel.py` and each wrapping our packed core attention (`attention.hf_packed_attention`).
+  The wrapper all-to-alls q/k/v from "my slice of the tokens, all heads" to "all tokens, my share of the heads",
+  and all-gathers position_ids, so the core sees the whole pack and keeps its samples apart by the position_ids
+  restarts. A dispatcher (`sp_attention`) is registered with transformers' AttentionInterface as "hbp_ulysses"
+  and routes each call to the active degree; sp=1 calls the packed attention directly: no communication, and the
+  fast varlen kernel on a GPU.
+* per step: `set_active_sp(sp)`; the collate step gives each rank its slice of the pack (`split_for_sp`).
+* loss: each rank only has the token losses of its slice; `reduce_sp_loss` sums them over the SP group with the
+  differentiable all-reduce, so every rank of the group back-propagates the group's loss (with a plain local
+  loss the gradients come out 1/sp too small when the loss is scaled for the W/sp data-parallel replicas).
+
+Deliberately NOT used (see ../shared/TECH-NOTES.md): `UlyssesSPAttentionHF.register_with_transformers` and an
+`mpu`. The former allows one SP group per process and drops non-BlockMask masks; an mpu makes ZeRO divide
+gradients by a divisor fixed at `deepspeed.initialize`, which is wrong as soon as the degree changes.
+
+Head limits (checked at start-up by `check_sp_heads`): sp must divide the number of query heads, and sp and the
+number of key/value heads must divide one another (kv heads are replicated when sp exceeds them, e.g. 1 kv head
+at sp=4).
+
+Shape legend: B batch (1: one pack per micro-batch), T tokens of the pack, T_l tokens of this rank's slice,
+H query heads, K key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from hbp_train.attention import hf_packed_attention
+
+ATTN_IMPLEMENTATION = "hbp_ulysses"
+IGNORE_INDEX = -100
+
+# Keys of a collated batch that hold one value per token ([1, T]) and what padding tokens get in them.
+# input_ids 0: any valid id; the padding tokens form their own dummy sample and carry no loss.
+TOKEN_PAD_VALUES = {"input_ids": 0, "shift_labels": IGNORE_INDEX, "labels": IGNORE_INDEX}
+# Boundary arguments an sp=1 caller may hand to the model: under SP they would describe this rank's slice
+# instead of the gathered pack, so the dispatcher drops them and the core uses the gathered position_ids.
+_LOCAL_BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# torch marks torch.distributed.nn.functional.all_reduce deprecated, but its backward (an all-reduce of the
+# gradients) is exactly what the SP loss needs and is what tests/test_ulysses.py verifies: keep the warning out of
+# every training log.
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_reduce is deprecated",
+                        category=FutureWarning)
+
+
+def check_sp_heads(num_heads: int, num_kv_heads: int, sp_degrees) -> None:
+    """Raise a one-line ValueError if Ulysses cannot split this model's heads at one of the SP degrees."""
+    for sp in sorted(set(sp_degrees)):
+        if sp == 1:
+            continue
+        if num_heads % sp:
+            raise ValueError(
+                f"sp={sp} does not divide the model's {num_heads} attention heads: Ulysses gives each SP rank "
+                f"num_heads/sp query heads; use only SP degrees that divide {num_heads} in the plan's groups"
+            )
+        if num_kv_heads % sp and sp % num_kv_heads:
+            raise ValueError(
+                f"sp={sp} and the model's {num_kv_heads} key/value heads do not divide one another: Ulysses "
+                f"splits kv heads (kv % sp == 0) or replicates them (sp % kv == 0); use another SP degree"
+            )
+
+
+def _model_config(model):
+    config = model.config
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return num_heads, num_kv_heads, head_dim, config.num_hidden_layers
+
+
+class SequenceParallel:
+    """The Ulysses wrappers of every SP degree and the active degree; built once by `setup_sequence_parallel`."""
+
+    def __init__(self, model, pstate):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        num_heads, num_kv_heads, head_dim, num_layers = _model_config(model)
+        check_sp_heads(num_heads, num_kv_heads, pstate.sp_degrees)
+        self.pstate = pstate
+        self.active_sp = 1
+        self.wrappers = {
+            sp: UlyssesSPAttentionHF(
+                attn=hf_packed_attention, batch_size=1, attn_head_count=num_heads, attn_head_size=head_dim,
+                kv_head_count=num_kv_heads, num_hidden_layers=num_layers, process_group=pstate.sp_group(sp),
+                seq_length_is_variable=True,  # pack lengths change every step
+            )
+            for sp in pstate.sp_degrees
+            if sp > 1
+        }
+        # Under kv replication the wrapper overwrites module.num_key_value_groups and never restores it.
+        self._kv_groups = [
+            (m, m.num_key_value_groups) for m in model.modules() if hasattr(m, "num_key_value_groups")
+        ]
+        self._pending_tokens = 0
+
+    # ----------------------------------------------------------------------------------------- switching
+    def set_active(self, sp: int) -> None:
+        """Route attention to degree ``sp`` from now on (every rank must switch at the same step)."""
+        if sp != 1 and sp not in self.wrappers:
+            raise ValueError(
+                f"sp={sp} has no Ulysses attention (built: {', '.join(map(str, self.pstate.sp_degrees))}); "
+                f"pass every SP degree of the plan to build_parallel_state"
+            )
+        for module, groups in self._kv_groups:
+            module.num_key_value_groups = groups
+        self.active_sp = sp
+
+    # ---------------------------------------------------------------------------------------- attention
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        """transformers AttentionInterface function: [1, H, T_l, D] q, [1, K, T_l, D] k/v -> ([1, T_l, H, D], None)."""
+        if self._pending_tokens:  # the first attention call of a micro-batch: book where its tokens went
+            _stats.book(self._pending_tokens, through_all_to_all=self.active_sp > 1)
+            self._pending_tokens = 0
+        if self.active_sp == 1:
+            return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
+        for name in _LOCAL_BOUNDARY_KWARGS:
+            kwargs.pop(name, None)
+        return self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
+
+    # -------------------------------------------------------------------------------------------- loss
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum a rank's partial loss over its SP group, differentiably (identity at sp=1)."""
+        if self.active_sp == 1:
+            return loss
+        from torch.distributed.nn.functional import all_reduce
+
+        # all_reduce, not all_gather: the latter's backward fails on gloo subgroups without global rank 0.
+        return all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pstate.sp_group(self.active_sp))
+
+
+class SPStats:
+    """Live communication ratio: tokens that went through the SP all-to-all over all tokens (the planner's CR,
+    measured). Counted per rank by the dispatcher, summed over ranks by the trainer's per-step all-gather."""
+
+    def __init__(self):
+        self.step = [0, 0]  # this rank, this step: [tokens, tokens through the all-to-all]
+        self.total = [0.0, 0.0]  # all ranks, all steps so far
+
+    def book(self, num_tokens: int, through_all_to_all: bool) -> None:
+        self.step[0] += num_tokens
+        self.step[1] += num_tokens if through_all_to_all else 0
+
+    def take_step_counts(self) -> tuple[int, int]:
+        """(tokens, SP tokens) this rank booked since the last call; resets them."""
+        counts, self.step = tuple(self.step), [0, 0]
+        return counts
+
+    def step_metrics(self, compute_times, tokens, sp_tokens) -> dict:
+        """Metrics of one step from every rank's gathered values ([W] each): compute time, tokens, SP tokens.
+
+        sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the start (of this process's run);
+        time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance).
+        """
+        step_tokens, step_sp_tokens = float(sum(tokens)), float(sum(sp_tokens))
+        self.total[0] += step_tokens
+        self.total[1] += step_sp_tokens
+        metrics = {
+            "sp/cr_step": step_sp_tokens / step_tokens if step_tokens else 0.0,
+            "sp/cr": self.total[1] / self.total[0] if self.total[0] else 0.0,
+        }
+        for rank, seconds in enumerate(compute_times):
+            metrics[f"time/compute_s/rank{rank}"] = float(seconds)
+        return metrics
+
+
+_stats = SPStats()
+
+
+def begin_micro_batch(num_tokens: int) -> None:
+    """Announce this rank's real (non-padding) tokens of the next forward. With SP set up, the dispatcher books
+    them on its first call, as SP tokens if they went through the all-to-all; without SP they are booked here."""
+    if _current is None:
+        _stats.book(int(num_tokens), through_all_to_all=False)
+    else:
+        _current._pending_tokens = int(num_tokens)
+
+
+def stats() -> SPStats:
+    """The live SP statistics of this process."""
+    return _stats
+
+
+# The instance the registered dispatcher routes to (transformers looks attention functions up by name).
+_current: SequenceParallel | None = None
+
+
+def sp_attention(module, query, key, value, attention_mask, **kwargs):
+    """The function registered as "hbp_ulysses": forwards to the active `SequenceParallel`."""
+    if _current is None:
+        raise RuntimeError("hbp_ulysses attention used before setup_sequence_parallel(model, pstate)")
+    return _current.attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def setup_sequence_parallel(model, pstate) -> SequenceParallel:
+    """Build the Ulysses attention of every SP degree in ``pstate`` and install the dispatcher on ``model``.
+
+    Call after `attention.register_packed_attention(model, backend)` (which chose the core backend) and before
+    `deepspeed.initialize`; every rank must call it (the wrappers look up their groups). Raises ValueError at
+    start-up if a degree cannot split the model's heads (see `check_sp_heads`).
+    """
+    global _current, _stats
+    from transformers import AttentionInterface
+
+    _current = SequenceParallel(model, pstate)
+    _stats = SPStats()
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sp_attention)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return _current
+
+
+def teardown_sequence_parallel() -> None:
+    """Forget the installed `SequenceParallel` (a model built later without SP must not route to it) and reset
+    the live statistics."""
+    global _current, _stats
+    _current = None
+    _stats = SPStats()
+
+
+def set_active_sp(sp: int) -> None:
+    """Switch the installed dispatcher to SP degree ``sp`` (all ranks, same step)."""
+    if _current is None:
+        if sp == 1:
+            return  # no SP set up: sp=1 is the plain packed attention anyway
+        raise RuntimeError(f"set_active_sp({sp}) before setup_sequence_parallel(model, pstate)")
+    _current.set_active(sp)
+
+
+def reduce_sp_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Sum a rank's partial loss over its active SP group, differentiably; identity at sp=1 or without SP.
+
+    Scale the partial loss for the W/sp data-parallel replicas (normalize_loss's dp_world_size = W // sp): with
+    the all-reduce every rank of a group back-propagates the group's loss, and DeepSpeed averages over all W ranks.
+    """
+    return loss if _current is None else _current.reduce_loss(loss)
+
+
+def current() -> SequenceParallel | None:
+    """The installed `SequenceParallel`, or None when SP was never set up."""
+    return _current
+
+
+# ------------------------------------------------------------------------------------------------ collate
+def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
+    """This SP rank's slice of one collated pack.
+
+    The pack is padded at the end to a multiple of ``sp`` (at most sp-1 tokens) and cut into sp equal slices;
+    rank ``sp_rank`` gets slice ``sp_rank`` of every per-token tensor ([1, T]: input_ids, position_ids,
+    shift_labels, and any other [1, T] tensor such as per-token sample ids or loss-token counts). Padding tokens
+    get shift_label -100 (no loss) and position_ids 0, 1, …, so they form their own dummy sample and never join
+    a real one. Labels must already be shifted per sample (shift_labels), because the shift crosses slice
+    borders. Everything else (cu_seqlens of the real samples, max_seqlen, counts) is kept as is: it describes the
+    whole pack. Adds ``num_pad_tokens`` (padding in the whole pack) and ``num_local_tokens`` (real tokens in this
+    slice). sp == 1 returns the batch unchanged apart from those two keys.
+    """
+    if sp < 1 or not 0 <= sp_rank < sp:
+        raise ValueError(f"split_for_sp: need sp >= 1 and 0 <= sp_rank < sp, got sp={sp}, sp_rank={sp_rank}")
+    num_tokens = batch["input_ids"].shape[-1]
+    for key, what in (("shift_labels", "labels shifted per sample"), ("position_ids", "restarting per sample")):
+        if key not in batch:
+            raise ValueError(f"split_for_sp needs {key} ({what}) in the batch")
+    if sp == 1:
+        return {**batch, "num_pad_tokens": 0, "num_local_tokens": num_tokens}
+    num_pad = -num_tokens % sp
+    local = (num_tokens + num_pad) // sp
+    start, end = sp_rank * local, (sp_rank + 1) * local
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == (1, num_tokens):
+            if num_pad:
+                if key == "position_ids":
+                    pad = torch.arange(num_pad, dtype=value.dtype, device=value.device)[None]
+                elif key == "sample_ids":  # per-token sample id: the padding is one more sample
+                    pad = torch.full((1, num_pad), int(value.max()) + 1, dtype=value.dtype, device=value.device)
+                else:
+                    pad = torch.full((1, num_pad), TOKEN_PAD_VALUES.get(key, 0), dtype=value.dtype, device=value.device)
+                value = torch.cat([value, pad], dim=1)
+            value = value[:, start:end]
+        out[key] = value
+    out["num_pad_tokens"] = num_pad
+    out["num_local_tokens"] = max(0, min(end, num_tokens) - start)
+    return out

@@ -1,0 +1,88 @@
+"""Tests for hbp_train/parallel.py: SP degree validation and the SP / data-parallel groups (4 gloo processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hbp_train.parallel import build_parallel_state, check_sp_degrees, sp_group_ranks, valid_sp_degrees
+from tests.distributed import run_distributed
+
+
+def test_valid_sp_degrees_are_powers_of_two_dividing_the_world():
+    assert valid_sp_degrees(1) == [1]
+    assert valid_sp_degrees(8) == [1, 2, 4, 8]
+    assert valid_sp_degrees(6) == [1, 2]
+    assert valid_sp_degrees(12) == [1, 2, 4]
+
+
+def test_check_sp_degrees_sorts_adds_one_and_accepts_numpy_ints():
+    assert check_sp_degrees([4, 2, 4], 8) == [1, 2, 4]
+    assert check_sp_degrees([np.int64(2)], 4) == [1, 2]
+    assert check_sp_degrees([], 4) == [1]
+
+
+@pytest.mark.parametrize("bad, world, match", [
+    (3, 4, "sp=3 is not usable with world size 4"),
+    (8, 4, "sp=8 is not usable with world size 4"),
+    (0, 4, "sp=0 is not usable"),
+    (2, 6, None),  # fine: 2 divides 6
+    (4, 6, "powers of two that divide the world size \\(1, 2\\)"),
+    (2.0, 4, "not an integer"),
+    ("2", 4, "not an integer"),
+    (True, 4, "not an integer"),
+])
+def test_check_sp_degrees_rejects_with_one_line(bad, world, match):
+    if match is None:
+        assert check_sp_degrees([bad], world) == [1, bad]
+        return
+    with pytest.raises(ValueError, match=match) as info:
+        check_sp_degrees([bad], world)
+    assert "\n" not in str(info.value)
+
+
+def test_sp_group_ranks_are_consecutive():
+    assert sp_group_ranks(5, 4) == [4, 5, 6, 7]
+    assert sp_group_ranks(5, 1) == [5]
+    assert sp_group_ranks(0, 2) == [0, 1]
+
+
+def test_single_process_state():
+    state = build_parallel_state([1])
+    assert state.world_size == 1 and state.sp_degrees == [1]
+    assert state.sp_group(1) is None and state.dp_size(1) == 1 and state.dp_rank(1) == 0
+    with pytest.raises(ValueError, match="sp=2 is not usable with world size 1"):
+        build_parallel_state([2])
+    with pytest.raises(ValueError, match="sp=2 was not built"):
+        state.sp_group(2)
+
+
+def _groups_worker(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    state = build_parallel_state([2, 4])
+    members = {}
+    for sp in state.sp_degrees:
+        # sum of 2**rank over a group identifies exactly which ranks are in it
+        for kind, group in (("sp", state.sp_group(sp)), ("dp", state.dp_groups[sp])):
+            if group is None:
+                members[(kind, sp)] = [rank]
+                continue
+            mask = torch.tensor([1 << rank], dtype=torch.int64)
+            dist.all_reduce(mask, group=group)
+            members[(kind, sp)] = [r for r in range(world_size) if int(mask) >> r & 1]
+    ranks = {sp: (state.sp_rank(sp), state.dp_rank(sp), state.dp_size(sp)) for sp in state.sp_degrees}
+    return members, ranks
+
+
+@pytest.mark.slow
+def test_groups_on_four_processes():
+    results = run_distributed(_groups_worker, 4)
+    for rank, (members, ranks) in enumerate(results):
+        for sp in (1, 2, 4):
+            assert members[("sp", sp)] == sp_group_ranks(rank, sp)
+            # the data-parallel group: the ranks with the same SP rank, one per replica
+            assert members[("dp", sp)] == list(range(rank % sp, 4, sp))
+            assert ranks[sp] == (rank % sp, rank // sp, 4 // sp)

@@ -201,7 +201,7 @@ def format_line(m: dict) -> str:
     return (
         f"step {m['plan/step'] + 1}/{m['plan/total_steps']} | loss {m['loss/train']:.4f}"
         f"{' (skipped)' if m['optim/skipped'] else ''} | lr {m['optim/lr']:.2e} | gnorm {_fmt(m['optim/grad_norm'], '.3f')}"
-        f" | {m['perf/tokens_per_s']:,.0f} tok/s | mfu {_fmt(None if mfu is None else 100 * mfu, '.1f')}%"
+        f" | {m['perf/tokens_per_s']:,.0f} tok/s | mfu {'n/a' if mfu is None else format(100 * mfu, '.1f') + '%'}"
         f" | imb {m['balance/imbalance']:.3f} (BR live {m['balance/live_BR']:.3f}, plan ABR {_fmt(m['balance/plan_ABR'], '.3f')}"
         f" DBR {_fmt(m['balance/plan_DBR'], '.3f')}) | mem {m['memory/peak_gib']:.2f} GiB"
         f" | group {m['plan/group']} sp={m['plan/sp']} m {m['plan/micro_batches']}"

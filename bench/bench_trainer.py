@@ -332,38 +332,30 @@ class Measured:
 # ---------------------------------------------------------------------------------------------------- ours
 def build_ours(args, architecture: str, hf_config: dict, device):
     """A trainer.Run for our path, built as trainer.build builds it for a plan with only sp=1 groups (world size
-    1), minus shards, tokenizer and Hydra."""
-    import deepspeed
+    1), minus shards, tokenizer and Hydra: the engine comes from trainer.build_engine itself."""
     import torch
 
     from hbp_train import attention, ulysses
     from hbp_train.loss import LossConfig
     from hbp_train.model import ModelConfig, build_model
     from hbp_train.parallel import build_parallel_state
-    from hbp_train.trainer import DeepSpeedConfig, PackedCausalLM, Run, TrainConfig, deepspeed_config
+    from hbp_train.trainer import DeepSpeedConfig, Run, TrainConfig, build_engine
 
     model_cfg = ModelConfig(config=hf_config, architecture=architecture, dtype=args.dtype,
                             attention_backend=args.backend, seed=args.seed)
     train_cfg = TrainConfig(out_dir=str(REPO / "runs" / "bench_trainer"), lr=args.lr, warmup_steps=0, grad_clip=1.0,
                             save_final=False)
-    ds_cfg = DeepSpeedConfig(zero_stage=2)
-    cfg = SimpleNamespace(model=model_cfg, train=train_cfg, deepspeed=ds_cfg,
+    cfg = SimpleNamespace(model=model_cfg, train=train_cfg, deepspeed=DeepSpeedConfig(zero_stage=2),
                           loss=LossConfig(chunk_size=args.loss_chunk))
     pstate = build_parallel_state([1])
     ulysses.set_active_sp(1)
     total_steps = 1 << 20  # a flat LR over the whole benchmark (the cosine's end is never reached)
-    ds_config = deepspeed_config(ds_cfg, train_cfg, total_steps, 1, model_cfg.torch_dtype() == torch.bfloat16)
     # Built directly on the device: initialising a 1B model on the host first takes far longer.
     with torch.device(device):
         model = build_model(model_cfg)
     backend = attention.get_backend()
     ulysses.teardown_sequence_parallel()  # as trainer.build for sp=1-only plans: the plain packed attention
-    wrapper = PackedCausalLM(model, args.loss_chunk)
-    engine, _, _, _ = deepspeed.initialize(
-        model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
-    if engine.lr_scheduler is not None:
-        engine.lr_scheduler.step(0)  # as trainer.build: DeepSpeed's WarmupCosineLR would start at lr 0
-    engine.train()
+    engine = build_engine(cfg, model, total_steps, world_size=1)
     run = Run(cfg=cfg, engine=engine, model=model, data=None, pstate=pstate, device=engine.device, tokenizer=None,
               total_steps=total_steps, grad_divisor=engine.dp_world_size)
     return run, backend

@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from typing import Optional
 
 import numpy as np
@@ -97,7 +98,8 @@ def prune(ckpt_root: str, keep_last: int) -> None:
 
 
 def resolve(path: str) -> tuple:
-    """(ckpt_root, tag) of a checkpoint given as a tag directory or as a root holding ``latest``."""
+    """(ckpt_root, tag) of a checkpoint given as a tag directory, a root holding ``latest`` (or step_<n> tags), or
+    the run directory above that root."""
     path = os.path.abspath(path)
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
@@ -108,7 +110,10 @@ def resolve(path: str) -> tuple:
     tags = list_tags(path)
     if tags:
         return path, tags[-1]
-    raise ValueError(f"{path}: not a checkpoint (expected a step_<n> directory or a directory with 'latest')")
+    if os.path.isdir(os.path.join(path, "checkpoints")):  # RUN_DIR (train.out_dir) given
+        return resolve(os.path.join(path, "checkpoints"))
+    raise ValueError(
+        f"{path}: not a checkpoint (expected RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>)")
 
 
 def find_resume(resume: Optional[str], ckpt_root: str) -> Optional[tuple]:
@@ -138,11 +143,16 @@ def load(engine, ckpt_root: str, tag: str) -> int:
 class StopSignal:
     """Turns SIGTERM/SIGINT into a flag the training loop checks after each step (finish the step, save, exit 0).
 
-    A second SIGINT while the flag is set interrupts immediately (the user insists).
+    A second SIGINT while the flag is set interrupts immediately (the user insists), unless it comes within
+    ``REPEAT_WINDOW_S`` of the first: under torchrun one Ctrl-C reaches each worker twice, from the terminal
+    (same process group) and forwarded by torchrun, and that must still finish the step and save.
     """
+
+    REPEAT_WINDOW_S = 2.0
 
     def __init__(self):
         self.received: Optional[str] = None
+        self._received_at = 0.0
         self._previous = {}
 
     def install(self) -> "StopSignal":
@@ -151,9 +161,11 @@ class StopSignal:
         return self
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            self._received_at = time.monotonic()
+        elif signum == signal.SIGINT and time.monotonic() - self._received_at > self.REPEAT_WINDOW_S:
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
 
     @property
     def requested(self) -> bool:

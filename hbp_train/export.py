@@ -1,6 +1,6 @@
 """Export a training checkpoint to an HF safetensors directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-``python -m hbp_train.export --checkpoint RUN_DIR/checkpoints[/step_N] --out HF_DIR [--dtype bf16]``
+``python -m hbp_train.export --checkpoint RUN_DIR[/checkpoints[/step_N]] --out HF_DIR [--dtype bf16]``
 
 The weights are consolidated from the DeepSpeed ZeRO-2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
@@ -25,6 +25,8 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
 
     from hbp_train.checkpoint import resolve
 
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out}: exists and is not a directory")
     root, tag = resolve(checkpoint)
     hf_dir = os.path.join(root, tag, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -35,6 +37,10 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
+    try:  # before the (slow) consolidation of the shards
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create it ({e.strerror})") from None
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     # The engine wraps the HF model as `model` (trainer.PackedCausalLM).
@@ -46,7 +52,6 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
         raise ValueError(f"{os.path.join(root, tag)}: weights do not match the model config "
                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model = model.to(torch_dtype)
-    os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
@@ -65,7 +70,8 @@ def main(argv: list | None = None) -> int:
         description="Export an hbp-train checkpoint (DeepSpeed ZeRO-2/3) to an HF safetensors model directory "
                     "with its tokenizer.")
     parser.add_argument("--checkpoint", required=True,
-                        help="a checkpoint: RUN_DIR/checkpoints (its 'latest' is used) or RUN_DIR/checkpoints/step_N")
+                        help="a checkpoint: RUN_DIR or RUN_DIR/checkpoints (its 'latest' is used), or "
+                             "RUN_DIR/checkpoints/step_N")
     parser.add_argument("--out", required=True, help="output directory for the HF model (created if missing)")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype of the saved weights (default fp32: the optimizer's master weights as they are)")

@@ -100,6 +100,9 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None):
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
+    # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
+    model.train()
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear:
         head.__class__ = ChunkedLMHead  # same parameters and state_dict keys; only forward gains the loss path

@@ -78,6 +78,9 @@ def _task(dict_cfg) -> None:
         _fail(f"error: {str(e).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)", 2)
     except FloatingPointError as e:  # train.on_nan=abort
         _fail(f"error: {e}", 1)
+    except KeyboardInterrupt:  # a second Ctrl-C: the user does not want to wait for the step and the save
+        _fail(f"interrupted: stopped without saving; train.resume=auto continues from the last checkpoint in "
+              f"{cfg.train.out_dir}/checkpoints", 130)
     if os.environ.get("RANK", "0") == "0":
         print(f"[train] {summary['ended']}: steps {summary['start_step']}..{summary['end_step']}, "
               f"{summary['skipped']} skipped; outputs in {cfg.train.out_dir}", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,10 @@ from hbp_train.loss import chunked_token_losses, normalize_loss
 from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
+# DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
+# FutureWarning out of every rank's training log.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
 
 
 @dataclass
@@ -319,9 +324,45 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     return gathered, skipped, lr
 
 
+def _check_attention_backend(model_cfg) -> None:
+    """model.attention_backend must be usable on this machine (e.g. flash_varlen needs a GPU and bf16/fp16)."""
+    from hbp_train.attention import select_backend
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        select_backend(model_cfg.attention_backend, device, model_cfg.torch_dtype())
+    except ValueError as e:
+        raise ValueError(f"model.attention_backend={model_cfg.attention_backend}: {e}") from None
+
+
+def build_engine(cfg, model, total_steps: int, world_size: int):
+    """The DeepSpeed engine that trains ``model`` (an HF causal LM from model.build_model) with the chunked loss.
+
+    Needs cfg.model (precision), cfg.train (optimizer, schedule), cfg.deepspeed and cfg.loss (chunk size). Wraps
+    the model in PackedCausalLM, registers the LM head as a ZeRO-3 external parameter, initializes DeepSpeed with
+    ``deepspeed_config`` and starts the LR schedule at step 0. SP attention, if any, must already be installed.
+    """
+    import deepspeed
+
+    bf16 = cfg.model.torch_dtype() == torch.bfloat16
+    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, bf16)
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
+    if cfg.deepspeed.zero_stage == 3:
+        head = model.get_output_embeddings()
+        deepspeed.zero.register_external_parameter(wrapper, head.weight)
+        if getattr(head, "bias", None) is not None:
+            deepspeed.zero.register_external_parameter(wrapper, head.bias)
+    engine, _, _, _ = deepspeed.initialize(
+        model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
+    if engine.lr_scheduler is not None:
+        # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
+        # A resumed run overwrites this with the checkpoint's scheduler state.
+        engine.lr_scheduler.step(0)
+    return engine
+
+
 def build(cfg, config_yaml: str = "") -> Run:
     """Open the data, build the parallel state, the model and the DeepSpeed engine."""
-    import deepspeed
     from transformers import AutoTokenizer
 
     from hbp_train.model import build_model
@@ -343,10 +384,9 @@ def build(cfg, config_yaml: str = "") -> Run:
     total_steps = data.num_steps * cfg.data.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
+    _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bf16 = cfg.model.torch_dtype() == torch.bfloat16
-    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, bf16)
     # Under ZeRO-3 each rank builds the full model in host memory once; deepspeed.initialize then partitions it.
     model = build_model(cfg.model, vocab_size=len(tokenizer))
     if max(pstate.sp_degrees) > 1:  # SP: one Ulysses attention per degree; sp=1 keeps the plain packed attention
@@ -360,18 +400,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     if any(int(k) > num_layers for k in wanted):
         source = "train.ckpt_layers" if cfg.train.ckpt_layers else f"{cfg.data.shards}/plan.json groups[].ckpt_layers"
         raise ValueError(f"{source}={list(wanted)}: the model has only {num_layers} decoder layers")
-    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
-    if cfg.deepspeed.zero_stage == 3:
-        head = model.get_output_embeddings()
-        deepspeed.zero.register_external_parameter(wrapper, head.weight)
-        if getattr(head, "bias", None) is not None:
-            deepspeed.zero.register_external_parameter(wrapper, head.bias)
-    engine, _, _, _ = deepspeed.initialize(
-        model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
-    if engine.lr_scheduler is not None:
-        # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
-        # A resumed run overwrites this with the checkpoint's scheduler state.
-        engine.lr_scheduler.step(0)
+    engine = build_engine(cfg, model, total_steps, world_size)
     return Run(cfg=cfg, engine=engine, model=model, data=data, pstate=pstate, device=engine.device,
                tokenizer=tokenizer, total_steps=total_steps, grad_divisor=engine.dp_world_size,
                pad_token_id=pad_token_id, config_yaml=config_yaml)
@@ -379,11 +408,14 @@ def build(cfg, config_yaml: str = "") -> Run:
 
 def train(cfg, config_yaml: str = "") -> dict:
     """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
+    ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
+    try:  # before building anything: a wrong path is a one-line error
+        resume = ckpt.find_resume(cfg.train.resume, ckpt_root)
+    except ValueError as e:
+        raise ValueError(f"train.resume={cfg.train.resume}: {e}") from None
     run = build(cfg, config_yaml)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
     start_step = 0
-    resume = ckpt.find_resume(cfg.train.resume, ckpt_root)
     if resume is not None:
         start_step = ckpt.load(run.engine, *resume)
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank, run.total_steps, start_step)

@@ -30,8 +30,12 @@ def test_resolve_and_find_resume(tmp_path):
     assert ckpt.list_tags(root) == [ckpt.tag_for(s) for s in (2, 4, 10)]
     assert ckpt.find_resume("auto", root) == (root, ckpt.tag_for(4))  # DeepSpeed's 'latest' wins
     assert ckpt.resolve(os.path.join(root, ckpt.tag_for(10))) == (root, ckpt.tag_for(10))
+    assert ckpt.resolve(str(tmp_path)) == (root, ckpt.tag_for(4))  # the run directory above checkpoints/
     with pytest.raises(ValueError, match="not a checkpoint"):
-        ckpt.resolve(str(tmp_path))
+        ckpt.resolve(str(tmp_path / "checkpoints" / "step_7"))
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        ckpt.resolve(str(tmp_path / "empty"))
     ckpt.prune(root, 2)
     assert ckpt.list_tags(root) == [ckpt.tag_for(4), ckpt.tag_for(10)]
 
@@ -54,3 +58,18 @@ def test_stop_signal_sets_flag_and_restores_handlers():
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_repeated_sigint_finishes_the_step_unless_the_user_insists():
+    stop = ckpt.StopSignal().install()
+    try:
+        # One Ctrl-C under torchrun: the terminal's SIGINT and torchrun's forwarded copy arrive together.
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT"
+        # A second Ctrl-C seconds later means: stop now.
+        stop._received_at -= 2 * stop.REPEAT_WINDOW_S
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.uninstall()

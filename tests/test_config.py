@@ -43,8 +43,11 @@ def test_every_preset_and_group_option_composes(tmp_path, fake_hf_model):
     # The presets mean what they say.
     demo = config.load(["experiment=cpu_demo"])
     assert demo.model.name_or_path is None and demo.model.dtype == "fp32" and demo.deepspeed.zero_stage == 2
+    assert config.load([]).loss.normalizer == "ave_token"  # the default normalizer
     big = config.load(["experiment=llama3_8b_128k", *base])
     assert big.deepspeed.zero_stage == 3 and big.model.dtype == "bf16" and big.train.resume == "auto"
+    # 128K packs: chunked LM-head loss, the best GPU attention, checkpointing depth per group from the plan.
+    assert big.loss.chunk_size <= 16384 and big.model.attention_backend == "auto" and big.train.ckpt_layers is None
     assert config.load(["deepspeed=offload"]).deepspeed.offload_optimizer
     for normalizer in _options("loss"):
         assert config.load([f"loss={normalizer}"]).loss.normalizer == normalizer

@@ -23,3 +23,11 @@ def test_not_a_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "step_00000001").mkdir()
     assert main(["--checkpoint", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "hf")]) == 2
     assert "no hf/config.json" in capsys.readouterr().err
+
+
+def test_bad_out_is_one_line_exit_2(tmp_path, capsys):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    assert main(["--checkpoint", str(tmp_path), "--out", str(a_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"export error: --out {a_file}: exists and is not a directory"

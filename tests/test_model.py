@@ -68,6 +68,11 @@ def test_build_from_local_dir_keeps_weights_and_grows_vocab(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = build_model(ModelConfig(name_or_path=str(tmp_path)))
     assert loaded.config._attn_implementation == "hbp_packed" and loaded.config.use_cache is False
+    # from_pretrained leaves eval mode, in which HF layers skip activation checkpointing: built for training,
+    # per-layer checkpointing takes effect on a pretrained model too.
+    set_checkpointed_layers(loaded, 2)
+    counts, _ = _run_counting_layer_calls(loaded, torch.randint(0, VOCAB, (1, 16)))
+    assert counts == [2, 2, 1]
     assert ModelConfig(name_or_path=str(tmp_path)).tokenizer == str(tmp_path)
     for (name, p), (_, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
         torch.testing.assert_close(p, q, msg=name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def _params(run) -> dict:
 
 
 def _single_process_checks(rank, world_size, shards, out):
+    from hbp_train import checkpoint as ckpt
     from hbp_train import config, trainer
     from hbp_train.export import export
     from hbp_train.parallel import init_distributed
@@ -40,7 +42,9 @@ def _single_process_checks(rank, world_size, shards, out):
     init_distributed()
     result = {}
     # 1. Resume: 6 steps straight vs 3 steps (checkpoint), then resume=auto for the rest.
-    full = trainer.train(config.load(overrides(shards, f"{out}/full", "train.save_final=false")))
+    full = trainer.train(config.load(overrides(shards, f"{out}/full", "train.save_final=false",
+                                               "train.save_every=2", "train.keep_last=3")))
+    result["full_tags"] = ckpt.list_tags(f"{out}/full/checkpoints")
     first = trainer.train(config.load(overrides(shards, f"{out}/split", "train.exit_after_steps=3")))
     second = trainer.train(config.load(overrides(shards, f"{out}/split", "train.resume=auto")))
     result["full"], result["first"], result["second"] = full["losses"], first["losses"], second["losses"]
@@ -51,6 +55,31 @@ def _single_process_checks(rank, world_size, shards, out):
                                                    "train.exit_after_steps=2")))
     result["ckpt_losses"] = ckpt_run["losses"]
     result["ckpt_flags"] = [layer.gradient_checkpointing for layer in ckpt_run["run"].model.model.layers]
+    # Without the override, k comes from the plan's groups[g].ckpt_layers, and follows each step's group.
+    plan_dir = f"{out}/plan_ckpt"
+    shutil.copytree(shards, plan_dir)
+    with open(f"{plan_dir}/plan.json") as f:
+        plan = json.load(f)
+    plan["groups"][0]["ckpt_layers"], plan["groups"][1]["ckpt_layers"] = 1, 2
+    with open(f"{plan_dir}/plan.json", "w") as f:
+        json.dump(plan, f)
+    plan_run = trainer.build(config.load(overrides(plan_dir, f"{out}/plan_ckpt_run")))
+    result["plan_ckpt_flags"] = []
+    for step in range(3):
+        trainer.forward_backward(plan_run, plan_run.data.step_batch(step, 0))
+        plan_run.engine.step()
+        result["plan_ckpt_flags"].append([layer.gradient_checkpointing for layer in plan_run.model.model.layers])
+
+    # The logged throughput of the uninterrupted run: tokens and FLOPs (attention: sum of len^2 per sample).
+    from hbp_train.model import pack_flops
+
+    with open(f"{out}/full/metrics.jsonl") as f:
+        result["logged"] = [json.loads(line) for line in f]
+    batches = [full["run"].data.step_batch(step, 0).micro_batches for step in range(6)]
+    result["step_tokens"] = [sum(mb["input_ids"].shape[1] for mb in mbs) for mbs in batches]
+    model_config = full["run"].model.config
+    result["step_flops"] = [sum(pack_flops(model_config, mb["seq_lens"]) for mb in mbs) for mbs in batches]
+    result["step_flops_if_T2"] = [sum(pack_flops(model_config, [sum(mb["seq_lens"])]) for mb in mbs) for mbs in batches]
 
     # 2. Export round trip of the resumed run's final checkpoint: logits equal the trained model's.
     from transformers import AutoModelForCausalLM
@@ -113,8 +142,25 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
     assert len(r["full"]) == 6 and len(r["first"]) == 3 and len(r["second"]) == 3
     assert r["first"] + r["second"] == r["full"]
     assert r["ended"][0].startswith("stopped after train.exit_after_steps") and r["ended"][1:] == ("finished", 3)
+    assert r["full_tags"] == ["step_00000002", "step_00000004"]  # save_every=2 (no final save), and saving
+    # did not perturb the trace (checked just above)
     assert r["ckpt_losses"] == pytest.approx(r["full"][:2], rel=1e-6)
     assert r["ckpt_flags"] == [True, False]  # the last step ran group 1 with one checkpointed layer
+    assert r["plan_ckpt_flags"] == [[True, False], [True, True], [True, False]]  # groups 0, 1, 0 of the plan
+    # Live metrics: tokens/s and FLOPs (MFU's numerator) per step match the packs; attention FLOPs are per sample.
+    logged = r["logged"]
+    assert [m["plan/step"] for m in logged] == list(range(6))
+    for step, m in enumerate(logged):
+        tokens, flops, flops_t2 = r["step_tokens"][step], r["step_flops"][step], r["step_flops_if_T2"][step]
+        assert m["perf/tokens_per_s"] * m["perf/step_time_s"] == pytest.approx(tokens, rel=1e-9)
+        assert m["perf/tflops_per_device"] * 1e12 * m["perf/step_time_s"] == pytest.approx(flops, rel=1e-9)
+        # ONE_RANK_STEPS: odd steps hold one two-sample pack, where sum of len^2 < T^2; even steps one-sample packs
+        assert (flops < flops_t2) == (step % 2 == 1) and flops <= flops_t2
+        assert m["time/compute_s/rank0"] > 0 and m["balance/imbalance"] == 1.0  # one rank: max/mean = 1
+    # The schedule (lr=1e-2, warmup_steps=2, cpu_demo's min_lr_ratio=0.1): linear warm-up from lr/2, then cosine.
+    lrs = [m["optim/lr"] for m in logged]
+    assert lrs[0] == pytest.approx(0.5e-2) and lrs[0] < lrs[1] < lrs[2] <= 1e-2
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:])) and lrs[-1] >= 0.1e-2
     # Export round trip.
     assert r["export_logit_err"] < 1e-5
     assert "model.safetensors" in r["export_files"] and "tokenizer.json" in r["export_files"]
@@ -154,3 +200,48 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     assert (out / "config.yaml").exists() and os.path.isfile(os.path.join(root, tag, "config.yaml"))
     export(str(out / "checkpoints"), str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_unusable_attention_backend_fails_before_the_model_is_built(shards, tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("flash_varlen may be usable on this GPU")
+    from hbp_train import config, model, trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the backend was checked")
+
+    monkeypatch.setattr(model, "build_model", no_model)
+    cfg = config.load(overrides(shards, str(tmp_path), "model.attention_backend=flash_varlen"))
+    with pytest.raises(ValueError, match=r"^model.attention_backend=flash_varlen: .*not available on cpu"):
+        trainer.build(cfg)
+
+
+def test_deepspeed_config_follows_the_run_config():
+    from hbp_train.trainer import DeepSpeedConfig, TrainConfig, deepspeed_config
+
+    train = TrainConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.3, grad_clip=0.5, betas=[0.9, 0.99], weight_decay=0.1)
+    ds = DeepSpeedConfig(zero_stage=3, offload_optimizer=True,
+                         extra={"zero_optimization": {"stage3_max_live_parameters": 7}})
+    config = deepspeed_config(ds, train, total_steps=100, world_size=4, bf16=True)
+    # torch AdamW (no FusedAdam JIT build), one pack per micro-batch, accumulation driven by the trainer.
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                               "weight_decay": 0.1, "torch_adam": True}}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (1, 1, 4)
+    assert config["gradient_clipping"] == 0.5 and config["bf16"]["enabled"]
+    params = config["scheduler"]["params"]
+    assert config["scheduler"]["type"] == "WarmupCosineLR" and params["total_num_steps"] == 100
+    # warm-up from lr/5, cosine down to lr * 0.3
+    assert (params["warmup_num_steps"], params["warmup_min_ratio"], params["cos_min_ratio"]) == (5, 1 / 5, 0.3)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert zero["stage3_max_live_parameters"] == 7 and zero["reduce_bucket_size"] == ds.reduce_bucket_size  # merged
+
+
+def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
+    from hbp_train import config, trainer
+
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.resume"))
+    cfg = config.load(overrides(shards, str(tmp_path / "run"), f"train.resume={tmp_path / 'nothing'}"))
+    with pytest.raises(ValueError, match=r"^train.resume=.*nothing: not a checkpoint"):
+        trainer.train(cfg)

@@ -62,6 +62,8 @@ train() {
   # MASTER_PORT (torchrun rendezvous) or HOSTFILE (deepspeed launcher).
   local nproc=${NPROC:-}
   if [ -z "$nproc" ]; then if have_cuda; then nproc=$(nvidia-smi -L | wc -l); else nproc=1; fi; fi
+  # Check the config once before starting N workers: a bad value is then one line (exit 2), not N tracebacks.
+  "$PY" -m hbp_train.config "$@" >/dev/null || exit $?
   if [ -n "${HOSTFILE:-}" ]; then
     exec "$VENV/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --module hbp_train.train "$@"
   fi

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_tools" / "assets" / "tokenizer"
 
 
-def stages(out: Path, num_samples: int, nproc: int) -> list[tuple[str, list[str]]]:
+def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[str, list[str]]]:
     """The demo's commands, in order. Sizes are chosen so the whole demo takes a few minutes on 2 cores."""
     py = sys.executable
     raw, tok, held_raw, held_tok = out / "raw.jsonl", out / "tokenized", out / "heldout.jsonl", out / "heldout_tok"
@@ -42,7 +42,7 @@ def stages(out: Path, num_samples: int, nproc: int) -> list[tuple[str, list[str]
                       "--plot", str(out / "simulated.png"), "--out", str(out / "simulated.json")]),
         ("train (2 CPU processes)", [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                      str(nproc), "-m", "hbp_train.train", "experiment=cpu_demo",
-                                     f"data.shards={packed}", f"train.out_dir={run}"]),
+                                     f"data.shards={packed}", f"data.epochs={epochs}", f"train.out_dir={run}"]),
         ("export", [py, "-m", "hbp_train.export", "--checkpoint", str(run / "checkpoints"), "--out", str(export)]),
         ("offline evaluation", [py, "-m", "eval.run", "offline", "--model", str(export), "--dataset",
                                 str(held_tok), "--lengths", "128,256,512", "--out", str(out / "eval")]),
@@ -57,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "runs" / "demo"), help="output directory (default runs/demo)")
     parser.add_argument("--num-samples", type=int, default=2000, help="synthetic chats to generate (default 2000)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU training processes (default 2)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the plan in training (default 3)")
     parser.add_argument("--only", default=None, help="comma-separated stage numbers to run (default: all)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    todo = stages(out, args.num_samples, args.nproc)
+    todo = stages(out, args.num_samples, args.nproc, args.epochs)
     only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(todo) + 1))
     t_start = time.time()
     for i, (name, cmd) in enumerate(todo, 1):

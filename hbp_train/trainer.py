@@ -244,7 +244,7 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
     from hbp_train.model import pack_flops, set_checkpointed_layers
 
-    engine, cfg = run.engine, run.cfg
+    engine = run.engine
     set_checkpointed_layers(run.model, ckpt_layers_for(run, step_batch))
     sp = step_batch.sp
     sp_rank = run.pstate.sp_rank(sp)

@@ -17,7 +17,7 @@ from hbp_train import demo
 @pytest.mark.slow
 def test_demo_pipeline_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    assert demo.main(["--out", str(out), "--num-samples", "300"]) == 0
+    assert demo.main(["--out", str(out), "--num-samples", "300", "--epochs", "1"]) == 0
 
     report = json.loads((out / "tokenized" / "report.json").read_text())
     assert report["read"] == report["kept"] + sum(report["dropped"].values()) == 300

@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from tests.assets.packed_fixture import TINY_LLAMA, TWO_RANK_STEPS, synthetic_samples, write_packed
+from tests.assets.packed_fixture import (TINY_LLAMA, TWO_RANK_STEPS, reference_normalized_loss, synthetic_samples,
+                                        write_packed)
 from tests.distributed import run_distributed
 
 VOCAB = 4096  # the shipped tokenizer's
@@ -61,34 +62,6 @@ def _worker(rank, world_size, shards, out):
     return results if rank == 0 else None
 
 
-def reference_loss(model, samples, step, normalizer):
-    """The normalizer's formula over every sample of the step, each run alone through the plain model."""
-    sums, counts, replica_of = [], [], []
-    for r, replica in enumerate(step["replicas"]):
-        for pack in replica:
-            for i in pack:
-                ids, labels = samples[i]
-                logits = model(input_ids=torch.tensor([ids])).logits[0]
-                target = torch.tensor(labels[1:])
-                loss = torch.nn.functional.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
-                sums.append(loss)
-                counts.append(int((target != -100).sum()))
-                replica_of.append(r)
-    sums_t = torch.stack(sums)
-    counts_t = torch.tensor(counts, dtype=torch.float32)
-    if normalizer == "ave_token":
-        return sums_t.sum() / counts_t.sum()
-    if normalizer == "sum":
-        return sums_t.sum()
-    if normalizer == "sample_mean":
-        return (sums_t / counts_t).mean()
-    if normalizer == "token_mean":
-        replicas = torch.tensor(replica_of)
-        per_rank = [sums_t[replicas == r].sum() / counts_t[replicas == r].sum() for r in range(len(step["replicas"]))]
-        return torch.stack(per_rank).mean()
-    raise AssertionError(normalizer)
-
-
 @pytest.mark.slow
 def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -106,7 +79,7 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
         for step_index, got in enumerate(per_step):
             model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
             model.zero_grad()
-            reference_loss(model, samples, TWO_RANK_STEPS[step_index], normalizer).backward()
+            reference_normalized_loss(model, samples, TWO_RANK_STEPS[step_index], normalizer).backward()
             ref = {"model." + k: p.grad for k, p in model.named_parameters()}
             scale = max(float(g.abs().max()) for g in ref.values())
             err = max(float((got["grads"][k] - ref[k]).abs().max()) for k in ref)

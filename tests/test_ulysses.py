@@ -271,28 +271,6 @@ def _trainer_worker(rank, world_size, shards, out):
     return results if rank == 0 else None
 
 
-def _normalized_reference(model, samples, step, normalizer):
-    """The normalizer's loss over every sample of the step, each sample run alone through the plain model."""
-    sums, counts, replica_of = [], [], []
-    for r, replica in enumerate(step["replicas"]):
-        for pack in replica:
-            for i in pack:
-                ids, labels = samples[i]
-                logits = model(input_ids=torch.tensor([ids])).logits[0]
-                target = torch.tensor(labels[1:])
-                sums.append(torch.nn.functional.cross_entropy(logits[:-1], target, reduction="sum"))
-                counts.append(float((target != IGNORE_INDEX).sum()))
-                replica_of.append(r)
-    sums_t, counts_t, replica_t = torch.stack(sums), torch.tensor(counts), torch.tensor(replica_of)
-    if normalizer == "ave_token":
-        return sums_t.sum() / counts_t.sum()
-    if normalizer == "sample_mean":
-        return (sums_t / counts_t).mean()
-    assert normalizer == "token_mean"
-    return torch.stack([sums_t[replica_t == r].sum() / counts_t[replica_t == r].sum()
-                        for r in range(len(step["replicas"]))]).mean()
-
-
 @pytest.mark.slow
 def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     """trainer.forward_backward on 2 ranks with a plan whose groups run at sp=1 and sp=2: every step's gradient is
@@ -302,7 +280,7 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hbp_train.metrics import format_line
-    from tests.assets.packed_fixture import TINY_LLAMA, synthetic_samples, write_packed
+    from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss, synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
     assert sum(len(samples[i][0]) for i in (6, 7)) % 2 == 1  # an sp=2 pack that needs a padding token
@@ -321,7 +299,7 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
         for step_index, got in enumerate(per_step):
             model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
             model.zero_grad()
-            _normalized_reference(model, samples, SP_TRAINER_STEPS[step_index], normalizer).backward()
+            reference_normalized_loss(model, samples, SP_TRAINER_STEPS[step_index], normalizer).backward()
             for name, param in model.named_parameters():
                 ref, grad = param.grad, got["grads"]["model." + name]
                 rel = float((grad - ref).norm() / ref.norm())

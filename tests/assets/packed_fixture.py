@@ -85,3 +85,30 @@ TWO_RANK_STEPS = [
 # One replica: 6 steps with m = 2, 1, 2, 1, 2, 1.
 ONE_RANK_STEPS = [{"group": s % 2, "replicas": [[[2 * s], [2 * s + 1]] if s % 2 == 0 else [[2 * s, 2 * s + 1]]]}
                   for s in range(6)]
+
+
+def reference_normalized_loss(model, samples, step, normalizer):
+    """The normalizer's formula over every sample of a plan step, each sample run alone through the plain model:
+    the single-process reference that the distributed gradient tests compare against."""
+    import torch
+
+    sums, counts, replica_of = [], [], []
+    for r, replica in enumerate(step["replicas"]):
+        for pack in replica:
+            for i in pack:
+                ids, labels = samples[i]
+                logits = model(input_ids=torch.tensor([ids])).logits[0]
+                target = torch.tensor(labels[1:])
+                sums.append(torch.nn.functional.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum"))
+                counts.append(float((target != -100).sum()))
+                replica_of.append(r)
+    sums_t, counts_t, replica_t = torch.stack(sums), torch.tensor(counts), torch.tensor(replica_of)
+    if normalizer == "ave_token":
+        return sums_t.sum() / counts_t.sum()
+    if normalizer == "sum":
+        return sums_t.sum()
+    if normalizer == "sample_mean":
+        return (sums_t / counts_t).mean()
+    assert normalizer == "token_mean", normalizer
+    return torch.stack([sums_t[replica_t == r].sum() / counts_t[replica_t == r].sum()
+                        for r in range(len(step["replicas"]))]).mean()

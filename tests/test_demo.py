@@ -1,7 +1,7 @@
 """End-to-end smoke run of the default demo (what ``./launch.sh`` runs), on a smaller generated dataset.
 
-It runs every stage as its CLI — generate → preprocess → plan + packed shards → simulate → train on 2 CPU
-processes → export → offline evaluation — and checks that each stage's outputs are there and consistent with
+It runs every stage as its CLI — generate → preprocess → plan + packed shards → compare strategies (simulated)
+→ train on 2 CPU processes → export → offline evaluation — and checks that each stage's outputs are there and consistent with
 each other: every sample is accounted for, training ran every plan step and switched SP degree, the export loads.
 """
 
@@ -41,4 +41,4 @@ def test_demo_pipeline_end_to_end(tmp_path):
 
     results = json.loads((out / "eval" / "results.json").read_text())
     assert results  # written by eval.run offline; its own tests check the fields
-    assert (out / "plan.png").exists() and (out / "simulated.png").exists()
+    assert (out / "plan.png").exists() and (out / "compare.png").exists()

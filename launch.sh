@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # hbp-train launcher: sets up .venv on first use, then runs a subcommand.
 #
-#   ./launch.sh                 the default demo: the whole pipeline on the CPU on shipped data
-#   ./launch.sh test [ARGS]     the test suite (pytest ARGS)
-#   ./launch.sh train [OVERRIDES]   train with Hydra overrides (torchrun / deepspeed launcher, see --help)
-#   ./launch.sh eval [ARGS]     evaluation (python -m eval.run ARGS); --setup-opencompass builds its own venv
-#   ./launch.sh setup           only the set-up
-#   ./launch.sh help            this text
+#   ./launch.sh                     the default demo: the whole pipeline on the CPU on generated data
+#   ./launch.sh test [ARGS]         the test suite (pytest ARGS)
+#   ./launch.sh train [OVERRIDES]   train with Hydra overrides (torchrun, or the deepspeed launcher with HOSTFILE)
+#   ./launch.sh eval [ARGS]         evaluation (python -m eval.run); --setup-opencompass builds its own venv
+#   ./launch.sh preprocess|pack|simulate|compare [ARGS]  python -m data_tools.<command> ARGS
+#   ./launch.sh profile|export|calibrate [ARGS]          python -m hbp_train.<command> ARGS
+#   ./launch.sh setup               only the set-up
+#   ./launch.sh help                this text (every command also takes --help)
 #
-# Environment: HBP_VENV (default .venv), HBP_PYTHON (interpreter used to create the venv, default python3),
+# Set-up: HBP_VENV (default .venv), HBP_PYTHON (interpreter that creates the venv, default python3),
 # HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine.
+# train: NPROC (processes on this node; default: its GPUs, or 1 on a CPU), NNODES, NODE_RANK, MASTER_ADDR,
+# MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead).
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -74,13 +78,13 @@ train() {
 cmd=${1:-demo}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  help|-h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  help|-h|--help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
   setup) setup ;;
   demo) setup; demo "$@" ;;
   test) setup; run_tests "$@" ;;
   train) setup; train "$@" ;;
   eval) setup; exec "$PY" -m eval.run "$@" ;;
-  preprocess|pack|simulate) setup; exec "$PY" -m "data_tools.$cmd" "$@" ;;
+  preprocess|pack|simulate|compare) setup; exec "$PY" -m "data_tools.$cmd" "$@" ;;
   profile|export|calibrate) setup; exec "$PY" -m "hbp_train.$cmd" "$@" ;;
   *) echo "launch.sh: unknown command '$cmd' (try ./launch.sh help)" >&2; exit 2 ;;
 esac

@@ -8,6 +8,7 @@ default cache silently disables packed-sample masking) and the packed attention 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,11 +76,13 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
 
-def build_model(cfg: ModelConfig, vocab_size: int | None = None):
+def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: dict | None = None):
     """The causal LM of `cfg` with use_cache=False and packed attention registered; returns the HF model.
 
     vocab_size (the tokenizer's) sets the vocabulary of a model built from a config, and grows the embeddings of a
-    pretrained one whose vocabulary is smaller (never shrinks it).
+    pretrained one whose vocabulary is smaller (never shrinks it). zero3_config (the run's DeepSpeed config, ZeRO
+    stage 3; torch.distributed initialized) builds the model already partitioned across the ranks, so no rank ever
+    holds all of its weights: the initial weights equal those of the unpartitioned build with the same seed.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,17 +91,26 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None):
     overrides["use_cache"] = False
     if cfg.name_or_path is not None:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-        )
-        if vocab_size is not None and vocab_size > model.get_input_embeddings().weight.shape[0]:
-            model.resize_token_embeddings(vocab_size)
+        with _hf_zero3(zero3_config):  # from_pretrained loads each rank's shards only; resizing gathers as needed
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+            )
+            rows = model.get_input_embeddings().weight
+            if vocab_size is not None and vocab_size > getattr(rows, "ds_shape", rows.shape)[0]:
+                model.resize_token_embeddings(vocab_size)
+                if zero3_config is not None:
+                    # transformers builds the resized embeddings and head whole (the gathered old rows copied in):
+                    # partition them now (rank 0's values) rather than keep them whole until deepspeed.initialize.
+                    import deepspeed
+
+                    deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config)
     else:
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        with _partitioned_init(zero3_config):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
@@ -108,6 +120,79 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None):
         head.__class__ = ChunkedLMHead  # same parameters and state_dict keys; only forward gains the loss path
     register_packed_attention(model, cfg.attention_backend)
     return model
+
+
+@contextmanager
+def _hf_zero3(ds_config: dict | None):
+    """Within it, transformers' DeepSpeed integration sees ZeRO-3 (no-op for None).
+
+    from_pretrained then builds inside deepspeed.zero.Init and loads the checkpoint straight into the partitions,
+    and resize_token_embeddings gathers the partitioned embeddings. transformers keeps only a weak reference to the
+    HfDeepSpeedConfig, hence the local one; it is unset on exit so that a later build in this process (e.g. a
+    ZeRO-2 run) is not partitioned.
+    """
+    if ds_config is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (held alive for the weak reference)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+
+
+@contextmanager
+def _partitioned_init(ds_config: dict | None):
+    """Within it, new modules are partitioned by deepspeed.zero.Init as each one is built (no-op for None).
+
+    Not transformers' own ZeRO-3 path for from_config: that skips torch's construction-time initialisation and
+    re-initialises on rank 0 in another order, so the weights would differ from the unpartitioned build with the
+    same seed. Here every rank builds each module in full, in the same order and from the same seed (consuming the
+    random stream exactly as the unpartitioned build), then keeps its partition; HF's own weight initialisation
+    (post_init, which runs after the submodules were partitioned) gets each module's parameters gathered first,
+    and every rank runs it so that the random streams stay in step.
+    """
+    if ds_config is None:
+        yield
+        return
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride
+    from transformers import PreTrainedModel
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    plain_init = PreTrainedModel._initialize_weights
+
+    def gathered_init(self, module, *args, **kwargs):
+        if getattr(module, "_is_hf_initialized", False):
+            return plain_init(self, module, *args, **kwargs)
+        # _init_weights may also set direct children's parameters (e.g. module.q_proj.weight)
+        params = list(module.parameters(recurse=False))
+        params += [p for child in module.children() if not isinstance(child, PreTrainedModel)
+                   for p in child.parameters(recurse=False)]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            # On the host, as the unpartitioned build does: a GPU's random generator would draw other weights.
+            gathered = [p.data for p in params]
+            for p in params:
+                p.data = p.data.cpu()
+            try:
+                return plain_init(self, module, *args, **kwargs)
+            finally:
+                for p, data in zip(params, gathered):
+                    data.copy_(p.data)
+                    p.data = data
+
+    PreTrainedModel._initialize_weights = gathered_init
+    try:
+        # Only the dtype override: new tensors are made (and randomly initialised) on the host like in the
+        # unpartitioned build, then zero.Init moves each module's parameters to the device and partitions them.
+        # prevent_arange_dtype_change keeps RoPE's int arange (inv_freq) out of zero.Init's bf16 cast.
+        with prevent_arange_dtype_change(), deepspeed.zero.Init(
+                config_dict_or_path=ds_config, tensor_overrides=[DeepSpeedTensorOverride.dtype]):
+            yield
+    finally:
+        PreTrainedModel._initialize_weights = plain_init
 
 
 class ChunkedLMHead(torch.nn.Linear):

@@ -387,8 +387,13 @@ def build(cfg, config_yaml: str = "") -> Run:
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # Under ZeRO-3 each rank builds the full model in host memory once; deepspeed.initialize then partitions it.
-    model = build_model(cfg.model, vocab_size=len(tokenizer))
+    # Under ZeRO-3 the model is partitioned as it is built (no rank ever holds all of it, which a 70B model would not
+    # fit); the config equals the one build_engine gives deepspeed.initialize.
+    zero3_config = None
+    if cfg.deepspeed.zero_stage == 3:
+        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size,
+                                        cfg.model.torch_dtype() == torch.bfloat16)
+    model = build_model(cfg.model, vocab_size=len(tokenizer), zero3_config=zero3_config)
     if max(pstate.sp_degrees) > 1:  # SP: one Ulysses attention per degree; sp=1 keeps the plain packed attention
         ulysses.setup_sequence_parallel(model, pstate)
     else:

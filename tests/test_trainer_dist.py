@@ -4,7 +4,8 @@ every sample on its own (no packing) through the plain HF model.
 
 One spawn serves every case: each rank builds an engine per (ZeRO stage, normalizer), runs the fixture's 3 plan
 steps (m = 2, 1, 2), and returns, per step, the full parameters before the step and the full gradient DeepSpeed
-hands the optimizer. The last (ZeRO-3) engine also saves a sharded checkpoint for the export round trip.
+hands the optimizer. The last (ZeRO-3) engine also saves a sharded checkpoint for the export round trip. The
+ZeRO-3 builds (from a config and from_pretrained) are checked to be partitioned before deepspeed.initialize.
 """
 
 from __future__ import annotations
@@ -38,9 +39,23 @@ def _worker(rank, world_size, shards, out):
 
     init_distributed()
     results = {}
+    plain_build_engine = trainer.build_engine
+    at_engine = {}
+
+    def build_engine(cfg, model, *args):
+        # The model as build() hands it to deepspeed.initialize: which parameters are already ZeRO-3 partitions
+        # (empty here, a 1/world_size share in ds_tensor) and how many elements this rank holds.
+        at_engine["partitioned"] = {n: hasattr(p, "ds_id") and p.numel() == 0 and p.ds_numel > 0
+                                    for n, p in model.named_parameters()}
+        at_engine["local_numel"] = sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel()
+                                       for p in model.parameters())
+        return plain_build_engine(cfg, model, *args)
+
+    trainer.build_engine = build_engine
     for zero_stage, normalizer in CASES:
         cfg = config.load(overrides(shards, f"{out}/{zero_stage}_{normalizer}", zero_stage, normalizer))
         run = trainer.build(cfg)
+        results[(zero_stage, normalizer, "at_engine")] = dict(at_engine)
         named = list(run.engine.module.named_parameters())
         per_step = []
         for step in range(run.data.num_steps):
@@ -59,6 +74,19 @@ def _worker(rank, world_size, shards, out):
         ids = torch.arange(3, 40)[None]
         results["z3_logits"] = run.model.eval()(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
     deepspeed.comm.barrier()
+    # from_pretrained under ZeRO-3 loads straight into partitions; growing the vocabulary keeps the loaded rows.
+    from hbp_train.model import ModelConfig, build_model
+
+    if rank == 0:
+        build_model(ModelConfig(config=dict(TINY_LLAMA)), vocab_size=VOCAB - 8).save_pretrained(f"{out}/pretrained")
+    deepspeed.comm.barrier()
+    ds_config = trainer.deepspeed_config(cfg.deepspeed, cfg.train, 3, world_size, bf16=False)
+    for vocab_size in (None, VOCAB):
+        loaded = build_model(ModelConfig(name_or_path=f"{out}/pretrained"), vocab_size, zero3_config=ds_config)
+        partitioned = {n: hasattr(p, "ds_id") and p.numel() == 0 for n, p in loaded.named_parameters()}
+        with deepspeed.zero.GatheredParameters(list(loaded.parameters())):
+            full = {n: p.detach().clone() for n, p in loaded.named_parameters()}
+        results["z3_pretrained", vocab_size] = partitioned, full, type(loaded.lm_head).__name__, loaded.training
     return results if rank == 0 else None
 
 
@@ -70,10 +98,21 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
     samples = synthetic_samples(14, VOCAB, seed=3)
     shards = write_packed(str(tmp_path / "packed"), samples, TWO_RANK_STEPS, world_size=2)
     results = run_distributed(_worker, 2, shards, str(tmp_path / "runs"))[0]
+    at_engine = {key[:2]: results.pop(key) for key in list(results) if key[-1] == "at_engine"}
+    pretrained = {key[1]: results.pop(key) for key in list(results) if key[0] == "z3_pretrained"}
 
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(**TINY_LLAMA, vocab_size=VOCAB, use_cache=False), attn_implementation="eager")
     z3_logits = results.pop("z3_logits")
+    # ZeRO-3 builds the model partitioned: every parameter is already a ZeRO-3 partition before deepspeed.initialize
+    # and the rank holds half of the elements (ZeRO-2 builds it whole) -- with the same initial weights as the
+    # unpartitioned build from the same model.seed.
+    total = sum(p.numel() for p in model.parameters())
+    for (zero_stage, normalizer), built in at_engine.items():
+        assert all(built["partitioned"].values()) if zero_stage == 3 else not any(built["partitioned"].values())
+        assert built["local_numel"] == (total if zero_stage == 2 else pytest.approx(total / 2, rel=0.01))
+        first = results[zero_stage, normalizer][0]["params"]
+        assert all(torch.equal(first[k], v) for k, v in results[2, "ave_token"][0]["params"].items()), zero_stage
     for (zero_stage, normalizer), per_step in results.items():
         assert [s["m"] for s in per_step] == [2, 1, 2]  # m varies by step; step 2 holds an empty pack
         for step_index, got in enumerate(per_step):
@@ -86,6 +125,13 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
             assert err <= 1e-4 * scale, (zero_stage, normalizer, step_index, err, scale)
         # The engine did update the weights between steps (the reference followed them).
         assert any(not torch.equal(per_step[0]["params"][k], per_step[1]["params"][k]) for k in per_step[0]["params"])
+
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / "pretrained")).state_dict()
+    for vocab_size in (None, VOCAB):
+        partitioned, full, head_type, training = pretrained[vocab_size]
+        assert all(partitioned.values()) and head_type == "ChunkedLMHead" and training, vocab_size
+        assert full["lm_head.weight"].shape[0] == (vocab_size or VOCAB - 8)
+        assert all(torch.equal(full[k][:VOCAB - 8], v) for k, v in saved.items()), vocab_size
 
     # Export consolidates the ZeRO-3 shards of both ranks: the HF model's logits equal the trained model's.
     from hbp_train.export import export

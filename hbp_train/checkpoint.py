@@ -60,10 +60,13 @@ def _barrier() -> None:
 
 
 def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
-         keep_last: int = 0) -> str:
-    """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory."""
+         keep_last: int = 0, total_steps: Optional[int] = None) -> str:
+    """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory.
+
+    ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed."""
     tag = tag_for(next_step)
-    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml})
+    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml,
+                                                             "total_steps": total_steps})
     tag_dir = os.path.join(ckpt_root, tag)
     torch.save(rng_state(), os.path.join(tag_dir, f"rng_rank{_rank()}.pt"))
     if _rank() == 0:
@@ -128,8 +131,10 @@ def find_resume(resume: Optional[str], ckpt_root: str) -> Optional[tuple]:
     return resolve(resume)
 
 
-def load(engine, ckpt_root: str, tag: str) -> int:
-    """Load a checkpoint into the engine and restore this rank's RNG state; returns the step to run next."""
+def load(engine, ckpt_root: str, tag: str) -> tuple:
+    """Load a checkpoint into the engine and restore this rank's RNG state.
+
+    Returns (the step to run next, the run length it was saved with or None)."""
     load_path, client_state = engine.load_checkpoint(ckpt_root, tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     if load_path is None:
@@ -137,7 +142,7 @@ def load(engine, ckpt_root: str, tag: str) -> int:
     rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
     if os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))
-    return int(client_state["next_step"])
+    return int(client_state["next_step"]), client_state.get("total_steps")
 
 
 class StopSignal:

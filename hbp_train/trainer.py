@@ -422,8 +422,12 @@ def train(cfg, config_yaml: str = "") -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     start_step = 0
     if resume is not None:
-        start_step = ckpt.load(run.engine, *resume)
+        start_step, saved_total_steps = ckpt.load(run.engine, *resume)
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank, run.total_steps, start_step)
+    if resume is not None and saved_total_steps not in (None, run.total_steps):
+        # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
+        metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
+                        f"of {saved_total_steps} (data.epochs / train.max_steps changed): the LR schedule changes")
     if resume is not None:
         metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}")
     elif cfg.train.resume == "auto":
@@ -439,7 +443,8 @@ def train(cfg, config_yaml: str = "") -> dict:
         nonlocal saved_at
         if saved_at == next_step:
             return
-        ckpt.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer, cfg.train.keep_last)
+        ckpt.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer, cfg.train.keep_last,
+                  run.total_steps)
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, ckpt.tag_for(next_step))}")
 

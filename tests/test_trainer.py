@@ -197,6 +197,7 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     assert tag == f"step_{steps_done:08d}"
     state = torch.load(os.path.join(root, tag, "mp_rank_00_model_states.pt"), weights_only=False)
     assert state["next_step"] == steps_done
+    assert state["total_steps"] > steps_done  # the run's length, so a resume can warn when the LR schedule changes
     assert (out / "config.yaml").exists() and os.path.isfile(os.path.join(root, tag, "config.yaml"))
     export(str(out / "checkpoints"), str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "model.safetensors").exists()

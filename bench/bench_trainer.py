@@ -417,13 +417,11 @@ def sp1_check(run, batches: list, args) -> dict:
     the packed attention called directly (what an sp=1-only run uses), same engine, alternating steps."""
     from hbp_train import ulysses
     from hbp_train.attention import ATTN_IMPLEMENTATION as DIRECT
+    from hbp_train.attention import use_attention
     from hbp_train.ulysses import ATTN_IMPLEMENTATION as DISPATCH
 
     def use(name):
-        if hasattr(run.model, "set_attn_implementation"):
-            run.model.set_attn_implementation(name)
-        else:
-            run.model.config._attn_implementation = name
+        use_attention(run.model, name)
 
     times = {DISPATCH: [], DIRECT: []}
     ulysses.setup_sequence_parallel(run.model, run.pstate)  # degree 1 only: the dispatcher, no all-to-all wrappers

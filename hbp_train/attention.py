@@ -338,14 +338,24 @@ def register_packed_attention(model, backend: str = "auto", device: torch.device
     `device` is where training will run (default: see `_training_device`); "auto" picks its best backend for
     that device and the model's dtype.
     """
-    from transformers import AttentionInterface
 
     device = device if device is not None else _training_device(model)
     chosen = select_backend(backend, device, getattr(model, "dtype", None))
     set_backend(chosen)
-    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_packed_attention)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    else:
-        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    use_attention(model, ATTN_IMPLEMENTATION, hf_packed_attention)
     return chosen
+
+
+def use_attention(model, name: str, fn=None) -> None:
+    """Point the model's attention layers at the implementation `name`, registering `fn` under it first if given.
+
+    transformers 5 has a public setter; older versions only read config._attn_implementation.
+    """
+    if fn is not None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, fn)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name

@@ -34,7 +34,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hbp_train.attention import hf_packed_attention
+from hbp_train.attention import hf_packed_attention, use_attention
 
 ATTN_IMPLEMENTATION = "hbp_ulysses"
 IGNORE_INDEX = -100
@@ -208,15 +208,9 @@ def setup_sequence_parallel(model, pstate) -> SequenceParallel:
     start-up if a degree cannot split the model's heads (see `check_sp_heads`).
     """
     global _current, _stats
-    from transformers import AttentionInterface
-
     _current = SequenceParallel(model, pstate)
     _stats = SPStats()
-    AttentionInterface.register(ATTN_IMPLEMENTATION, sp_attention)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    else:
-        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    use_attention(model, ATTN_IMPLEMENTATION, sp_attention)
     return _current
 
 

@@ -338,7 +338,6 @@ def register_packed_attention(model, backend: str = "auto", device: torch.device
     `device` is where training will run (default: see `_training_device`); "auto" picks its best backend for
     that device and the model's dtype.
     """
-
     device = device if device is not None else _training_device(model)
     chosen = select_backend(backend, device, getattr(model, "dtype", None))
     set_backend(chosen)

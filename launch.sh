@@ -71,7 +71,13 @@ train() {
   if [ -n "${HOSTFILE:-}" ]; then
     exec "$VENV/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --module hbp_train.train "$@"
   fi
-  exec "$VENV/bin/torchrun" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "$nproc" \
+  # The CPU threads of the node shared among the workers (torchrun's own default is 1, with a warning banner).
+  # Without a GPU, name DeepSpeed's accelerator: it would pick the CPU anyway, after a warning per worker.
+  have_cuda || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+  local cores; cores=$(nproc)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
+  # hbp_train.launch is torchrun that ends a worker's failure with one line instead of its own traceback.
+  exec "$PY" -m hbp_train.launch --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "$nproc" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29511}" -m hbp_train.train "$@"
 }
 

@@ -161,6 +161,22 @@ class PackedData:
         self._datasets = {}
         self._loss_tokens = {}
         self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
+        self._check_rows()
+
+    def _check_rows(self) -> None:
+        """Open every group now and check that the plan's rows exist: damaged or stale shards fail here, in one
+        line naming the directory, before any model is built, instead of at the first step that reads them."""
+        wanted: dict[int, int] = {}
+        for step in self.steps:
+            rows = [int(r) for replica in step["rows"] for r in replica if not _is_empty_row(r)]
+            if rows:
+                g = int(step["group"])
+                wanted[g] = max(wanted.get(g, -1), max(rows))
+        for g, top in sorted(wanted.items()):
+            num_rows = len(self.dataset(g))
+            if top >= num_rows:
+                raise ValueError(f"{self.path}/group_{g}: plan.json reads row {top} but the shard has {num_rows} rows "
+                                 f"(stale shards: rewrite them with data_tools.pack --shards {self.path})")
 
     @property
     def world_size(self) -> int:
@@ -181,9 +197,14 @@ class PackedData:
             gdir = os.path.join(self.path, f"group_{group}")
             if not os.path.isdir(gdir):
                 raise ValueError(f"{self.path}: missing {gdir} for group {group} of plan.json")
-            ds = load_from_disk(gdir).with_format("numpy")
+            try:
+                ds = load_from_disk(gdir).with_format("numpy")
+                loss_tokens = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
+            except Exception as exc:  # a truncated or foreign file: name it, whatever the reader raised
+                raise ValueError(f"{gdir}: cannot read the packed shard ({type(exc).__name__}: {exc}); rewrite it "
+                                 f"with data_tools.pack --shards {self.path}") from None
             self._datasets[group] = ds
-            self._loss_tokens[group] = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
+            self._loss_tokens[group] = loss_tokens
         return self._datasets[group]
 
     def pack_loss_tokens(self, group: int, row) -> int:

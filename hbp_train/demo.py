@@ -43,7 +43,7 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
                                             "--world-size", str(nproc), "--groups", "1024:1,2048:2",
                                             "--global-tokens", "8192", "--plot", str(out / "compare.png"),
                                             "--out", str(out / "compare.json")]),
-        ("train (2 CPU processes)", [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        ("train (2 CPU processes)", [py, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node",
                                      str(nproc), "-m", "hbp_train.train", "experiment=cpu_demo",
                                      f"data.shards={packed}", f"data.epochs={epochs}", f"train.out_dir={run}"]),
         ("export", [py, "-m", "hbp_train.export", "--checkpoint", str(run / "checkpoints"), "--out", str(export)]),

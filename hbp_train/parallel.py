@@ -27,8 +27,10 @@ def init_distributed(backend: str | None = None) -> None:
     import deepspeed
     import deepspeed.ops
 
-    # The shm comm op is a ~55 s g++ JIT build on first use; gloo does not need it.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # The shm comm op is a ~55 s g++ JIT build on first use; gloo does not need it. Set the table in the module's
+    # namespace rather than reading the attribute: reading it runs DeepSpeed's probe of every op, which compiles a
+    # test program per op (seconds, and gcc command lines on stdout). Only the shm entry is ever looked up.
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:

@@ -83,6 +83,24 @@ def test_bad_shards_fail_with_a_message(tmp_path, shards):
         DataConfig(shards="x", epochs=0)
 
 
+def test_damaged_or_stale_shards_fail_at_open_naming_the_group(tmp_path, shards):
+    import shutil
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(shards, truncated)
+    arrow = sorted((truncated / "group_0").glob("*.arrow"))[0]
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"group_0: cannot read the packed shard .*rewrite it with data_tools.pack"):
+        PackedData(str(truncated))
+    stale = tmp_path / "stale"
+    shutil.copytree(shards, stale)
+    plan = json.loads((stale / "plan.json").read_text())
+    plan["steps"][0]["rows"][0][0] = 10_000  # a row the shard does not have: the plan and shards disagree
+    (stale / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"group_\d+: plan.json reads row 10000 but the shard has \d+ rows"):
+        PackedData(str(stale))
+
+
 def test_reads_the_planner_writer_format(tmp_path):
     """Shards written by hbp_train.planning.shards (the real writer) load the same way."""
     shards_mod = pytest.importorskip("hbp_train.planning.shards")

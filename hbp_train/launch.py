@@ -1,0 +1,42 @@
+"""torchrun for hbp-train jobs, minus torchrun's own traceback when a worker fails.
+
+    python -m hbp_train.launch [torchrun options] -m hbp_train.train [overrides]
+
+Takes exactly torchrun's arguments (``--help`` lists them) and runs them through ``torch.distributed.run``. A worker
+that meets bad input prints its one-line error and exits 2; plain torchrun then adds a ChildFailedError traceback
+and a failure table, which bury that line. Here the launcher ends with one line naming the rank that failed first
+and its exit code or signal, and exits with the worker's code (so scripts still see 2 for bad input).
+``./launch.sh train`` and the demo use it; the deepspeed launcher (HOSTFILE) is left as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def failure_line(name: str, rank: int, exitcode: int) -> str:
+    """The one line that replaces torchrun's failure report."""
+    how = f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
+    return (f"[launch] {name} failed: rank {rank} stopped first, with {how}; its message is above "
+            "(HBP_DEBUG=1 prints the worker's traceback)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(failure_line(e.name, rank, failure.exitcode), file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except KeyboardInterrupt:  # the workers got the Ctrl-C too and saved (train.py); no launcher traceback
+        print("[launch] interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

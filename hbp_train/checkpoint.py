@@ -21,7 +21,7 @@ import re
 import shutil
 import signal
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -59,14 +59,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class Resumed(NamedTuple):
+    """What a checkpoint tells the training loop besides the engine state."""
+
+    next_step: int
+    """The global step to run next."""
+    total_steps: Optional[int]
+    """The run length it was saved with (None for checkpoints that predate the field)."""
+    counters: dict
+    """Run-long counters (skipped steps, SP token totals) so live metrics continue instead of restarting."""
+
+
 def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
-         keep_last: int = 0, total_steps: Optional[int] = None) -> str:
+         keep_last: int = 0, total_steps: Optional[int] = None, counters: Optional[dict] = None) -> str:
     """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory.
 
-    ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed."""
+    ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed;
+    ``counters`` (JSON-able, the same on every rank) are handed back by ``load``."""
     tag = tag_for(next_step)
     engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml,
-                                                             "total_steps": total_steps})
+                                                             "total_steps": total_steps, "counters": counters or {}})
     tag_dir = os.path.join(ckpt_root, tag)
     torch.save(rng_state(), os.path.join(tag_dir, f"rng_rank{_rank()}.pt"))
     if _rank() == 0:
@@ -131,10 +143,8 @@ def find_resume(resume: Optional[str], ckpt_root: str) -> Optional[tuple]:
     return resolve(resume)
 
 
-def load(engine, ckpt_root: str, tag: str) -> tuple:
-    """Load a checkpoint into the engine and restore this rank's RNG state.
-
-    Returns (the step to run next, the run length it was saved with or None)."""
+def load(engine, ckpt_root: str, tag: str) -> Resumed:
+    """Load a checkpoint into the engine and restore this rank's RNG state."""
     load_path, client_state = engine.load_checkpoint(ckpt_root, tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     if load_path is None:
@@ -142,7 +152,7 @@ def load(engine, ckpt_root: str, tag: str) -> tuple:
     rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
     if os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))
-    return int(client_state["next_step"]), client_state.get("total_steps")
+    return Resumed(int(client_state["next_step"]), client_state.get("total_steps"), client_state.get("counters") or {})
 
 
 class StopSignal:

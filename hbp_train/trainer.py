@@ -420,20 +420,23 @@ def train(cfg, config_yaml: str = "") -> dict:
         raise ValueError(f"train.resume={cfg.train.resume}: {e}") from None
     run = build(cfg, config_yaml)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    start_step = 0
+    start_step, num_skipped, sp_totals = 0, 0, None
     if resume is not None:
-        start_step, saved_total_steps = ckpt.load(run.engine, *resume)
+        resumed = ckpt.load(run.engine, *resume)
+        start_step = resumed.next_step
+        num_skipped = int(resumed.counters.get("num_skipped", 0))
+        sp_totals = resumed.counters.get("sp_token_totals")
+    ulysses.stats().start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank, run.total_steps, start_step)
-    if resume is not None and saved_total_steps not in (None, run.total_steps):
+    if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
-                        f"of {saved_total_steps} (data.epochs / train.max_steps changed): the LR schedule changes")
+                        f"of {resumed.total_steps} (data.epochs / train.max_steps changed): the LR schedule changes")
     if resume is not None:
         metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}")
     elif cfg.train.resume == "auto":
         metrics.message(f"[train] train.resume=auto: no checkpoint in {ckpt_root}, starting fresh")
     stop = ckpt.StopSignal().install()
-    num_skipped = 0
     history = []
     step = start_step
     ended = "finished"
@@ -443,8 +446,9 @@ def train(cfg, config_yaml: str = "") -> dict:
         nonlocal saved_at
         if saved_at == next_step:
             return
+        counters = {"num_skipped": num_skipped, "sp_token_totals": ulysses.stats().totals()}
         ckpt.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer, cfg.train.keep_last,
-                  run.total_steps)
+                  run.total_steps, counters)
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, ckpt.tag_for(next_step))}")
 

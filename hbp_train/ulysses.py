@@ -154,10 +154,19 @@ class SPStats:
         counts, self.step = tuple(self.step), [0, 0]
         return counts
 
+    def totals(self) -> list:
+        """[tokens, SP tokens] of all ranks since the run started (saved in checkpoints)."""
+        return list(self.total)
+
+    def start_run(self, totals=None) -> None:
+        """Start counting for a run: from zero, or from a resumed run's ``totals`` (from its checkpoint)."""
+        self.step = [0, 0]
+        self.total = [float(totals[0]), float(totals[1])] if totals else [0.0, 0.0]
+
     def step_metrics(self, compute_times, tokens, sp_tokens) -> dict:
         """Metrics of one step from every rank's gathered values ([W] each): compute time, tokens, SP tokens.
 
-        sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the start (of this process's run);
+        sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the run started (resumes continue it);
         time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance).
         """
         step_tokens, step_sp_tokens = float(sum(tokens)), float(sum(sp_tokens))

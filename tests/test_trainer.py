@@ -45,8 +45,13 @@ def _single_process_checks(rank, world_size, shards, out):
     full = trainer.train(config.load(overrides(shards, f"{out}/full", "train.save_final=false",
                                                "train.save_every=2", "train.keep_last=3")))
     result["full_tags"] = ckpt.list_tags(f"{out}/full/checkpoints")
+    from hbp_train import ulysses
+
+    result["token_totals"] = [ulysses.stats().totals()]
     first = trainer.train(config.load(overrides(shards, f"{out}/split", "train.exit_after_steps=3")))
+    result["token_totals"].append(ulysses.stats().totals())
     second = trainer.train(config.load(overrides(shards, f"{out}/split", "train.resume=auto")))
+    result["token_totals"].append(ulysses.stats().totals())  # counted on from the checkpoint, not from zero
     result["full"], result["first"], result["second"] = full["losses"], first["losses"], second["losses"]
     result["ended"] = (first["ended"], second["ended"], second["start_step"])
 
@@ -142,6 +147,8 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
     assert len(r["full"]) == 6 and len(r["first"]) == 3 and len(r["second"]) == 3
     assert r["first"] + r["second"] == r["full"]
     assert r["ended"][0].startswith("stopped after train.exit_after_steps") and r["ended"][1:] == ("finished", 3)
+    full_totals, first_totals, resumed_totals = r["token_totals"]
+    assert 0 < first_totals[0] < full_totals[0] and resumed_totals == full_totals  # live CR's counts survive resume
     assert r["full_tags"] == ["step_00000002", "step_00000004"]  # save_every=2 (no final save), and saving
     # did not perturb the trace (checked just above)
     assert r["ckpt_losses"] == pytest.approx(r["full"][:2], rel=1e-6)
@@ -198,6 +205,7 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     state = torch.load(os.path.join(root, tag, "mp_rank_00_model_states.pt"), weights_only=False)
     assert state["next_step"] == steps_done
     assert state["total_steps"] > steps_done  # the run's length, so a resume can warn when the LR schedule changes
+    assert state["counters"]["num_skipped"] == 0 and state["counters"]["sp_token_totals"][0] > 0
     assert (out / "config.yaml").exists() and os.path.isfile(os.path.join(root, tag, "config.yaml"))
     export(str(out / "checkpoints"), str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "model.safetensors").exists()

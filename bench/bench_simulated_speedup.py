@@ -5,8 +5,12 @@
 The mix is bench/bench_planner.py's ``long_tailed_lengths``: 95% chat-like samples (lognormal, median 600, clipped
 to [16, 32768]) and 5% long documents (log-uniform 8K-128K), seeded. Planned at max_len 128K, W=32, groups 16384:1,131072:8 (hbp; the single-group strategies use 131072:8),
 4M tokens per step, and simulated with the shipped H100 Llama-3-8B calibration (hbp_train/cost_model.py,
-docs/simulator.md). Prints one row per strategy and the speed-up over isf measured in this same run.
-The paper measured 1.40x for hbp over isf on Llama-3.1-8B (real training); these figures are predictions.
+docs/simulator.md). Prints one row per strategy and the speed-up over isf measured in this same run, twice, from
+the same plans: compute only (no optimizer step, no ZeRO collectives: the UPPER bound) and with ZeRO-2's
+collectives fully exposed plus the optimizer step (--zero-stage 2 --comm-overlap 0: the PESSIMISTIC bound;
+bytescale, which may only run with ZeRO 0/1, at ZeRO-1). W=32 spans 4 nodes, so the collectives run at the
+inter-node 40 GB/s. The paper measured 1.40x for hbp over isf on Llama-3.1-8B (real training); these figures are
+predictions.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_planner import long_tailed_lengths  # noqa: E402  (the planner bench's mix: same data)
-from data_tools.compare import COLUMNS, STRATEGIES, compare_strategies  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from data_tools.compare import STRATEGIES, compare_strategies, simulate_strategies, table_columns  # noqa: E402
 from data_tools.simulate import format_table  # noqa: E402
 from hbp_train.cost_model import CostModel  # noqa: E402
 from hbp_train.planning import GroupSpec  # noqa: E402
@@ -34,8 +40,19 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the mix and of planning (default 0)")
     p.add_argument("--ckpt-layers", type=int, default=0,
                    help="checkpointed layers in both groups (default 0; the plan's groups get this value)")
-    p.add_argument("--plot", default="bench_simulated_speedup.png", help="output PNG")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2,
+                   help="ZeRO stage of the second (with collectives) simulation (default 2)")
+    p.add_argument("--comm-overlap", type=float, default=0.0,
+                   help="share of per-micro-batch collectives hidden behind compute in the second simulation "
+                        "(default 0: all exposed, the pessimistic bound)")
+    p.add_argument("--plot", default="bench_simulated_speedup.png",
+                   help="output PNG (compute only); the with-collectives plot gets a _zero<stage> suffix")
     args = p.parse_args()
+    sim = SimConfig(ckpt_layers=args.ckpt_layers)
+    try:
+        comm_sim = replace(sim, zero_stage=args.zero_stage, comm_overlap=args.comm_overlap)
+    except ValueError as exc:
+        p.error(str(exc))
     t0 = time.perf_counter()
     lengths = long_tailed_lengths(args.num_samples, args.seed)
     tokens = int(lengths.sum())
@@ -43,22 +60,43 @@ def main() -> int:
           f"p50 {int(np.median(lengths))}, share of tokens in samples > 16K "
           f"{lengths[lengths > 16384].sum() / tokens:.2f} ({time.perf_counter() - t0:.1f}s)")
     model = CostModel.from_calibration()
-    sim = SimConfig(ckpt_layers=args.ckpt_layers)
     groups = [GroupSpec(16384, 1, args.ckpt_layers), GroupSpec(131072, 8, args.ckpt_layers)]
     plan_kwargs = dict(world_size=32, groups=groups, global_tokens=4 * 1024 * 1024, max_len=131072, seed=args.seed)
     t0 = time.perf_counter()
     rows, out = compare_strategies(lengths, plan_kwargs, model, sim, STRATEGIES)
     print(f"SIMULATED ({model.source} cost model: {model.note}; links {sim.intra_node_gbps:g}/"
           f"{sim.inter_node_gbps:g} GB/s intra/inter; ckpt_layers {args.ckpt_layers}), all strategies in "
-          f"{time.perf_counter() - t0:.0f}s:")
-    print(format_table(rows, COLUMNS))
+          f"{time.perf_counter() - t0:.0f}s.")
+    print(f"\n[UPPER bound] {sim.comm_model()}:")
+    print(format_table(rows, table_columns(sim)))
+    # The same plans, re-simulated with the collectives and the optimizer step (no re-planning).
+    t0 = time.perf_counter()
+    comm_rows, comm_out = simulate_strategies({n: (pl, r.extra["planning_seconds"]) for n, (pl, r) in out.items()},
+                                              model, comm_sim)
+    bound = "PESSIMISTIC bound" if args.comm_overlap == 0 else "with collectives"
+    print(f"\n[{bound}] {comm_sim.comm_model()} (ring over all 32 ranks at "
+          f"{comm_sim.inter_node_gbps:g} GB/s; {model.shape.num_params / 1e9:.2f}B params; bytescale at ZeRO-"
+          f"{1 if args.zero_stage >= 2 else args.zero_stage}), re-simulated in "
+          f"{time.perf_counter() - t0:.1f}s:")
+    print(format_table(comm_rows, table_columns(comm_sim)))
     by_name = {r["name"]: r for r in rows}
-    print(f"simulated speed-up of hbp over isf: {by_name['hbp']['speedup']:.3f}x "
-          f"(hbp-cost {by_name['hbp-cost']['speedup']:.3f}x; target >= 1.45x; paper, measured: 1.40x)")
+    comm_by_name = {r["name"]: r for r in comm_rows}
+    print(f"\nsimulated speed-up over isf, compute only (upper bound) -> ZeRO-{args.zero_stage} collectives "
+          f"overlap {args.comm_overlap:g} ({bound.lower()}):")
+    for name in STRATEGIES:
+        stage = comm_by_name[name]["zero_stage"]
+        note = (f" (at ZeRO-{stage}: collectives once per step, but full gradients on every rank)"
+                if stage != args.zero_stage else "")
+        print(f"  {name:10s} {by_name[name]['speedup']:.3f}x -> {comm_by_name[name]['speedup']:.3f}x{note}")
+    print(f"hbp over isf: {by_name['hbp']['speedup']:.3f}x (upper) / {comm_by_name['hbp']['speedup']:.3f}x "
+          f"({bound.lower()}); target >= 1.45x; paper, measured: 1.40x")
     names = list(out)
-    plot_comparison(names, [out[n][1] for n in names], args.plot,
-                    f"{len(lengths)} samples, W=32, 16K:sp1 + 128K:sp8, Llama-3-8B H100 calibration")
-    print(f"wrote {args.plot}")
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    title = f"{len(lengths)} samples, W=32, 16K:sp1 + 128K:sp8, Llama-3-8B H100 calibration"
+    plot_comparison(names, [out[n][1] for n in names], args.plot, title)
+    comm_plot = str(Path(args.plot).with_suffix("")) + f"_zero{args.zero_stage}.png"
+    plot_comparison(names, [comm_out[n][1] for n in names], comm_plot, title)
+    print(f"wrote {args.plot}, {comm_plot}")
     return 0
 
 

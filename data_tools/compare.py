@@ -8,7 +8,9 @@ Plans the lengths with each strategy (isf, sorted, hbp, hbp-cost = hbp balancing
 cost model instead of Σ len², wlb, bytescale), simulates each plan with the cost model (data_tools.simulate's
 model; nothing runs on a GPU) and prints one row per strategy with the speed-up over isf. bytescale is simulated
 with one synchronisation per step (ZeRO-0/1, the only stages it may run with); every other plan with one per
-micro-batch (ZeRO-2/3).
+micro-batch (ZeRO-2/3). By default compute only (an upper bound of the speed-ups); --zero-stage S adds ZeRO's
+collectives and the optimizer step (bytescale at stage 1 when S is 2 or 3), --comm-overlap F hides a share of the
+per-micro-batch collectives (0: the pessimistic bound).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
-from data_tools.simulate import (add_cost_model_args, add_link_args, check_writable, cost_model_from_args,
-                                 format_table, write_outputs)
+from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, check_writable,
+                                 cost_model_from_args, format_table, sim_config_from_args, write_outputs)
 
 STRATEGIES = ("isf", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
 
@@ -39,11 +42,18 @@ def compare_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config
     ``plan_kwargs``: PlanConfig fields except strategy and pack_cost. The speed-up is over isf when it is among
     the strategies, else over the first one.
     """
+    plans = plan_strategies(lengths, plan_kwargs, model, sim_config, strategies, progress)
+    return simulate_strategies(plans, model, sim_config)
+
+
+def plan_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, strategies=STRATEGIES,
+                    progress: bool = True) -> dict:
+    """Plan ``lengths`` with every strategy: {name: (plan, planning seconds)}. The cost-balancing strategies use
+    the cost model with ``sim_config``'s links and checkpoint default (not its communication model)."""
     from tqdm import tqdm
 
     from hbp_train.cost_model import pack_cost_fn
     from hbp_train.planning import PlanConfig, make_plan
-    from hbp_train.planning.simulate import SimConfig, simulate, speedup
 
     cost = pack_cost_fn(model, sim_config.ckpt_layers, sim_config.intra_node_gbps, sim_config.inter_node_gbps,
                         sim_config.gpus_per_node)
@@ -55,20 +65,44 @@ def compare_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config
         cfg = PlanConfig(strategy=strategy, pack_cost=cost if use_cost else None, **plan_kwargs)
         t0 = time.perf_counter()
         plan = make_plan(lengths, cfg)
-        planning = time.perf_counter() - t0
-        sync = "step" if plan.unequal_micro_batches else "micro"
-        res = simulate(plan, model, SimConfig(sim_config.intra_node_gbps, sim_config.inter_node_gbps,
-                                              sim_config.gpus_per_node, sim_config.ckpt_layers, sync))
+        out[name] = (plan, time.perf_counter() - t0)
+    return out
+
+
+def simulate_strategies(plans: dict, model, sim_config) -> tuple[list[dict], dict]:
+    """Simulate plan_strategies' plans under ``sim_config``: (rows, {name: (plan, SimResult)}).
+
+    Without a ZeRO stage the sync follows the plan (step for bytescale's unequal micro-batch counts, else micro).
+    With stage 2 or 3, bytescale plans (which may only run with ZeRO 0/1) are simulated at stage 1 and their row
+    says so (``zero_stage``).
+    """
+    from hbp_train.planning.simulate import simulate, speedup
+
+    out, stages = {}, {}
+    for name, (plan, planning) in plans.items():
+        stage = sim_config.zero_stage
+        if stage is not None and stage >= 2 and plan.unequal_micro_batches:
+            stage = 1
+        res = simulate(plan, model, replace(sim_config, sync=None, zero_stage=stage))
         res.extra["planning_seconds"] = planning
-        out[name] = (plan, res)
+        out[name], stages[name] = (plan, res), stage
     base = out["isf"][1] if "isf" in out else next(iter(out.values()))[1]
     rows = []
     for name, (plan, res) in out.items():
         m = plan.metrics
         rows.append({"name": name, **{k: m.get(k) for k in ("ABR", "DBR", "PR", "CR", "num_dropped")},
                      "mean_deferred_wait_steps": m.get("mean_deferred_wait_steps") if plan.deferred else None,
-                     "num_deferred": m.get("num_deferred", 0), **res.summary(), "speedup": speedup(base, res)})
+                     "num_deferred": m.get("num_deferred", 0), **res.summary(), "zero_stage": stages[name],
+                     "speedup": speedup(base, res)})
     return rows, out
+
+
+def table_columns(sim_config) -> list[tuple[str, str, str]]:
+    """COLUMNS, with the communication columns before the simulated time when a ZeRO stage is modelled."""
+    from data_tools.simulate import comm_columns
+
+    at = [k for k, _, _ in COLUMNS].index("simulated_hours")
+    return COLUMNS[:at] + comm_columns(sim_config) + COLUMNS[at:]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(STRATEGIES)} (default: all)")
     add_cost_model_args(p)
     add_link_args(p)
+    add_comm_args(p)
     p.add_argument("--plot", default=None, metavar="PNG", help="write the comparison plot (PNG)")
     p.add_argument("--out", default=None, metavar="JSON", help="write the table (and settings) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -101,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from data_tools.pack import CliError, parse_groups, read_dataset_lengths, read_lengths
-    from hbp_train.planning.simulate import SimConfig, plot_comparison
+    from hbp_train.planning.simulate import plot_comparison
 
     try:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -110,7 +145,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(STRATEGIES)}")
         groups = parse_groups(args.groups, args.profile, args.world_size)
         model = cost_model_from_args(args)
-        sim_cfg = SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers)
+        sim_cfg = sim_config_from_args(args)
         lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
         if len(lengths) == 0:
             raise ValueError(f"{args.lengths or args.dataset}: no samples")
@@ -126,8 +161,11 @@ def main(argv=None) -> int:
         return 2
     rows, out = compare_strategies(lengths, plan_kwargs, model, sim_cfg, strategies, progress=not args.quiet)
     print(f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}; SIMULATED with cost model "
-          f"{model.source} ({model.note}), shape {model.shape.name}")
-    print(format_table(rows, COLUMNS))
+          f"{model.source} ({model.note}), shape {model.shape.name}; {sim_cfg.comm_model()}")
+    if any(r["zero_stage"] != sim_cfg.zero_stage for r in rows):
+        print("note: bytescale (unequal micro-batch counts) can only run with ZeRO 0/1: simulated at ZeRO-1",
+              file=sys.stderr)
+    print(format_table(rows, table_columns(sim_cfg)))
     try:
         if args.out:
             write_outputs(args.out, lambda path: path.write_text(json.dumps(

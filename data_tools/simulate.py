@@ -1,11 +1,14 @@
 """Simulator CLI: predicted (SIMULATED) training time of one or more plan.json files, and speed-ups over the first.
 
     python -m data_tools.simulate --plan isf.json --plan hbp.json [--calibration FILE] [--model-shape llama3-8b]
-        [--intra-node-gbps 200] [--inter-node-gbps 40] [--gpus-per-node 8] [--out report.json] [--plot sim.png]
+        [--intra-node-gbps 200] [--inter-node-gbps 40] [--gpus-per-node 8] [--zero-stage 2 --comm-overlap 0]
+        [--out report.json] [--plot sim.png]
 
 For every plan: every pack's predicted time (hbp_train.cost_model), per micro-batch slot each replica's time and
 the slot time (the slowest replica: ZeRO-2/3 synchronise every micro-batch), the idle fraction, the total time
-and the speed-up over the first plan. Nothing runs on a GPU: every figure is a model prediction (docs/simulator.md).
+and the speed-up over the first plan. By default compute only (an upper bound of the speed-up); --zero-stage adds
+ZeRO's collectives and the optimizer step (--comm-overlap 0: all exposed, the pessimistic bound). Nothing runs on
+a GPU: every figure is a model prediction (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
+from hbp_train.planning.simulate import DEFAULT_HBM_GBPS, SimConfig
 
 
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +46,48 @@ def add_link_args(parser: argparse.ArgumentParser) -> None:
     """Interconnect options for the Ulysses all-to-all time."""
     parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_GBPS,
                         help=f"all-to-all bandwidth per GPU inside a node, in GB/s (gigaBYTES per second; default "
-                             f"{DEFAULT_INTRA_NODE_GBPS:g})")
+                             f"{DEFAULT_INTRA_NODE_GBPS:g}); also ZeRO's collectives (--zero-stage) when the plan's "
+                             "W <= --gpus-per-node")
     parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS,
-                        help=f"all-to-all bandwidth per GPU across nodes, GB/s (default {DEFAULT_INTER_NODE_GBPS:g})")
+                        help=f"all-to-all bandwidth per GPU across nodes, GB/s (default {DEFAULT_INTER_NODE_GBPS:g}); "
+                             "also ZeRO's collectives (--zero-stage) when the plan spans nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="GPUs per node; SP groups larger than this use the inter-node bandwidth (default 8)")
     parser.add_argument("--ckpt-layers", type=int, default=0,
                         help="checkpointed layers for groups whose ckpt_layers is null in the plan (default 0)")
+
+
+def add_comm_args(parser: argparse.ArgumentParser) -> None:
+    """The optional ZeRO communication model (hbp_train.planning.simulate's docstring has the formulas)."""
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                        help="add DeepSpeed ZeRO's own collectives for this stage (ring over all W ranks at the "
+                             "intra-node bandwidth if W <= --gpus-per-node, else inter-node; 0: gradient all-reduce "
+                             "per step, 1: reduce-scatter + all-gather per step, 2: reduce-scatter per micro-batch + "
+                             "all-gather per step, 3: two all-gathers + a reduce-scatter per micro-batch) and the "
+                             "AdamW step; also sets the sync (step for 0/1, micro for 2/3). Default: not modelled "
+                             "(compute only, the upper bound of a speed-up)")
+    parser.add_argument("--comm-overlap", type=float, default=0.0, metavar="F",
+                        help="with --zero-stage: share 0..1 of the per-micro-batch collectives hidden behind "
+                             "compute (DeepSpeed overlap_comm); default 0, all exposed (the pessimistic bound)")
+    parser.add_argument("--hbm-gbps", type=float, default=DEFAULT_HBM_GBPS,
+                        help="with --zero-stage: GPU memory bandwidth in GB/s for the memory-bound optimizer step "
+                             f"(~32 bytes per parameter updated; default {DEFAULT_HBM_GBPS:g}, H100 SXM)")
+
+
+def sim_config_from_args(args, sync=None) -> SimConfig:
+    """The SimConfig the link, checkpoint and communication options ask for (ValueError names the field)."""
+    if args.zero_stage is None and args.comm_overlap != 0.0:
+        print("note: --comm-overlap has no effect without --zero-stage", file=sys.stderr)
+    return SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers, sync,
+                     zero_stage=args.zero_stage, comm_overlap=args.comm_overlap, hbm_gbps=args.hbm_gbps)
+
+
+def comm_columns(config) -> list[tuple[str, str, str]]:
+    """Table columns for the communication model: none when it is not modelled."""
+    if config.zero_stage is None:
+        return []
+    return [("zero_stage", "ZeRO", "d"), ("comm_seconds_per_step", "comm s/step", ".3f"),
+            ("optimizer_seconds_per_step", "opt s/step", ".4f")]
 
 
 def cost_model_from_args(args) -> CostModel:
@@ -97,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_link_args(p)
     p.add_argument("--sync", choices=["micro", "step"], default=None,
                    help="synchronisation model: micro = ZeRO-2/3 (slowest replica per micro-batch), step = "
-                        "ZeRO-0/1 (slowest replica per step); default: step for plans with unequal micro-batch "
-                        "counts (bytescale), micro otherwise")
+                        "ZeRO-0/1 (slowest replica per step); default: from --zero-stage when given, else step for "
+                        "plans with unequal micro-batch counts (bytescale), micro otherwise")
+    add_comm_args(p)
     p.add_argument("--out", default=None, metavar="REPORT_JSON",
                    help="write the report (summary per plan, and every slot's replica times) to this JSON file")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a comparison plot (PNG)")
@@ -149,15 +189,21 @@ SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from hbp_train.planning.simulate import SimConfig, plot_comparison, simulate, speedup
+    from hbp_train.planning.bytescale import check_zero_stage
+    from hbp_train.planning.simulate import plot_comparison, simulate, speedup
 
     try:
         if args.name and len(args.name) != len(args.plan):
             raise ValueError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
         model = cost_model_from_args(args)
-        sim_cfg = SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers,
-                            args.sync)
+        sim_cfg = sim_config_from_args(args, args.sync)
         plans = [load_plan(p) for p in args.plan]
+        if sim_cfg.zero_stage is not None:
+            for path, plan in zip(args.plan, plans):
+                try:
+                    check_zero_stage(plan, sim_cfg.zero_stage)
+                except ValueError as exc:
+                    raise ValueError(f"{path}: {exc}") from None
         check_writable(args.out)
         check_writable(args.plot)
     except ValueError as exc:
@@ -184,8 +230,11 @@ def main(argv=None) -> int:
         print("note: the plans train different token counts (dropped samples differ); speed-up compares simulated "
               "tokens/s", file=sys.stderr)
     print(f"SIMULATED with cost model: {model.source} ({model.note}); shape {model.shape.name}; links "
-          f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node")
-    print(format_table(rows, SIM_COLUMNS))
+          f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node; "
+          f"{sim_cfg.comm_model()}")
+    for row in rows:
+        row["zero_stage"] = sim_cfg.zero_stage
+    print(format_table(rows, SIM_COLUMNS[:-3] + comm_columns(sim_cfg) + SIM_COLUMNS[-3:]))
     for name, res in zip(names, results):
         for s in res.slots(args.show_slots):
             print(f"  {name} step {s['step']} slot {s['slot']}: replicas "
@@ -194,6 +243,8 @@ def main(argv=None) -> int:
         report = {"simulated": True, "cost_model": model.describe(),
                   "links": {"intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps,
                             "gpus_per_node": args.gpus_per_node, "ckpt_layers_default": args.ckpt_layers},
+                  "comm": {"model": sim_cfg.comm_model(), "zero_stage": sim_cfg.zero_stage,
+                           "comm_overlap": sim_cfg.comm_overlap, "hbm_gbps": sim_cfg.hbm_gbps},
                   "baseline": names[0],
                   "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
     try:

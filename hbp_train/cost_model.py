@@ -13,8 +13,8 @@ where A(l) comes from the calibration table (ms for 32768 tokens made of documen
 log-log: one document of length l costs t(l)·l/32768), C_fb is the linear fwd+bwd time per token, H_fb the LM
 head (2·hidden·vocab FLOPs per token forward, scaled from C_fb by FLOPs), and the four all-to-alls per layer
 forward move q, k, v (before attention) and the attention output (after), four more in backward, four more for
-each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap, no optimizer
-step, no ZeRO collectives).
+each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap; the optimizer
+step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_train.planning.simulate adds them).
 
 ``source`` says where the numbers come from: "measured" (the calibration's own shape), "scaled" (a calibration
 measured on another shape, scaled by FLOPs), "analytic" (FLOPs at a stated efficiency of peak, no measurement).
@@ -77,6 +77,16 @@ class ModelShape:
     def attn_width(self) -> int:
         """heads · head_dim: attention FLOPs per token pair are proportional to it."""
         return self.num_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a Llama-style decoder (untied embeddings and LM head: the upper bound).
+
+        Used by the profiler's memory model and the simulator's ZeRO collectives and optimizer step.
+        """
+        attn = self.hidden * self.attn_width * 2 + 2 * self.hidden * self.num_kv_heads * self.head_dim
+        per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.num_layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
     @property
     def linear_flops_per_token(self) -> float:

@@ -623,13 +623,6 @@ def slice_docs(docs: list[int], sp: int) -> list[int]:
 
 
 # ========================================================================================= memory model
-def num_params(shape: ModelShape) -> int:
-    """Parameters of a Llama-style decoder (untied embeddings and LM head: the upper bound)."""
-    attn = shape.hidden * shape.attn_width * 2 + 2 * shape.hidden * shape.num_kv_heads * shape.head_dim
-    per_layer = attn + 3 * shape.hidden * shape.ffn + 2 * shape.hidden
-    return shape.num_layers * per_layer + 2 * shape.vocab * shape.hidden + shape.hidden
-
-
 def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
     """Per-GPU bytes of model states in bf16 mixed precision under ZeRO (the ZeRO paper's accounting):
     bf16 params 2 B (sharded at stage 3), bf16 grads 2 B (stage >= 2), and fp32 master weights, Adam m and v and
@@ -664,7 +657,7 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     embed_and_final = tokens * 2 * shape.hidden * 3  # embedding output, final norm in/out
     chunk = min(job.loss_chunk_tokens, tokens)
     loss = chunk * shape.vocab * (4 + 4 + 2)
-    states = model_state_bytes(num_params(shape), world_size, job)
+    states = model_state_bytes(shape.num_params, world_size, job)
     return int(states + acts + recompute + embed_and_final + loss)
 
 
@@ -1074,7 +1067,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"profile: {e}", file=sys.stderr)
         return 1
     out["hardware"] = backend.hardware()
-    out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", num_params(shape))}
+    out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}
     out["job"] = {"world_size": pcfg.world_size, **asdict(job)}
     out["config"] = asdict(pcfg)
     out["profiler"]["setup_s"] = round(setup_s, 3)

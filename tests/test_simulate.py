@@ -1,4 +1,5 @@
-"""Simulator on tiny hand-built plans with a toy cost model (slot times computed by hand), and its CLI."""
+"""Simulator on tiny hand-built plans with a toy cost model (slot times computed by hand), the ZeRO communication
+model (collective and optimizer seconds computed by hand from its formulas), and the CLIs."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import pytest
 
 from hbp_train.cost_model import CostModel
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig, pack_csr
-from hbp_train.planning.simulate import SimConfig, simulate, speedup
+from hbp_train.planning.simulate import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
 
 
 class SquareCost:
-    """Toy cost model: a pack costs sum(len^2) / sp + 10 * ckpt_layers seconds (no comm)."""
+    """Toy cost model: a pack costs sum(len^2) / sp + 10 * ckpt_layers seconds (no comm); 1e9 parameters."""
 
-    shape = SimpleNamespace(num_layers=4)
+    shape = SimpleNamespace(num_layers=4, num_params=10**9)
 
     def pack_times(self, lengths, offsets, sp, ckpt_layers=0, *args):
         lengths = np.asarray(lengths, np.float64)
@@ -73,6 +74,13 @@ def test_hand_computed_micro_sync():
     slots = res.slots()
     assert [(s["step"], s["slot"]) for s in slots] == [(0, 0), (0, 1), (1, 0)]
     assert slots[0]["replica_seconds"] == [16, 9] and slots[0]["slot_seconds"] == 16
+    # The default models no communication: nothing added, and the summary says so.
+    assert res.step_comm_seconds is None and res.optimizer_seconds_per_step == 0.0
+    summary = res.summary()
+    assert summary["comm_seconds"] == 0.0 and summary["optimizer_seconds"] == 0.0
+    assert summary["comm_model"] == COMPUTE_ONLY
+    explicit = simulate(plan_a(), SquareCost(), SimConfig(zero_stage=None, comm_overlap=0.0))
+    np.testing.assert_array_equal(explicit.step_seconds, res.step_seconds)
 
 
 def test_hand_computed_sp_ckpt_and_speedup():
@@ -98,6 +106,85 @@ def test_hand_computed_step_sync_unequal_micro_batches():
     assert res.idle_fraction == pytest.approx(1 - 17.5 / 19)
     # The same plan under per-micro-batch sync: slots max(16,4) + max(0,9) + max(0,6) = 31.
     assert simulate(p, SquareCost(), SimConfig(sync="micro")).total_seconds == pytest.approx(31)
+
+
+# ZeRO model on plan_a (W=2): P = 1e9 bf16 params = 2e9 bytes. Within a node at 1 GB/s one ring reduce-scatter or
+# all-gather is 2e9 * (2-1)/2 / 1e9 = 1 s (across nodes at 0.5 GB/s: 2 s). Optimizer: 32 B * P/W / 16 GB/s = 1 s
+# (stage 0 updates all P: 2 s). Compute (micro sync): slots [16, 4 | 4], 2 slots in step 0 and 1 in step 1;
+# (step sync): replica sums step 0 max(16+4, 9+2) = 20, step 1 max(4, 0) = 4.
+INTRA = dict(intra_node_gbps=1.0, inter_node_gbps=0.5, hbm_gbps=16.0)
+
+
+@pytest.mark.parametrize("stage, overlap, gpus_per_node, sync, steps", [
+    # stage 0: all-reduce (2 rings) per step + optimizer on all P.
+    (0, 0.0, 8, "step", [20 + 2 + 2, 4 + 2 + 2]),
+    # stage 1: reduce-scatter + all-gather per step + optimizer on P/W.
+    (1, 0.0, 8, "step", [20 + 2 + 1, 4 + 2 + 1]),
+    # stage 2: a reduce-scatter per slot (exposed share 1 - overlap) + an all-gather per step + optimizer.
+    (2, 0.0, 8, "micro", [20 + 2 * 1 + 1 + 1, 4 + 1 + 1 + 1]),
+    (2, 1.0, 8, "micro", [20 + 0 + 1 + 1, 4 + 0 + 1 + 1]),
+    (2, 0.5, 8, "micro", [20 + 2 * 0.5 + 1 + 1, 4 + 0.5 + 1 + 1]),
+    # stage 3: two all-gathers and a reduce-scatter per slot, nothing else per step but the optimizer.
+    (3, 0.0, 8, "micro", [20 + 2 * 3 + 1, 4 + 3 + 1]),
+    (3, 1.0, 8, "micro", [20 + 1, 4 + 1]),
+    # W=2 across nodes (1 GPU per node): every ring at the inter-node 0.5 GB/s takes 2 s.
+    (2, 0.0, 1, "micro", [20 + 2 * 2 + 2 + 1, 4 + 2 + 2 + 1]),
+    (0, 0.0, 1, "step", [20 + 4 + 2, 4 + 4 + 2]),
+])
+def test_zero_stages_hand_computed(stage, overlap, gpus_per_node, sync, steps):
+    cfg = SimConfig(gpus_per_node=gpus_per_node, zero_stage=stage, comm_overlap=overlap, **INTRA)
+    res = simulate(plan_a(), SquareCost(), cfg)
+    assert res.sync == sync, "the sync follows the stage"
+    np.testing.assert_allclose(res.step_seconds, steps)
+    opt = 2.0 if stage == 0 else 1.0
+    assert res.optimizer_seconds_per_step == pytest.approx(opt)
+    np.testing.assert_allclose(res.step_comm_seconds, np.array(steps) - [20, 4] - opt)
+    # Collectives and the optimizer are busy time, not idle: busy per replica 17.5 s of compute.
+    total = sum(steps)
+    assert res.idle_fraction == pytest.approx(1 - (17.5 + sum(steps) - 24) / total)
+    summary = res.summary()
+    assert summary["simulated_seconds"] == pytest.approx(total)
+    assert summary["comm_seconds"] == pytest.approx(total - 24 - 2 * opt)
+    assert summary["comm_seconds_per_step"] == pytest.approx(summary["comm_seconds"] / 2)
+    assert summary["optimizer_seconds"] == pytest.approx(2 * opt)
+    assert f"ZeRO-{stage}" in summary["comm_model"] and f"overlap {overlap:g}" in summary["comm_model"]
+
+
+def test_zero_comm_seconds_formulas():
+    # W=16 on 8-GPU nodes: inter-node; ring = 2P * 15/16 / bw.
+    cfg = SimConfig(intra_node_gbps=100.0, inter_node_gbps=25.0, zero_stage=3, hbm_gbps=2000.0)
+    p = 8 * 10**9
+    ring = 2 * p * 15 / 16 / 25e9
+    got = zero_comm_seconds(p, 16, cfg)
+    assert got["micro"] == pytest.approx(3 * ring) and got["step"] == 0.0
+    assert got["optimizer"] == pytest.approx(32 * p / 16 / 2000e9)
+    # W=8 fits the node: intra-node bandwidth.
+    assert zero_comm_seconds(p, 8, SimConfig(intra_node_gbps=100.0, zero_stage=0, hbm_gbps=2000.0)) == \
+        pytest.approx({"micro": 0.0, "step": 2 * 2 * p * 7 / 8 / 100e9, "optimizer": 32 * p / 2000e9})
+    # One rank: no collective, the optimizer still runs.
+    one = zero_comm_seconds(p, 1, SimConfig(zero_stage=2))
+    assert one["micro"] == 0.0 and one["step"] == 0.0 and one["optimizer"] > 0
+    # A real shape's parameter count feeds it (llama3-8b: 8.03e9 with untied embeddings).
+    model = CostModel.from_calibration()
+    assert model.shape.num_params == 8_030_261_248
+
+
+def test_zero_config_validation_and_unequal_micro_batches():
+    for kwargs, name in [(dict(zero_stage=4), "zero_stage"), (dict(comm_overlap=1.5), "comm_overlap"),
+                         (dict(comm_overlap=-0.1), "comm_overlap"), (dict(hbm_gbps=0), "hbm_gbps"),
+                         (dict(zero_stage=2, sync="step"), "sync"), (dict(zero_stage=1, sync="micro"), "sync")]:
+        with pytest.raises(ValueError, match=name):
+            SimConfig(**kwargs)
+    assert SimConfig(zero_stage=2, sync="micro").sync == "micro"
+    # Unequal micro-batch counts (bytescale) cannot run with ZeRO 2/3: refused, naming the stage.
+    p = make_plan(LENGTHS, [(10, 1, 0)], 2, [(0, [[[0]], [[1], [2], [3, 4, 5]]])],
+                  extra={"unequal_micro_batches": True})
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=f"stage {stage}"):
+            simulate(p, SquareCost(), SimConfig(zero_stage=stage))
+    # Stage 1 is fine: step sync, replica sums max(16, 19) = 19, + reduce-scatter and all-gather + optimizer.
+    res = simulate(p, SquareCost(), SimConfig(zero_stage=1, **INTRA))
+    assert res.sync == "step" and res.total_seconds == pytest.approx(19 + 2 + 1)
 
 
 def test_real_cost_model_matches_pack_time():
@@ -135,6 +222,69 @@ def test_cli_report_and_plot(tmp_path, capsys):
     assert report["plans"][1]["speedup"] == pytest.approx(ta / tb, rel=1e-9)
     assert len(report["plans"][1]["slots"]) == 2
     assert png.stat().st_size > 10_000
+
+
+def test_cli_zero_stage(tmp_path, capsys):
+    from data_tools import simulate as cli
+
+    lengths = [30000, 2000, 1000, 64000, 500, 500]
+    plan = make_plan(lengths, [(65536, 2, 0)], 4, [(0, [[[0, 1, 2]], [[3, 4, 5]]]), (0, [[[3]], [[0]]])])
+    path, out = tmp_path / "a.json", tmp_path / "r.json"
+    plan.to_json(path)
+    assert cli.main(["--plan", str(path), "--zero-stage", "3", "--comm-overlap", "0.5", "--intra-node-gbps", "100",
+                     "--hbm-gbps", "2000", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "comm s/step" in text and "ZeRO-3 collectives (overlap 0.5)" in text
+    model = CostModel.from_calibration()
+    p = model.shape.num_params
+    ring = 2 * p * 3 / 4 / 100e9  # W=4 within an 8-GPU node
+    per_step = 0.5 * 3 * ring + 32 * p / 4 / 2000e9  # one slot per step
+    # The Ulysses all-to-alls use the same --intra-node-gbps.
+    compute = (max(model.pack_time([30000, 2000, 1000], 2, 0, 100.0), model.pack_time([64000, 500, 500], 2, 0, 100.0))
+               + max(model.pack_time([64000], 2, 0, 100.0), model.pack_time([30000], 2, 0, 100.0)))
+    report = json.loads(out.read_text())
+    row = report["plans"][0]
+    assert report["comm"]["zero_stage"] == 3 and row["sync"] == "micro"
+    assert row["simulated_seconds"] == pytest.approx(compute + 2 * per_step, rel=1e-9)
+    assert row["comm_seconds_per_step"] == pytest.approx(0.5 * 3 * ring, rel=1e-9)
+    # Bad values: one line naming the field, exit 2; a bytescale-style plan with stage 2 names the stage.
+    assert cli.main(["--plan", str(path), "--zero-stage", "2", "--comm-overlap", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "comm_overlap" in err
+    unequal = make_plan(LENGTHS, [(10, 1, 0)], 2, [(0, [[[0]], [[1], [2], [3, 4, 5]]])],
+                        extra={"unequal_micro_batches": True, "requires_zero_stage": [0, 1]})
+    unequal.config.strategy = "bytescale"
+    unequal.to_json(path)
+    assert cli.main(["--plan", str(path), "--zero-stage", "2"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "stage 2" in err
+    assert cli.main(["--plan", str(path), "--zero-stage", "1"]) == 0
+
+
+def test_compare_cli_zero_stage(tmp_path, capsys):
+    from data_tools import compare
+
+    rng = np.random.default_rng(2)
+    lengths = np.minimum(rng.lognormal(6, 1.2, 600).astype(int) + 1, 16000)
+    f, out = tmp_path / "lengths.txt", tmp_path / "cmp.json"
+    f.write_text("\n".join(map(str, lengths)))
+    base = ["--lengths", str(f), "--world-size", "8", "--groups", "2048:1,16384:4", "--global-tokens",
+            str(16384 * 4), "--quiet", "--strategies", "isf,hbp,bytescale", "--out", str(out)]
+    assert compare.main(base) == 0
+    upper = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "comm s/step" not in capsys.readouterr().out
+    assert compare.main(base + ["--zero-stage", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "comm s/step" in captured.out and "simulated at ZeRO-1" in captured.err
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["isf"]["zero_stage"] == 2 and rows["hbp"]["sync"] == "micro"
+    assert rows["bytescale"]["zero_stage"] == 1 and rows["bytescale"]["sync"] == "step"
+    for name, r in rows.items():
+        # Same plans; the collectives and optimizer only add time.
+        added = r["comm_seconds"] + r["optimizer_seconds"]
+        assert added > 0 and r["simulated_seconds"] == pytest.approx(upper[name]["simulated_seconds"] + added)
+    # Stage 2 adds a reduce-scatter per slot: hbp (more, smaller micro-batches) gains less than compute-only says.
+    assert rows["hbp"]["speedup"] < upper["hbp"]["speedup"]
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):

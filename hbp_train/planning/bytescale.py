@@ -35,7 +35,8 @@ def check_zero_stage(plan, zero_stage: int) -> None:
     """ValueError (one line) when a plan with unequal micro-batch counts is run with a ZeRO stage that
     synchronises every micro-batch. ``plan``: a Plan or its JSON dict."""
     extra = plan if isinstance(plan, dict) else plan.extra
-    required = extra.get("requires_zero_stage")
+    # A plan marked only "unequal_micro_batches" (no "requires_zero_stage") has the same constraint.
+    required = extra.get("requires_zero_stage", list(ZERO_STAGES) if extra.get("unequal_micro_batches") else None)
     if required is not None and int(zero_stage) not in required:
         raise ValueError(
             f"this plan has unequal micro-batch counts per replica (strategy bytescale) and needs ZeRO stage "

@@ -9,9 +9,31 @@ Pure numpy on a ``Plan`` and a ``CostModel`` (no GPU, nothing runs). Two synchro
   as long as the replica with the largest *sum* of its packs' times. The only mode for plans with unequal
   micro-batch counts per replica (bytescale, ``plan.extra["unequal_micro_batches"]``).
 
+Optional communication model (``SimConfig.zero_stage``; None, the default, leaves it out: compute only, the
+upper bound of a speed-up). With P = ``model.shape.num_params`` bf16 parameters (2P bytes), W = the plan's world
+size (DeepSpeed reduces over the whole sequence-data-parallel group: every rank, whatever the SP degree) and
+bw = ``intra_node_gbps`` if W <= ``gpus_per_node`` else ``inter_node_gbps`` (GB/s per GPU), a ring collective
+over W ranks costs
+
+    RS(B) = AG(B) = B · (W−1)/W / bw        (reduce-scatter, all-gather of B bytes)     AR(B) = 2 · RS(B)
+
+    stage   per micro-batch (slot)              per step
+    0       —                                   AR(2P)                 gradients all-reduced at the boundary
+    1       —                                   RS(2P) + AG(2P)        gradients reduced, updated params gathered
+    2       RS(2P)                              AG(2P)                 gradients reduced every micro-batch
+    3       AG(2P) fwd + AG(2P) bwd + RS(2P)    —                      params gathered in each forward and backward
+
+plus the optimizer step once per step: AdamW is memory-bound, ~32 bytes read and written per parameter it
+updates (fp32 master, m, v, fp32 gradient; bf16 copy) at ``hbm_gbps``: 32 · P/W / hbm (stages >= 1, each rank
+updates its partition) or 32 · P / hbm (stage 0). ``comm_overlap`` (0..1, DeepSpeed's overlap_comm) hides that
+share of the per-micro-batch collectives behind compute: every slot is longer by (1 − overlap) · its collectives;
+per-step collectives and the optimizer add to every step in full. overlap 0 is the pessimistic bound.
+With a stage given, sync defaults to "step" for stages 0/1 and "micro" for 2/3, and a plan with unequal
+micro-batch counts is refused for stages 2/3 (``bytescale.check_zero_stage``).
+
 Idle fraction = Σ (synchronised time − a replica's busy time) / (replicas · Σ synchronised time) — the share of
-GPU time spent waiting for a slower replica. Optimizer steps and ZeRO collectives are not modelled (same for every
-plan with the same number of steps). All times are *simulated* and labelled so in reports.
+GPU time spent waiting for a slower replica (modelled collectives and optimizer count as busy). All times are
+*simulated* and labelled so in reports.
 """
 
 from __future__ import annotations
@@ -24,22 +46,42 @@ from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBP
 from hbp_train.planning.plan import Plan
 
 SYNC_MODES = ("micro", "step")
+ZERO_STAGES = (0, 1, 2, 3)
+# bf16 parameters and gradients.
+PARAM_BYTES = 2
+# AdamW per parameter updated: read fp32 master, m, v and fp32 gradient (16 B), write master, m, v (12 B) and the
+# bf16 copy (2 B): ~32 B of HBM traffic, no reuse, so the step is memory-bound.
+OPTIMIZER_BYTES_PER_PARAM = 32
+# H100 SXM HBM3 peak, GB/s.
+DEFAULT_HBM_GBPS = 3350.0
+COMPUTE_ONLY = "compute only (no ZeRO collectives, no optimizer step: upper bound)"
 
 
 @dataclass
 class SimConfig:
-    """How to simulate: links, checkpointing default and the synchronisation model."""
+    """How to simulate: links, checkpointing default, the synchronisation model and the (optional) ZeRO model."""
 
     intra_node_gbps: float = DEFAULT_INTRA_NODE_GBPS
-    """All-to-all bandwidth per GPU inside a node, GB/s (gigabytes per second)."""
+    """All-to-all bandwidth per GPU inside a node, GB/s (gigabytes per second); also ZeRO's collectives when the
+    plan's world size fits in one node."""
     inter_node_gbps: float = DEFAULT_INTER_NODE_GBPS
-    """All-to-all bandwidth per GPU across nodes (SP groups larger than a node), GB/s."""
+    """All-to-all bandwidth per GPU across nodes (SP groups larger than a node), GB/s; also ZeRO's collectives
+    when the plan spans nodes."""
     gpus_per_node: int = 8
     """GPUs per node: an SP group of more ranks than this crosses nodes."""
     ckpt_layers: int = 0
     """Checkpointed layers for groups whose plan entry has ckpt_layers null (the trainer's default)."""
     sync: str | None = None
-    """"micro" (ZeRO-2/3), "step" (ZeRO-0/1) or None: "step" for unequal-micro-batch plans, else "micro"."""
+    """"micro" (ZeRO-2/3), "step" (ZeRO-0/1) or None: from zero_stage when given, else "step" for
+    unequal-micro-batch plans and "micro" otherwise."""
+    zero_stage: int | None = None
+    """ZeRO stage whose collectives and optimizer step are added (0-3), or None: not modelled (compute only, the
+    upper bound of a speed-up)."""
+    comm_overlap: float = 0.0
+    """Share (0..1) of the per-micro-batch collectives hidden behind compute (DeepSpeed overlap_comm); 0 exposes
+    them all (the pessimistic bound). Per-step collectives and the optimizer are never hidden."""
+    hbm_gbps: float = DEFAULT_HBM_GBPS
+    """GPU memory bandwidth in GB/s for the memory-bound optimizer step (default: H100 SXM HBM3)."""
 
     def __post_init__(self):
         if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
@@ -50,6 +92,41 @@ class SimConfig:
             raise ValueError(f"ckpt_layers must be >= 0, got {self.ckpt_layers}")
         if self.sync is not None and self.sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES} or None, got {self.sync!r}")
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES} or None, got {self.zero_stage!r}")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ValueError(f"comm_overlap must be in [0, 1], got {self.comm_overlap}")
+        if not self.hbm_gbps > 0:
+            raise ValueError(f"hbm_gbps must be > 0, got {self.hbm_gbps}")
+        if self.zero_stage is not None and self.sync is not None and self.sync != stage_sync(self.zero_stage):
+            raise ValueError(f"sync {self.sync!r} contradicts zero_stage {self.zero_stage} (which synchronises "
+                             f"every {'micro-batch' if self.zero_stage >= 2 else 'step'}); leave sync unset")
+
+    def comm_model(self) -> str:
+        """One line naming the communication model, for tables, JSON and plot titles."""
+        if self.zero_stage is None:
+            return COMPUTE_ONLY
+        return f"ZeRO-{self.zero_stage} collectives (overlap {self.comm_overlap:g}) + AdamW step"
+
+
+def stage_sync(zero_stage: int) -> str:
+    """The synchronisation a ZeRO stage imposes: "step" for 0/1 (reduce at the boundary), "micro" for 2/3."""
+    return "micro" if zero_stage >= 2 else "step"
+
+
+def zero_comm_seconds(num_params: int, world_size: int, config: SimConfig) -> dict:
+    """Seconds of one ZeRO stage's collectives and optimizer step (module docstring), before overlap.
+
+    Returns {"micro": collectives per micro-batch, "step": collectives per step, "optimizer": AdamW step}.
+    """
+    stage, w = config.zero_stage, world_size
+    if stage is None:
+        return {"micro": 0.0, "step": 0.0, "optimizer": 0.0}
+    gbps = config.intra_node_gbps if w <= config.gpus_per_node else config.inter_node_gbps
+    ring = PARAM_BYTES * num_params * (w - 1) / w / (gbps * 1e9)  # one reduce-scatter or all-gather of 2P bytes
+    micro, step = {0: (0.0, 2 * ring), 1: (0.0, 2 * ring), 2: (ring, ring), 3: (3 * ring, 0.0)}[stage]
+    touched = num_params / w if stage >= 1 else num_params
+    return {"micro": micro, "step": step, "optimizer": OPTIMIZER_BYTES_PER_PARAM * touched / (config.hbm_gbps * 1e9)}
 
 
 @dataclass
@@ -61,7 +138,7 @@ class SimResult:
     pack_seconds: np.ndarray
     """float64 [num_packs]: predicted time of every pack on its replica."""
     step_seconds: np.ndarray
-    """float64 [num_steps]: wall time of every step."""
+    """float64 [num_steps]: wall time of every step (with the modelled collectives and optimizer step, if any)."""
     slot_step: np.ndarray
     """int64 [num_slots]: step of every slot (micro-batch k of all replicas of a step)."""
     slot_ptr: np.ndarray
@@ -69,11 +146,19 @@ class SimResult:
     replica_seconds: np.ndarray
     """float64: each replica's time in every slot, slot after slot (0 for an empty pack)."""
     slot_seconds: np.ndarray
-    """float64 [num_slots]: time of the slowest replica in every slot."""
+    """float64 [num_slots]: time of the slowest replica in every slot (compute; collectives are in
+    step_comm_seconds)."""
     busy_seconds: float
     """Σ over replicas and packs of the pack time, divided by the replicas of each step (mean busy time)."""
     tokens: int
     """Tokens trained by the plan."""
+    comm_model: str = COMPUTE_ONLY
+    """The communication model used (SimConfig.comm_model)."""
+    step_comm_seconds: np.ndarray | None = None
+    """float64 [num_steps]: exposed ZeRO collective seconds in every step (included in step_seconds); None when
+    not modelled."""
+    optimizer_seconds_per_step: float = 0.0
+    """Seconds of the optimizer step, added to every step (included in step_seconds)."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -81,9 +166,20 @@ class SimResult:
         return float(self.step_seconds.sum())
 
     @property
+    def comm_seconds(self) -> float:
+        """Σ exposed collective seconds over all steps."""
+        return 0.0 if self.step_comm_seconds is None else float(self.step_comm_seconds.sum())
+
+    @property
+    def optimizer_seconds(self) -> float:
+        """Σ optimizer seconds over all steps."""
+        return self.optimizer_seconds_per_step * len(self.step_seconds)
+
+    @property
     def idle_fraction(self) -> float:
         total = self.total_seconds
-        return float(1.0 - self.busy_seconds / total) if total > 0 else 0.0
+        busy = self.busy_seconds + self.comm_seconds + self.optimizer_seconds
+        return float(1.0 - busy / total) if total > 0 else 0.0
 
     def summary(self) -> dict:
         """Plan-level figures for tables and JSON."""
@@ -97,6 +193,11 @@ class SimResult:
             "num_steps": int(len(self.step_seconds)),
             "num_slots": int(len(self.slot_seconds)),
             "sync": self.sync,
+            "comm_model": self.comm_model,
+            "comm_seconds": self.comm_seconds,
+            "comm_seconds_per_step": self.comm_seconds / max(len(self.step_seconds), 1),
+            "optimizer_seconds": self.optimizer_seconds,
+            "optimizer_seconds_per_step": self.optimizer_seconds_per_step,
             **self.extra,
         }
 
@@ -129,7 +230,13 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
     """Simulate ``plan`` with ``model``; see the module docstring for the synchronisation models."""
     config = config or SimConfig()
     unequal = bool(plan.extra.get("unequal_micro_batches", False))
-    sync = config.sync or ("step" if unequal else "micro")
+    if config.zero_stage is not None:
+        from hbp_train.planning.bytescale import check_zero_stage
+
+        check_zero_stage(plan, config.zero_stage)  # unequal micro-batch counts need ZeRO 0/1
+        sync = config.sync or stage_sync(config.zero_stage)
+    else:
+        sync = config.sync or ("step" if unequal else "micro")
     pack_s = plan_pack_seconds(plan, model, config)
     reps = np.array([plan.config.replicas(g) for g in range(len(plan.config.groups))], np.int64)
     step_r = reps[plan.step_group]
@@ -156,10 +263,18 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
         key = np.repeat(base, step_sizes) + replica_of
         per_replica = np.bincount(key, replica_s, minlength=int(step_r.sum()))
         step_s = np.maximum.reduceat(per_replica, base) if num_steps else np.zeros(0)
+    step_comm, optimizer = None, 0.0
+    if config.zero_stage is not None:
+        comm = zero_comm_seconds(model.shape.num_params, plan.config.world_size, config)
+        # Stages 2/3 (micro sync): every slot is longer by its exposed collectives; stages 0/1 have none per slot.
+        step_comm = slots_per_step * (1.0 - config.comm_overlap) * comm["micro"] + comm["step"]
+        optimizer = comm["optimizer"]
+        step_s = step_s + step_comm + optimizer
     tokens = int(plan.lengths[plan.pack_samples].sum())
     return SimResult(sync=sync, pack_seconds=pack_s, step_seconds=step_s, slot_step=slot_step, slot_ptr=slot_ptr,
                      replica_seconds=replica_s, slot_seconds=slot_s, busy_seconds=float(busy_per_step.sum()),
-                     tokens=tokens)
+                     tokens=tokens, comm_model=config.comm_model(), step_comm_seconds=step_comm,
+                     optimizer_seconds_per_step=optimizer)
 
 
 def speedup(baseline: SimResult, other: SimResult) -> float:
@@ -198,7 +313,9 @@ def plot_comparison(names: list[str], results: list[SimResult], path, title: str
     ax3.set_ylabel("fraction of steps")
     ax3.set_title("step-time CDF")
     ax3.legend(fontsize=8)
-    fig.suptitle(("SIMULATED — " + title) if title else "SIMULATED (cost model, nothing was run)")
+    # Say which communication model the times include (plans of one figure may differ, e.g. bytescale at ZeRO-1).
+    comm = "; ".join(dict.fromkeys(r.comm_model for r in results))
+    fig.suptitle(f"SIMULATED — {title}\n{comm}" if title else f"SIMULATED (cost model, nothing was run)\n{comm}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,10 +31,16 @@ class DataConfig:
     """How many times the plan's steps are run. The plan is one pass over the data; epoch e replays it."""
     check_counts: bool = True
     """Check each pack's stored num_loss_tokens against its labels when it is loaded (cheap; catches stale shards)."""
+    eval_shards: Optional[str] = None
+    """Packed held-out shards (data_tools.pack --shards on held-out data, same --world-size, SP degrees among the
+    training plan's or not): their token-mean loss is logged as loss/eval every train.eval_every steps and at the
+    end. None = no held-out loss during training."""
 
     def __post_init__(self):
         if not isinstance(self.shards, str) or not self.shards or self.shards == "???":
             raise ValueError("data.shards: set it to a packed-shard directory (data_tools.pack --shards OUT)")
+        if self.eval_shards is not None and (not isinstance(self.eval_shards, str) or not self.eval_shards):
+            raise ValueError("data.eval_shards: a packed-shard directory of held-out data, or null")
         if self.epochs < 1:
             raise ValueError(f"data.epochs={self.epochs}: must be >= 1")
 

@@ -24,7 +24,7 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
     """The demo's commands, in order. Sizes are chosen so the whole demo takes a few minutes on 2 cores."""
     py = sys.executable
     raw, tok, held_raw, held_tok = out / "raw.jsonl", out / "tokenized", out / "heldout.jsonl", out / "heldout_tok"
-    packed, run, export = out / "packed", out / "train", out / "export"
+    packed, held_packed, run, export = out / "packed", out / "heldout_packed", out / "train", out / "export"
     return [
         ("generate demo data", [py, "-m", "data_tools.make_demo_data", "--out", str(raw),
                                 "--num-samples", str(num_samples), "--max-tokens", "2048", "--seed", "0"]),
@@ -38,6 +38,10 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
                                   "--max-len", "2048", "--world-size", str(nproc), "--groups", "1024:1,2048:2",
                                   "--strategy", "hbp", "--global-tokens", "8192", "--curriculum-steps", "4",
                                   "--seed", "0", "--out", str(out / "plan.json"), "--plot", str(out / "plan.png")]),
+        # The held-out chats packed the same way: the trainer logs their loss (loss/eval) as it goes.
+        ("pack held-out", [py, "-m", "data_tools.pack", "--dataset", str(held_tok), "--shards", str(held_packed),
+                           "--max-len", "2048", "--world-size", str(nproc), "--groups", "1024:1,2048:2",
+                           "--global-tokens", "8192", "--seed", "0", "--no-baseline", "--quiet"]),
         # Every strategy on the same lengths, with the simulated time on the shipped H100 calibration.
         ("compare strategies (simulated)", [py, "-m", "data_tools.compare", "--dataset", str(tok), "--max-len", "2048",
                                             "--world-size", str(nproc), "--groups", "1024:1,2048:2",
@@ -45,7 +49,8 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
                                             "--out", str(out / "compare.json")]),
         ("train (2 CPU processes)", [py, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node",
                                      str(nproc), "-m", "hbp_train.train", "experiment=cpu_demo",
-                                     f"data.shards={packed}", f"data.epochs={epochs}", f"train.out_dir={run}"]),
+                                     f"data.shards={packed}", f"data.epochs={epochs}", f"train.out_dir={run}",
+                                     f"data.eval_shards={held_packed}", "train.eval_every=40"]),
         ("export", [py, "-m", "hbp_train.export", "--checkpoint", str(run / "checkpoints"), "--out", str(export)]),
         ("offline evaluation", [py, "-m", "eval.run", "offline", "--model", str(export), "--dataset",
                                 str(held_tok), "--lengths", "128,256,512", "--out", str(out / "eval")]),
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  preprocessing report  {out / 'tokenized' / 'report.json'}")
     print(f"  plan + metrics        {out / 'packed' / 'plan.json'}   plot {out / 'plan.png'}")
     print(f"  strategy comparison   {out / 'compare.json'}   plot {out / 'compare.png'} (simulated)")
-    print(f"  training metrics      {out / 'train'} (metrics.jsonl; TensorBoard: tensorboard --logdir {out / 'train'})")
+    print(f"  training metrics      {out / 'train'} (metrics.jsonl with loss/eval on the held-out chats; "
+          f"TensorBoard: tensorboard --logdir {out / 'train'})")
     print(f"  exported checkpoint   {out / 'export'}")
     print(f"  evaluation            {out / 'eval'} (results.json, results.md, needle_heatmap.png)")
     return 0

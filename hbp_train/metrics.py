@@ -165,7 +165,7 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix_str(f"loss {metrics['loss/train']:.4f}")
-        if step % self.cfg.log_every == 0 or step + 1 == metrics["plan/total_steps"]:
+        if step % self.cfg.log_every == 0 or step + 1 == metrics["plan/total_steps"] or "loss/eval" in metrics:
             if self.bar is not None:
                 self.bar.write(line)
             else:
@@ -207,4 +207,5 @@ def format_line(m: dict) -> str:
         f" | group {m['plan/group']} sp={m['plan/sp']} m {m['plan/micro_batches']}"
         f"{' cr ' + format(m['sp/cr'], '.2f') if m.get('sp/cr') is not None else ''}"
         f" | data {m['perf/data_wait_pct']:.1f}%"
+        f"{' | eval loss ' + format(m['loss/eval'], '.4f') if 'loss/eval' in m else ''}"
     )

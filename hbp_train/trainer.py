@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hbp_train import checkpoint as ckpt
-from hbp_train import ulysses
+from hbp_train import heldout, ulysses
 from hbp_train.data import PackedData, StepBatch, split_for_sp
 from hbp_train.loss import chunked_token_losses, normalize_loss
 from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
@@ -80,6 +80,9 @@ class TrainConfig:
     exit_after_steps: Optional[int] = None
     """Stop (with a checkpoint) after this many steps in this invocation, e.g. for time-limited job slots;
     resume later with train.resume=auto."""
+    eval_every: int = 0
+    """With data.eval_shards: log the held-out loss (loss/eval, ppl/eval) every this many steps and after the last
+    step (0 = after the last step only)."""
 
     def __post_init__(self):
         if self.max_steps is not None and self.max_steps < 1:
@@ -106,6 +109,8 @@ class TrainConfig:
             raise ValueError(f"train.on_nan={self.on_nan!r}: must be one of {', '.join(ON_NAN)}")
         if self.exit_after_steps is not None and self.exit_after_steps < 1:
             raise ValueError(f"train.exit_after_steps={self.exit_after_steps}: must be >= 1 (or null)")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every}: must be >= 0 (0 = after the last step only)")
 
 
 @dataclass
@@ -220,6 +225,8 @@ class Run:
     """How many ranks DeepSpeed averages gradients over (its data-parallel world: all ranks, no mpu)."""
     pad_token_id: int = 0
     config_yaml: str = ""
+    eval_data: Optional[PackedData] = None
+    """The held-out packed shards (data.eval_shards), or None."""
 
 
 def ckpt_layers_for(run: Run, step_batch: StepBatch) -> int:
@@ -368,18 +375,23 @@ def build(cfg, config_yaml: str = "") -> Run:
     from hbp_train.model import build_model
     from hbp_train.parallel import build_parallel_state
 
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    data = PackedData(cfg.data.shards, cfg.data.check_counts)
-    if data.world_size != world_size:
-        raise ValueError(f"{cfg.data.shards}/plan.json was planned for world size {data.world_size}, but this run has "
-                         f"{world_size} ranks: re-plan with data_tools.pack --world-size {world_size}")
     from hbp_train.planning.bytescale import check_zero_stage
 
-    check_zero_stage(data.plan, cfg.deepspeed.zero_stage)  # bytescale plans (unequal micro-batches) need ZeRO 0/1
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    data = PackedData(cfg.data.shards, cfg.data.check_counts)
+    eval_data = PackedData(cfg.data.eval_shards, cfg.data.check_counts) if cfg.data.eval_shards else None
+    for shards, packed in ((cfg.data.shards, data), (cfg.data.eval_shards, eval_data)):
+        if packed is None:
+            continue
+        if packed.world_size != world_size:
+            raise ValueError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
+                             f"{world_size} ranks: re-plan with data_tools.pack --world-size {world_size}")
+        check_zero_stage(packed.plan, cfg.deepspeed.zero_stage)  # bytescale plans (unequal micro-batches): ZeRO 0/1
     if cfg.train.ckpt_layers is not None and len(cfg.train.ckpt_layers) not in (1, len(data.groups)):
         raise ValueError(f"train.ckpt_layers has {len(cfg.train.ckpt_layers)} values but the plan has "
                          f"{len(data.groups)} groups: give one per group or a single one")
-    pstate = build_parallel_state(data.sp_degrees())
+    # SP: the groups of every degree either plan uses, built once, up front
+    pstate = build_parallel_state(sorted(set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])))
     ulysses.set_active_sp(1)  # SP: a previous build in this process may have left another degree active
     total_steps = data.num_steps * cfg.data.epochs
     if cfg.train.max_steps is not None:
@@ -408,7 +420,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     engine = build_engine(cfg, model, total_steps, world_size)
     return Run(cfg=cfg, engine=engine, model=model, data=data, pstate=pstate, device=engine.device,
                tokenizer=tokenizer, total_steps=total_steps, grad_divisor=engine.dp_world_size,
-               pad_token_id=pad_token_id, config_yaml=config_yaml)
+               pad_token_id=pad_token_id, config_yaml=config_yaml, eval_data=eval_data)
 
 
 def train(cfg, config_yaml: str = "") -> dict:
@@ -468,6 +480,8 @@ def train(cfg, config_yaml: str = "") -> dict:
                 skipped=skipped, num_skipped=num_skipped)
             m.update(ulysses.stats().step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
+            if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):
+                m.update(heldout.evaluate(run, run.eval_data))  # every rank: it is collective
             metrics.log(m)
             if skipped:
                 metrics.message(f"[train] step {step}: NaN/inf loss or gradient, step skipped (train.on_nan=skip)")
@@ -490,6 +504,11 @@ def train(cfg, config_yaml: str = "") -> dict:
         metrics.close()
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
             "skipped": num_skipped, "run": run}
+
+
+def _eval_due(step: int, total_steps: int, eval_every: int) -> bool:
+    """Held-out loss after this step: every eval_every steps, and after the run's last step."""
+    return step + 1 == total_steps or (eval_every > 0 and (step + 1) % eval_every == 0)
 
 
 def _grad_norm(engine) -> Optional[float]:

@@ -1,7 +1,7 @@
 """End-to-end smoke run of the default demo (what ``./launch.sh`` runs), on a smaller generated dataset.
 
 It runs every stage as its CLI — generate → preprocess → plan + packed shards → compare strategies (simulated)
-→ train on 2 CPU processes → export → offline evaluation — and checks that each stage's outputs are there and consistent with
+→ train on 2 CPU processes (with held-out loss) → export → offline evaluation — and checks that each stage's outputs are there and consistent with
 each other: every sample is accounted for, training ran every plan step and switched SP degree, the export loads.
 """
 
@@ -33,6 +33,12 @@ def test_demo_pipeline_end_to_end(tmp_path):
     sp_seen = {s["plan/sp"] for s in steps}
     assert sp_seen == {1, 2}, f"the demo must switch SP degree between groups, saw {sp_seen}"
     assert all(s["loss/train"] == s["loss/train"] for s in steps)  # no NaN
+    # The held-out chats were packed too; their loss is logged after the last step (and every 40 steps).
+    evals = [s for s in steps if "loss/eval" in s]
+    assert evals and evals[-1] is steps[-1] and 0 < evals[-1]["loss/eval"] < 20
+    held_plan = json.loads((out / "heldout_packed" / "plan.json").read_text())
+    held_samples = sum(len(pack) for step in held_plan["steps"] for rep in step["replicas"] for pack in rep)
+    assert held_samples + len(held_plan["dropped"]) == json.loads((out / "heldout_tok" / "report.json").read_text())["kept"]
 
     from transformers import AutoModelForCausalLM
 

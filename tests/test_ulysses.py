@@ -256,6 +256,10 @@ def _trainer_worker(rank, world_size, shards, out):
         ])
         run = trainer.build(cfg)
         named = list(run.engine.module.named_parameters())
+        # Held-out loss over the same shards at the initial weights (sp=1 and sp=2 steps; ZeRO-2 and ZeRO-3).
+        from hbp_train.heldout import evaluate
+
+        results[(zero_stage, normalizer, "eval")] = evaluate(run, run.data)["loss/eval"]
         per_step = []
         for step in range(run.data.num_steps):
             params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
@@ -265,7 +269,8 @@ def _trainer_worker(rank, world_size, shards, out):
         results[(zero_stage, normalizer)] = per_step
         del run
     # The whole loop once, for the step metrics and the log line.
-    cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet"])
+    cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet",
+                       f"data.eval_shards={shards}", "train.eval_every=3"])
     trainer.train(cfg)
     deepspeed.comm.barrier()
     return results if rank == 0 else None
@@ -295,7 +300,16 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
 
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(**TINY_LLAMA, vocab_size=TOKENIZER_VOCAB, use_cache=False), attn_implementation="eager")
-    for (zero_stage, normalizer), per_step in results.items():
+    for case, per_step in results.items():
+        if case[-1] == "eval":
+            continue
+        zero_stage, normalizer = case
+        # The held-out loss (2 ranks, sp 1 and 2) equals the token mean over every sample run alone.
+        model.load_state_dict({k.removeprefix("model."): v for k, v in per_step[0]["params"].items()})
+        every_pack = {"replicas": [[p for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r]]}
+        with torch.no_grad():
+            reference = float(reference_normalized_loss(model, samples, every_pack, "ave_token"))
+        assert results[case + ("eval",)] == pytest.approx(reference, rel=1e-5), case
         for step_index, got in enumerate(per_step):
             model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
             model.zero_grad()
@@ -308,6 +322,9 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [m["plan/sp"] for m in logged] == [1, 2, 1, 2]
+    # data.eval_shards with train.eval_every=3: held-out loss after step 3 and after the last one
+    assert ["loss/eval" in m for m in logged] == [False, False, True, True]
+    assert all(m["loss/eval"] > 0 and m["eval/loss_tokens"] == logged[2]["eval/loss_tokens"] for m in logged[2:])
     assert [m["sp/cr_step"] for m in logged] == [0.0, 1.0, 0.0, 1.0]
     tokens = [sum(len(samples[i][0]) for r in s["replicas"] for p in r for i in p) for s in SP_TRAINER_STEPS]
     assert logged[-1]["sp/cr"] == pytest.approx((tokens[1] + tokens[3]) / sum(tokens))

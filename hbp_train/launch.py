@@ -5,19 +5,24 @@
 Takes exactly torchrun's arguments (``--help`` lists them) and runs them through ``torch.distributed.run``. A worker
 that meets bad input prints its one-line error and exits 2; plain torchrun then adds a ChildFailedError traceback
 and a failure table, which bury that line. Here the launcher ends with one line naming the rank that failed first
-and its exit code or signal, and exits with the worker's code (so scripts still see 2 for bad input).
+and its message (the worker's one-line error, which hbp_train.train leaves in torchrun's per-rank error file) or its
+exit code, and exits with the worker's code (so scripts still see 2 for bad input).
 ``./launch.sh train`` and the demo use it; the deepspeed launcher (HOSTFILE) is left as it is.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
-def failure_line(name: str, rank: int, exitcode: int) -> str:
-    """The one line that replaces torchrun's failure report."""
+def failure_line(name: str, rank: int, exitcode: int, message: str = "") -> str:
+    """The one line that replaces torchrun's failure report: the worker's own message when it left one in its
+    error file (hbp_train.train does for bad input), else where to look."""
     how = f"exit code {exitcode}" if exitcode >= 0 else f"signal {-exitcode}"
-    return (f"[launch] {name} failed: rank {rank} stopped first, with {how}; its message is above "
+    if message:
+        return f"[launch] {name} failed on rank {rank} ({how}): {message}"
+    return (f"[launch] {name} failed: rank {rank} stopped first, with {how}; its output is above "
             "(HBP_DEBUG=1 prints the worker's traceback)")
 
 
@@ -26,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ["HBP_LAUNCHER"] = "1"  # workers leave their one-line error to us (train._fail)
     try:
         run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(failure_line(e.name, rank, failure.exitcode), file=sys.stderr, flush=True)
+        # A message from the worker's error file; torchrun's made-up ones (no file) are not worth repeating.
+        message = failure.message if isinstance(failure.message, str) and os.path.isfile(failure.error_file) else ""
+        print(failure_line(e.name, rank, failure.exitcode, message), file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 1
     except KeyboardInterrupt:  # the workers got the Ctrl-C too and saved (train.py); no launcher traceback
         print("[launch] interrupted", file=sys.stderr, flush=True)

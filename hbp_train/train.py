@@ -33,7 +33,17 @@ def _strip_local_rank(argv: list) -> list:
 
 
 def _fail(message: str, code: int):
-    if os.environ.get("RANK", "0") == "0":
+    """Exit with a one-line message. Under torchrun every rank also writes it to its error file, from which
+    hbp_train.launch prints the first failed rank's line (so a failure on any rank is shown once); without our
+    launcher, rank 0 prints it."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        import time
+
+        with open(error_file, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    if os.environ.get("RANK", "0") == "0" and not (error_file and os.environ.get("HBP_LAUNCHER")):
         print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 

@@ -29,6 +29,39 @@ def test_failed_worker_gives_its_exit_code_and_one_line_without_traceback():
     assert last.startswith("[launch] sh failed: rank ") and "exit code 3" in last
 
 
+def test_the_worker_error_file_message_becomes_the_last_line():
+    # What hbp_train.train._fail leaves for the launcher: the rank's one-line error in torchrun's error file.
+    worker = 'printf \'{"message": "error: data.shards=x: no plan.json there", "timestamp": 1}\' > "$TORCHELASTIC_ERROR_FILE"; exit 2'
+    proc = subprocess.run([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "2",
+                           "--no-python", "sh", "-c", worker], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=ENV)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("[launch] sh failed on rank ") and last.endswith("(exit code 2): error: data.shards=x: "
+                                                                             "no plan.json there")
+
+
+def test_train_fail_writes_the_error_file_and_leaves_printing_to_the_launcher(tmp_path, monkeypatch, capsys):
+    import json
+
+    import pytest
+
+    from hbp_train.train import _fail
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("HBP_LAUNCHER", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        _fail("error: data.shards=x: no plan.json there", 2)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+    assert json.loads(error_file.read_text())["message"] == "error: data.shards=x: no plan.json there"
+    monkeypatch.delenv("HBP_LAUNCHER")  # plain torchrun: rank 0 prints it too
+    with pytest.raises(SystemExit):
+        _fail("error: again", 2)
+    assert capsys.readouterr().err == "error: again\n"
+
+
 def test_successful_workers_exit_zero():
     proc = subprocess.run([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "2",
                            "--no-python", "true"], capture_output=True, text=True, timeout=120,

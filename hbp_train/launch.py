@@ -27,6 +27,7 @@ def failure_line(name: str, rank: int, exitcode: int, message: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -40,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         message = failure.message if isinstance(failure.message, str) and os.path.isfile(failure.error_file) else ""
         print(failure_line(e.name, rank, failure.exitcode, message), file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 1
-    except KeyboardInterrupt:  # the workers got the Ctrl-C too and saved (train.py); no launcher traceback
+    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun passed it on to the workers, which
+        # finished their step and saved (train.py says where); the launcher only has to end without a traceback
+        print(f"[launch] stopped by signal {int(e.sigval)}; resume with train.resume=auto", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
         print("[launch] interrupted", file=sys.stderr, flush=True)
         return 130
     return 0

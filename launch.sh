@@ -15,8 +15,8 @@
 # train: NPROC (processes on this node; default: its GPUs, or 1 on a CPU), NNODES, NODE_RANK, MASTER_ADDR,
 # MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead).
 set -euo pipefail
-cd "$(dirname "$0")"
-ROOT=$(pwd)
+# Paths on the command line stay relative to where you run this from; the repo is found through ROOT.
+ROOT=$(cd "$(dirname "$0")" && pwd)
 VENV=${HBP_VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
@@ -28,8 +28,8 @@ have_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 
 setup() {
   # The stamp holds the hash of the requirements: a changed file re-runs the install, an unchanged one is instant.
   local stamp=$VENV/.hbp-installed want
-  want=$(cat requirements.txt | sha256sum | cut -c1-16)
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  want=$(sha256sum < "$ROOT/requirements.txt" | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then link_repo; return 0; fi
   echo "[launch] setting up $VENV (first run: about two minutes)"
   [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
@@ -40,11 +40,20 @@ setup() {
       "$PY" -m pip install -q "torch==2.13.0"         # the CPU build; see ../shared/TECH-NOTES.md
     fi
   fi
-  "$PY" -m pip install -q -r requirements.txt
+  "$PY" -m pip install -q -r "$ROOT/requirements.txt"
   if have_cuda && [ "${HBP_INSTALL_FLASH_ATTN:-0}" = 1 ]; then
-    "$PY" -m pip install -q --no-build-isolation -r requirements-flash.txt || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
+    "$PY" -m pip install -q --no-build-isolation -r "$ROOT/requirements-flash.txt" || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
   fi
+  link_repo
   echo "$want" > "$stamp"
+}
+
+link_repo() {
+  # A .pth file puts the repo on the venv's path, so `python -m data_tools.pack ...` works from any folder once
+  # the venv is active (the repo is not pip-installed).
+  local pth
+  pth=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hbp_train_repo.pth
+  [ "$(cat "$pth" 2>/dev/null)" = "$ROOT" ] || echo "$ROOT" > "$pth"
 }
 
 demo() {
@@ -53,6 +62,7 @@ demo() {
 
 run_tests() {
   # Exit code 5 means pytest collected no tests: say so and fail, an empty suite is not a pass.
+  cd "$ROOT"  # pytest.ini and tests/ are found from the repo root
   set +e
   "$PY" -m pytest "$@"
   local rc=$?

@@ -23,8 +23,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, check_writable,
-                                 cost_model_from_args, format_table, sim_config_from_args, write_outputs)
+from data_tools.outputs import check_output_file, write_output
+from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
+                                 format_table, sim_config_from_args)
 
 STRATEGIES = ("isf", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
 
@@ -154,8 +155,8 @@ def main(argv=None) -> int:
         from hbp_train.planning import PlanConfig
 
         PlanConfig(**plan_kwargs)  # validate the settings before the long part
-        check_writable(args.out)
-        check_writable(args.plot)
+        check_output_file("--out", args.out)
+        check_output_file("--plot", args.plot, image=True)
     except (ValueError, CliError) as exc:
         print(f"compare: error: {exc}", file=sys.stderr)
         return 2
@@ -168,14 +169,14 @@ def main(argv=None) -> int:
     print(format_table(rows, table_columns(sim_cfg)))
     try:
         if args.out:
-            write_outputs(args.out, lambda path: path.write_text(json.dumps(
+            write_output("--out", args.out, lambda path: path.write_text(json.dumps(
                 {"simulated": True, "cost_model": model.describe(), "settings": {**vars(args)}, "rows": rows},
                 indent=1)))
             print(f"wrote {args.out}")
         if args.plot:
             names = sorted(out, key=lambda n: n != "isf")  # the plot's speed-ups are over its first plan
             title = f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}, {model.source} cost model"
-            write_outputs(args.plot, lambda path: plot_comparison(names, [out[n][1] for n in names], path, title))
+            write_output("--plot", args.plot, lambda path: plot_comparison(names, [out[n][1] for n in names], path, title))
             print(f"wrote {args.plot}")
     except ValueError as exc:
         print(f"compare: error: {exc}", file=sys.stderr)

@@ -117,8 +117,8 @@ def _sample_target_tokens(rng: np.random.Generator, max_tokens: int) -> int:
 
 def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0) -> list[dict]:
     """Return ``num_samples`` chat records ``{"messages": [{"role", "content"}, ...]}``; same arguments, same output."""
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    if num_samples < 1:  # an empty dataset fails in every later stage
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if max_tokens < 64:
         raise ValueError(f"max_tokens must be >= 64 (room for one short exchange), got {max_tokens}")
     if seed < 0:  # numpy's generator rejects it with a message that names no option
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         records = generate(args.num_samples, args.max_tokens, args.seed)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # name the flag, not the function argument
+        print(f"error: --{str(e).replace('_', '-', 1)}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:

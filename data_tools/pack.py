@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from data_tools.outputs import check_output_file
+
+
+MAX_PACK_LEN = 2**31 - 1
 
 
 class CliError(Exception):
@@ -131,6 +137,8 @@ def read_lengths(path: str) -> np.ndarray:
 
 
 def read_dataset_lengths(path: str) -> np.ndarray:
+    if not Path(path).is_dir():
+        raise CliError(f"--dataset {path}: no such directory; pass the output directory of data_tools.preprocess")
     if not Path(path, "dataset_info.json").is_file() and not Path(path, "state.json").is_file():
         raise CliError(f"--dataset {path}: not a dataset saved with save_to_disk (no state.json)")
     import datasets
@@ -181,19 +189,31 @@ def parse_groups(text: str, profile: str | None, world_size: int):
             items.append((vals[0], vals[1], vals[2] if len(vals) == 3 else None, f"--groups {part.strip()!r}"))
     groups = []
     for pack_len, sp, ckpt, where in items:
-        if not isinstance(pack_len, int) or pack_len < 1:
+        if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 1:
             raise CliError(f"{where}: pack_len must be a positive integer")
-        if not isinstance(sp, int) or sp < 1 or sp & (sp - 1):
+        if pack_len > MAX_PACK_LEN:  # packed shards hold token positions and cu_seqlens as int32
+            raise CliError(f"{where}: pack_len {pack_len} is larger than {MAX_PACK_LEN} (int32 token offsets)")
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1 or sp & (sp - 1):
             raise CliError(f"{where}: sp={sp} must be a power of two (1, 2, 4, ...)")
         if world_size % sp:
             raise CliError(f"{where}: sp={sp} must divide --world-size {world_size}")
-        if ckpt is not None and (not isinstance(ckpt, int) or ckpt < 0):
+        if ckpt is not None and (not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0):
             raise CliError(f"{where}: ckpt_layers must be a non-negative integer")
         groups.append(GroupSpec(pack_len, sp, ckpt))
     lens = [g.pack_len for g in groups]
     if any(b <= a for a, b in zip(lens, lens[1:])):
         raise CliError(f"--groups: pack lengths must be strictly ascending, got {lens}")
     return groups
+
+
+def check_shards_dir(path: str) -> None:
+    """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CliError(f"--shards {path}: exists and is not a directory; pass a new or empty directory")
+    if p.is_dir() and any(p.iterdir()) and not (p / "plan.json").is_file():
+        raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json); "
+                       "choose a new or empty --shards directory")
 
 
 METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"),
@@ -221,6 +241,10 @@ def run(argv=None) -> int:
         raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
+    check_output_file("--out", args.out)
+    check_output_file("--plot", args.plot, image=True)
+    if args.shards:
+        check_shards_dir(args.shards)
     for flag, val in (("--global-tokens", args.global_tokens), ("--max-len", args.max_len)):
         if val is not None and val < 1:
             raise CliError(f"{flag} must be >= 1, got {val}")
@@ -247,6 +271,11 @@ def run(argv=None) -> int:
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
     if len(lengths) == 0:
         raise CliError(f"{args.lengths or args.dataset}: no samples")
+    if args.max_len is not None and int(lengths.max()) > args.max_len:
+        print(f"warning: {int(np.count_nonzero(lengths > args.max_len))} samples are longer than --max-len "
+              f"{args.max_len} (longest {int(lengths.max())}); they are planned like the others (only samples "
+              f"longer than the largest pack_len are dropped): check --max-len against the preprocess max_len",
+              file=sys.stderr)
 
     def plan_with(strategy):
         cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,
@@ -270,10 +299,21 @@ def run(argv=None) -> int:
     if args.shards:
         from hbp_train.planning.shards import write_shards
 
+        import datasets
+
+        silence = args.quiet and not datasets.utils.are_progress_bars_disabled()
+        if silence:  # datasets' own "Saving the dataset" bars
+            datasets.disable_progress_bars()
         try:
             rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet)
         except ValueError as e:
             raise CliError(str(e)) from None
+        finally:
+            if silence:
+                datasets.enable_progress_bars()
+        for stale in Path(args.shards).glob("group_*"):  # an earlier plan's groups that this plan does not have
+            if stale.is_dir() and stale.name not in {f"group_{g}" for g in rows}:
+                shutil.rmtree(stale)
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
     if plan.metrics["num_dropped"]:

@@ -230,6 +230,9 @@ def load_tokenizer(tokenizer_dir: str):
     """Load a local HF tokenizer (offline); raises PreprocessError with the fix."""
     from transformers import AutoTokenizer
 
+    if Path(tokenizer_dir).is_file():
+        raise PreprocessError(f"{tokenizer_dir}: is a file; pass --tokenizer the directory that holds "
+                              f"tokenizer.json/tokenizer_config.json (e.g. data_tools/assets/tokenizer)")
     if not Path(tokenizer_dir).is_dir():
         raise PreprocessError(f"{tokenizer_dir}: tokenizer directory not found; pass --tokenizer DIR with "
                               f"tokenizer.json/tokenizer_config.json (e.g. data_tools/assets/tokenizer)")

@@ -45,10 +45,21 @@ class FormatError(ValueError):
         self.reason, self.detail, self.fix = reason, detail, fix
 
 
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words ("a number", "null", ...), for messages about the input."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+
+
 def detect_format(record: object) -> str:
     """Return the shape of ``record`` (one of ``FORMATS``) or raise ``FormatError``."""
     if not isinstance(record, dict):
-        raise FormatError("not_an_object", f"record is a {type(record).__name__}, not an object",
+        raise FormatError("not_an_object", f"record is {json_kind(record)}, not an object",
                           "each record must be a JSON object such as {\"messages\": [...]}")
     if "messages" in record:
         return "messages"
@@ -101,8 +112,8 @@ def _required(record: dict, field: str, kind: type):
                           f"add '{field}' or pick the right --format")
     value = record[field]
     if not isinstance(value, kind):
-        raise FormatError("bad_field_type", f"field '{field}' is a {type(value).__name__}, expected {kind.__name__}",
-                          f"make '{field}' a {'list of turns' if kind is list else kind.__name__}")
+        raise FormatError("bad_field_type", f"field '{field}' is {json_kind(value)}, expected {json_kind(kind())}",
+                          f"make '{field}' {'a list of turns' if kind is list else json_kind(kind())}")
     return value
 
 
@@ -111,7 +122,7 @@ def _optional_str(record: dict, field: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise FormatError("bad_field_type", f"field '{field}' is a {type(value).__name__}, expected str",
+        raise FormatError("bad_field_type", f"field '{field}' is {json_kind(value)}, expected a string",
                           f"make '{field}' a string or remove it")
     return value
 
@@ -123,7 +134,7 @@ def _content(value: object, where: str) -> str:
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
         return "".join(p["text"] for p in value)
-    raise FormatError("bad_field_type", f"{where} is a {type(value).__name__}, expected a string",
+    raise FormatError("bad_field_type", f"{where} is {json_kind(value)}, expected a string",
                       "use a string (or a list of {\"type\": \"text\", \"text\": ...} parts); "
                       "other modalities are not supported")
 
@@ -134,7 +145,7 @@ def _turns(raw_turns: list, field: str) -> list[dict]:
     for i, turn in enumerate(raw_turns):
         where = f"{field}[{i}]"
         if not isinstance(turn, dict):
-            raise FormatError("bad_field_type", f"{where} is a {type(turn).__name__}, expected an object",
+            raise FormatError("bad_field_type", f"{where} is {json_kind(turn)}, expected an object",
                               "each turn must be {\"role\", \"content\"} or {\"from\", \"value\"}")
         if turn.get("role") is not None:
             role_key, content_key, roles = "role", "content", MESSAGES_ROLES

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from data_tools.outputs import check_output_file, write_output
 from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
 from hbp_train.planning.simulate import DEFAULT_HBM_GBPS, SimConfig
 
@@ -102,29 +102,6 @@ def cost_model_from_args(args) -> CostModel:
     return model
 
 
-def check_writable(path_text: str | None) -> None:
-    """ValueError (one line) when an output file's folder cannot be created or written; checked before the work."""
-    if not path_text:
-        return
-    folder = Path(path_text).parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{path_text}: cannot create its folder ({exc.strerror})") from None
-    if Path(path_text).is_dir() or not os.access(folder, os.W_OK):
-        raise ValueError(f"{path_text}: not a writable file path")
-
-
-def write_outputs(path_text: str, write) -> None:
-    """Call write(path) for an output file, turning an unwritable path into a one-line ValueError."""
-    path = Path(path_text)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(path)
-    except OSError as exc:
-        raise ValueError(f"{path_text}: cannot write ({exc.strerror})") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data_tools.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +144,8 @@ def load_plan(path: str):
         return Plan.from_dict(data)
     except (KeyError, TypeError, IndexError) as exc:
         raise ValueError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:  # the plan's own checks (version, world size, groups): name the file
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -204,8 +183,8 @@ def main(argv=None) -> int:
                     check_zero_stage(plan, sim_cfg.zero_stage)
                 except ValueError as exc:
                     raise ValueError(f"{path}: {exc}") from None
-        check_writable(args.out)
-        check_writable(args.plot)
+        check_output_file("--out", args.out)
+        check_output_file("--plot", args.plot, image=True)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -249,10 +228,10 @@ def main(argv=None) -> int:
                   "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
     try:
         if args.out:
-            write_outputs(args.out, lambda path: path.write_text(json.dumps(report)))
+            write_output("--out", args.out, lambda path: path.write_text(json.dumps(report)))
             print(f"wrote {args.out}")
         if args.plot:
-            write_outputs(args.plot, lambda path: plot_comparison(names, results, path,
+            write_output("--plot", args.plot, lambda path: plot_comparison(names, results, path,
                                                                   f"{model.source} cost model, {model.shape.name}"))
             print(f"wrote {args.plot}")
     except ValueError as exc:

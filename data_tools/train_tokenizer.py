@@ -89,6 +89,9 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
     return out
 
 
+MAX_VOCAB_SIZE = 1 << 20
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_tools.train_tokenizer",
@@ -97,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"output tokenizer directory (default {DEFAULT_OUT})")
     parser.add_argument("--vocab-size", type=int, default=4096,
-                        help="BPE vocabulary size incl. special tokens (default 4096)")
+                        help=f"BPE vocabulary size incl. special tokens, 300..{MAX_VOCAB_SIZE} (default 4096)")
     args = parser.parse_args(argv)
-    if args.vocab_size < 300:
-        print("error: --vocab-size must be >= 300 (256 bytes + special tokens + merges)", file=sys.stderr)
+    if not 300 <= args.vocab_size <= MAX_VOCAB_SIZE:  # the trainer allocates tables of this size up front
+        print(f"error: --vocab-size {args.vocab_size} must be between 300 (256 bytes + special tokens + merges) "
+              f"and {MAX_VOCAB_SIZE}", file=sys.stderr)
         return 2
     try:
         out = train(args.out, args.vocab_size)

@@ -144,9 +144,9 @@ def run_offline(args) -> int:
     from eval.report import needle_table, plot_needle_heatmap
 
     start = time.time()
+    lengths, depths = _int_list("--lengths", args.lengths), _float_list("--depths", args.depths)
     try:
-        needle_config = NeedleConfig(lengths=_int_list("--lengths", args.lengths),
-                                     depths=_float_list("--depths", args.depths), trials=args.trials,
+        needle_config = NeedleConfig(lengths=lengths, depths=depths, trials=args.trials,
                                      num_distractors=args.distractors, max_new_tokens=args.max_new_tokens,
                                      seed=args.seed)
     except ValueError as err:
@@ -158,7 +158,10 @@ def run_offline(args) -> int:
     if args.no_needle and args.dataset is None:
         raise UsageError("--no-needle without --dataset leaves nothing to evaluate; add --dataset DIR")
     # Everything that can be wrong with the input fails before the model loads.
-    samples = None if args.no_needle else generate_samples(load_tokenizer(check_model_dir(args.model)), needle_config)
+    model_dir = check_model_dir(args.model)
+    if not args.no_needle:
+        _check_lengths_fit(model_dir, needle_config.lengths)
+    samples = None if args.no_needle else generate_samples(load_tokenizer(model_dir), needle_config)
     if args.dataset is not None:
         load_tokenized(args.dataset)
     out = _make_out(args.out)
@@ -200,12 +203,27 @@ def run_offline(args) -> int:
     return 0
 
 
+def _check_lengths_fit(model_dir: Path, lengths: list[int]) -> None:
+    """A needle context longer than the model's positions measures nothing and can exhaust memory: refuse it."""
+    try:
+        limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config.json is reported by the tokenizer/model load with its own message
+    if isinstance(limit, int) and limit > 0 and max(lengths) > limit:
+        raise UsageError(f"--lengths: {max(lengths)} tokens exceed the model's max_position_embeddings ({limit}, "
+                         f"{model_dir / 'config.json'}); use lengths <= {limit}")
+
+
 def run_opencompass(args) -> int:
     from eval import opencompass as oc
     from eval.model_io import check_model_dir
     from eval.report import markdown_table
 
     model_dir = check_model_dir(args.model)
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        # OpenCompass loads the tokenizer from the model directory only after its own (long) start-up.
+        raise UsageError(f"--model {model_dir}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                         "export the checkpoint with its tokenizer (hbp_train.export copies it)")
     families = oc.parse_datasets(args.datasets)
     for option, value in (("--max-out-len", args.max_out_len), ("--batch-size", args.batch_size),
                           ("--num-gpus", args.num_gpus), ("--max-num-workers", args.max_num_workers),

@@ -266,10 +266,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available() and not args.allow_cpu:
-        print("calibrate: error: no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)",
-              file=sys.stderr)
-        return 2
     try:
         shape = parse_model_shape(args.model_shape)
         for flag, val in (("--tokens", args.tokens), ("--iters", args.iters), ("--max-samples", args.max_samples),
@@ -286,6 +282,8 @@ def main(argv=None) -> int:
             parse_doc_lens(args.doc_lens, args.tokens)
         out_path = writable(args.out, "--out") if args.out and not args.validate else None
         report_path = writable(args.validate_out, "--validate-out") if args.validate and args.validate_out else None
+        if not torch.cuda.is_available() and not args.allow_cpu:  # after the flags: fix those on a CPU node first
+            raise ValueError("no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)")
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.validate:

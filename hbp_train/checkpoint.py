@@ -116,6 +116,9 @@ def resolve(path: str) -> tuple:
     """(ckpt_root, tag) of a checkpoint given as a tag directory, a root holding ``latest`` (or step_<n> tags), or
     the run directory above that root."""
     path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: no such directory (expected RUN_DIR, RUN_DIR/checkpoints or "
+                         f"RUN_DIR/checkpoints/step_<n>)")
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:

@@ -13,6 +13,7 @@ prints the resolved YAML.
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 import sys
 import textwrap
@@ -97,11 +98,50 @@ def compose(overrides: list | None = None) -> object:
 
 def load(overrides: list | None = None) -> HBPConfig:
     """Compose and convert; every failure is a ConfigError with one line naming the field or override."""
+    for override in overrides or []:
+        check_override_key(override)
     try:
         cfg = compose(overrides)
     except Exception as e:  # Hydra's override/compose errors: unknown group option, bad type, missing key
         raise ConfigError(_hydra_error_line(e)) from None
     return to_dataclass(cfg)
+
+
+def _section_fields() -> dict:
+    """{section: [field, ...]} of HBPConfig (the keys an override may set)."""
+    out = {}
+    for section in fields(HBPConfig):
+        cls = section.type if isinstance(section.type, type) else globals()[section.type]
+        out[section.name] = [f.name for f in fields(cls)]
+    return out
+
+
+def check_override_key(override: str) -> None:
+    """ConfigError naming a misspelt key and the closest real one ("did you mean train.out_dir?").
+
+    Checked before Hydra sees the override: Hydra's own message names no alternative, and ``+section.key=...``
+    would otherwise add a key that no code reads, silently ignoring the setting."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    if "=" not in override or not key or "@" in key or "/" in key:
+        return  # not a key=value override (Hydra reports it), or a package/group path this check does not model
+    sections = _section_fields()
+    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+    head, _, rest = key.partition(".")
+    if head not in sections:
+        if not rest and head in groups:
+            return  # a config group choice such as experiment=cpu_demo
+        dotted = [f"{s}.{f}" for s, names in sections.items() for f in names]
+        by_field = {f: d for d in dotted for f in [d.split(".", 1)[1]]}
+        close = difflib.get_close_matches(key, dotted + sorted(set(sections) | set(groups)), n=1)
+        close = close or [by_field[m] for m in difflib.get_close_matches(key, list(by_field), n=1)]
+        hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(sections)}; groups: {', '.join(groups)}"
+        raise ConfigError(f"{key}: no such config section, group or field; {hint} "
+                          f"(python -m hbp_train.train --help lists every field)")
+    name = rest.split(".", 1)[0]
+    if rest and name not in sections[head]:
+        close = difflib.get_close_matches(name, sections[head], n=1)
+        hint = f"did you mean {head}.{close[0]}?" if close else f"{head} has: {', '.join(sections[head])}"
+        raise ConfigError(f"{head}.{name}: no such field in {head}; {hint}")
 
 
 def _hydra_error_line(e: Exception) -> str:

@@ -200,7 +200,7 @@ class CostModel:
         try:
             lens = np.array([int(k) for k in table], dtype=np.float64)
             fb = np.array([float(v) for v in table.values()])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):  # AttributeError: a list or number instead of an object
             raise ValueError(f"calibration {path}: attention table keys must be lengths and values ms") from None
         if len(lens) < 2 or (fb <= 0).any() or (lens <= 0).any():
             raise ValueError(f"calibration {path}: attention table needs >= 2 positive points")
@@ -209,8 +209,11 @@ class CostModel:
             f = np.array([float(fwd_table[k]) for k in table])
         else:
             f = fb / ATTN_FWDBWD_OVER_FWD
-        linear = float(data["linear_fwdbwd_ms_per_32768_tokens"])
-        if linear <= 0:
+        try:
+            linear = float(data["linear_fwdbwd_ms_per_32768_tokens"])
+        except (TypeError, ValueError):
+            linear = float("nan")
+        if not linear > 0:  # also NaN and non-numbers
             raise ValueError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
         source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
         shape = measured_shape

@@ -152,8 +152,17 @@ class PackedData:
         plan_path = os.path.join(path, "plan.json")
         if not os.path.isfile(plan_path):
             raise ValueError(f"data.shards={path}: no plan.json there (write it with data_tools.pack --shards {path})")
-        with open(plan_path) as f:
-            self.plan = json.load(f)
+        try:
+            with open(plan_path) as f:
+                self.plan = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{plan_path}: invalid JSON at line {exc.lineno} ({exc.msg}); rewrite it with "
+                             f"data_tools.pack --shards {path}") from None
+        from hbp_train.planning.plan import PLAN_VERSION
+
+        if not isinstance(self.plan, dict) or self.plan.get("version", PLAN_VERSION) != PLAN_VERSION:
+            raise ValueError(f"{plan_path}: not a version-{PLAN_VERSION} plan; rewrite the shards with "
+                             f"data_tools.pack --shards {path}")
         self.path = path
         self.check_counts = check_counts
         self.groups = self.plan["groups"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m hbp_train.demo",
         description="Run the whole hbp-train pipeline on the CPU on generated demo data (a few minutes).",
     )
-    parser.add_argument("--out", default=str(REPO / "runs" / "demo"), help="output directory (default runs/demo)")
+    parser.add_argument("--out", default=str(REPO / "runs" / "demo"),
+                        help="output directory, owned by the demo: a re-run replaces its outputs (default runs/demo)")
     parser.add_argument("--num-samples", type=int, default=2000, help="synthetic chats to generate (default 2000)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU training processes (default 2)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the plan in training (default 3)")
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, cmd) in enumerate(todo, 1):
         if i not in only:
             continue
+        if "hbp_train.export" in cmd:
+            # The demo owns OUT, so a re-run replaces its export (hbp_train.export refuses folders it did not
+            # write, and exports made before its marker file existed look like that).
+            shutil.rmtree(out / "export", ignore_errors=True)
         print(f"\n=== [{i}/{len(todo)}] {name}\n$ {shlex.join(cmd)}", flush=True)
         t0 = time.time()
         rc = subprocess.call(cmd, cwd=REPO, env=env)

@@ -5,16 +5,19 @@
 The weights are consolidated from the DeepSpeed ZeRO-2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
 checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
-the standard attention (training used use_cache=False and the packed attention).
+the standard attention (training used use_cache=False and the packed attention). ``--out`` must be new, empty or
+an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 DTYPES = ("fp32", "bf16", "fp16")
+MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it
 
 
 def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
@@ -27,12 +30,31 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out}: exists and is not a directory")
-    root, tag = resolve(checkpoint)
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+        # Never write model files over another model (e.g. the base model's own directory).
+        raise ValueError(f"--out {out}: directory is not empty and holds no earlier export ({MARKER}); choose a "
+                         f"new or empty --out directory")
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"--checkpoint {checkpoint}: no such directory; pass RUN_DIR (train.out_dir), "
+                         f"RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>")
+    try:
+        root, tag = resolve(checkpoint)
+    except ValueError:
+        ckpts = checkpoint if os.path.basename(os.path.normpath(checkpoint)) == "checkpoints" else \
+            os.path.join(checkpoint, "checkpoints")
+        if os.path.isdir(ckpts):
+            raise ValueError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
+                             f"train.save_every steps)") from None
+        raise
     hf_dir = os.path.join(root, tag, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"{os.path.join(root, tag)}: no hf/config.json (not written by hbp_train.train?)")
-    config = AutoConfig.from_pretrained(hf_dir)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    try:
+        config = AutoConfig.from_pretrained(hf_dir)
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    except (OSError, ValueError, TypeError) as e:  # a damaged hf/ folder: transformers' message, first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{hf_dir}: cannot load the saved config/tokenizer ({first})") from None
     config.use_cache = True
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
@@ -54,6 +76,9 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     model = model.to(torch_dtype)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    with open(os.path.join(out, MARKER), "w") as f:
+        json.dump({"checkpoint": os.path.join(root, tag), "dtype": dtype}, f)
+        f.write("\n")
     return out
 
 
@@ -72,7 +97,9 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint: RUN_DIR or RUN_DIR/checkpoints (its 'latest' is used), or "
                              "RUN_DIR/checkpoints/step_N")
-    parser.add_argument("--out", required=True, help="output directory for the HF model (created if missing)")
+    parser.add_argument("--out", required=True,
+                        help="output directory for the HF model: new, empty or an earlier export (which is "
+                             "overwritten); created if missing. A finished export holds hbp_export.json")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype of the saved weights (default fp32: the optimizer's master weights as they are)")
     args = parser.parse_args(argv)

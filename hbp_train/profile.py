@@ -1042,6 +1042,8 @@ def main(argv: Optional[list] = None) -> int:
     path = Path(pcfg.output)
     try:  # fail now, not after the profiling
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a directory; give a file path such as profile.json")
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise PermissionError(13, "permission denied")
     except OSError as e:

@@ -31,7 +31,7 @@ def test_resolve_and_find_resume(tmp_path):
     assert ckpt.find_resume("auto", root) == (root, ckpt.tag_for(4))  # DeepSpeed's 'latest' wins
     assert ckpt.resolve(os.path.join(root, ckpt.tag_for(10))) == (root, ckpt.tag_for(10))
     assert ckpt.resolve(str(tmp_path)) == (root, ckpt.tag_for(4))  # the run directory above checkpoints/
-    with pytest.raises(ValueError, match="not a checkpoint"):
+    with pytest.raises(ValueError, match="step_7: no such directory"):
         ckpt.resolve(str(tmp_path / "checkpoints" / "step_7"))
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="not a checkpoint"):

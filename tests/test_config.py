@@ -73,6 +73,24 @@ def test_bad_value_names_the_field(override, field):
     assert field in message and "\n" not in message
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.output_dir=x", "train.output_dir: no such field in train; did you mean train.out_dir?"),
+    ("+train.output_dir=x", "train.output_dir: no such field in train; did you mean train.out_dir?"),
+    ("deepspeed.stage=3", "deepspeed.stage: no such field in deepspeed; did you mean deepspeed.zero_stage?"),
+    ("trian.lr=1", "trian.lr: no such config section, group or field; did you mean train.lr?"),
+    ("lr=1", "lr: no such config section, group or field; did you mean train.lr?"),
+])
+def test_misspelt_key_suggests_the_closest_field(override, message, capsys):
+    assert config.main([override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: {message}") and err.count("\n") == 1
+
+
+def test_added_keys_inside_free_form_fields_still_work():
+    cfg = config.load(["+deepspeed.extra.foo=1"])
+    assert cfg.deepspeed.extra["foo"] == 1
+
+
 def test_resolved_yaml_round_trips():
     from omegaconf import OmegaConf
 

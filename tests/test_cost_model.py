@@ -245,3 +245,26 @@ def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--out" in err and len(err.strip().splitlines()) == 1
     assert calibrate.main(common + ["--doc-lens", "16", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("field, value", [
+    ("attention_fwdbwd_ms_32768_tokens_by_doc_len", [1.0, 2.0]),
+    ("linear_fwdbwd_ms_per_32768_tokens", "fast"),
+])
+def test_calibration_field_of_the_wrong_type_names_file_and_field(tmp_path, field, value):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**TABLE, field: value}))
+    with pytest.raises(ValueError) as info:
+        CostModel.from_calibration(path)
+    assert str(info.value).startswith(f"calibration {path}:") and field.split("_")[0] in str(info.value)
+
+
+def test_calibrate_checks_flags_before_asking_for_a_gpu(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from hbp_train import calibrate
+
+    assert calibrate.main(["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--doc-lens" in err and "no CUDA GPU" not in err

@@ -77,6 +77,12 @@ def test_bad_shards_fail_with_a_message(tmp_path, shards):
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     with pytest.raises(ValueError, match="not packed shards"):
         PackedData(str(tmp_path))
+    (tmp_path / "plan.json").write_text(json.dumps({**plan, "version": 0}))
+    with pytest.raises(ValueError, match="plan.json: not a version-1 plan; rewrite the shards"):
+        PackedData(str(tmp_path))
+    (tmp_path / "plan.json").write_text("{")
+    with pytest.raises(ValueError, match="plan.json: invalid JSON at line 1"):
+        PackedData(str(tmp_path))
     with pytest.raises(ValueError, match="data.shards"):
         DataConfig(shards="???")
     with pytest.raises(ValueError, match="data.epochs"):

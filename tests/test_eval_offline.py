@@ -192,6 +192,9 @@ def test_needle_scores_match_direct_computation(loaded):
     (["--distractors", "0"], "--distractors: need >= 1"),
     (["--dataset", "/nonexistent/heldout"], "--dataset /nonexistent/heldout: no such directory"),
     (["--device", "tpu", "--lengths", "200"], "--device tpu: not a device"),
+    (["--lengths", "abc"], "error: --lengths abc: need comma-separated integers"),
+    (["--depths", "half"], "error: --depths half: need comma-separated fractions"),
+    (["--lengths", "99999999"], "--lengths: 99999999 tokens exceed the model's max_position_embeddings (2048"),
 ])
 def test_offline_bad_input_is_one_line(checkpoint, tmp_path, capsys, argv_tail, expected):
     code = main(["offline", "--model", str(checkpoint), "--out", str(tmp_path), "--no-progress", *argv_tail])

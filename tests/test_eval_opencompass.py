@@ -237,6 +237,15 @@ def test_bad_config_json_and_max_seq_len_are_one_line(model_dir, tmp_path, capsy
     assert not (tmp_path / "oc").exists()  # nothing written before the input is known to be good
 
 
+def test_model_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --model {model_dir.resolve()}: no tokenizer") and "\n" not in err
+    assert not (tmp_path / "oc").exists()
+
+
 def test_help_documents_every_option(capsys):
     """--help of the CLI and of both subcommands explains every option."""
     import argparse

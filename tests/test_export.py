@@ -31,3 +31,25 @@ def test_bad_out_is_one_line_exit_2(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path), "--out", str(a_file)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"export error: --out {a_file}: exists and is not a directory"
+
+
+def test_missing_or_untrained_checkpoint_says_why(tmp_path, capsys):
+    assert main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 2
+    assert f"--checkpoint {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run that has not saved yet
+    assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"export error: {tmp_path / 'run' / 'checkpoints'}: no checkpoint saved yet") and "\n" not in err
+
+
+def test_out_holding_another_model_is_refused(tmp_path, capsys):
+    base = tmp_path / "base_model"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"weights")
+    assert main(["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"export error: --out {base}: directory is not empty") and "hbp_export.json" in err
+    assert (base / "model.safetensors").read_bytes() == b"weights"
+    (base / "hbp_export.json").write_text("{}")  # an earlier export may be replaced: the checkpoint is checked next
+    assert main(["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err

@@ -76,7 +76,10 @@ def test_cli_writes_the_generated_records(tmp_path):
 
 def test_bad_arguments(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "x.jsonl"), "--max-tokens", "10"]) == 2
-    assert "max_tokens must be >= 64" in capsys.readouterr().err
+    assert "error: --max-tokens must be >= 64" in capsys.readouterr().err  # the flag, as typed
+    assert main(["--out", str(tmp_path / "x.jsonl"), "--num-samples", "0"]) == 2
+    assert "error: --num-samples must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
     with pytest.raises(ValueError, match="num_samples"):
         generate(-1)
     assert main(["--out", str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2

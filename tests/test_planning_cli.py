@@ -115,7 +115,7 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
     empty.write_text("")
     _error(capsys, ["--lengths", str(empty), *BASE, "--out", "x.json"], "no samples")
     _error(capsys, ["--lengths", str(good), *BASE, "--out", "x.json", "--seed", "-1"], "--seed must be >= 0")
-    _error(capsys, ["--lengths", str(good), *BASE, "--out", str(tmp_path)], f"{tmp_path}: Is a directory")
+    _error(capsys, ["--lengths", str(good), *BASE, "--out", str(tmp_path)], f"{tmp_path}: is a directory")
     broken = tmp_path / "broken_ds"
     broken.mkdir()
     (broken / "state.json").write_text("{")
@@ -144,3 +144,46 @@ def test_plot_edge_cases(tmp_path):
                                          global_tokens=2048))
     shown = _steps_to_show(plan)
     assert len(shown) == NUM_STEPS_SHOWN and set(plan.step_group[shown].tolist()) == {0, 1}
+
+
+def test_bad_values_found_before_planning_are_one_line_exit_2(tmp_path, capsys):
+    good = tmp_path / "good.txt"
+    good.write_text("12\n7\n300\n")
+    out = tmp_path / "x.json"
+    common = ["--lengths", str(good), "--world-size", "4", "--quiet", "--out", str(out)]
+    _error(capsys, common + ["--groups", "99999999999999999999:1"], "pack_len 99999999999999999999 is larger than")
+    _error(capsys, common + ["--groups", "256:1", "--world-size", "99999999999999999999"], "world_size=")
+    _error(capsys, common + ["--groups", "256:1", "--isf-rounds", "99999999999"], "isf_rounds must be between")
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"groups": [{"pack_len": True, "sp": 1}]}))
+    _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "groups[0]: pack_len must be a positive")
+    # Output paths are checked before the planning, which can take minutes on real data.
+    _error(capsys, common + ["--groups", "256:1", "--plot", str(tmp_path / "plan.xyz")], "--plot")
+    _error(capsys, common + ["--groups", "256:1", "--plot", str(tmp_path)], f"--plot {tmp_path}: is a directory")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _error(capsys, common + ["--groups", "256:1", "--plot", str(blocker / "p.png")], "not a writable folder")
+    assert not out.exists()
+    _error(capsys, ["--dataset", str(tmp_path / "missing"), "--world-size", "4", "--groups", "256:1", "--out",
+                    str(out)], "no such directory")
+
+
+def test_max_len_below_the_data_warns(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("12\n7\n300\n")
+    argv = ["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1,512:2", "--max-len", "256",
+            "--quiet", "--out", str(tmp_path / "p.json")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "1 samples are longer than --max-len 256 (longest 300)" in err
+    assert json.loads((tmp_path / "p.json").read_text())["dropped"] == []  # planned, not lost
+
+
+def test_plan_of_another_version_is_refused(tmp_path, lengths_file):
+    path, _ = lengths_file
+    out = tmp_path / "plan.json"
+    assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline"]) == 0
+    d = json.loads(out.read_text())
+    Plan.from_dict(d)  # its own version reads back
+    with pytest.raises(ValueError, match="plan version 0 is not the version 1 this code reads; re-run"):
+        Plan.from_dict({**d, "version": 0})

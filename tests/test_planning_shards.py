@@ -70,3 +70,22 @@ def test_shards_reject_mismatched_dataset(tmp_path, tokenized, capsys):
     assert main(["--dataset", str(bad), "--shards", str(tmp_path / "o"), "--world-size", "2", "--groups",
                  "256:1", "--quiet"]) == 2
     assert "state.json" in capsys.readouterr().err
+
+
+def test_shards_refuse_a_foreign_folder_and_replace_an_earlier_output(tmp_path, tokenized, capsys):
+    src, _ = tokenized
+    common = ["--dataset", str(src), "--world-size", "2", "--global-tokens", "512", "--quiet"]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    for target in (foreign, src):  # a folder of other files, or the tokenized dataset itself
+        assert main(common + ["--groups", "64:1,512:2", "--shards", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"--shards {target}: directory is not empty" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    out = tmp_path / "packed"
+    assert main(common + ["--groups", "64:1,512:2", "--shards", str(out)]) == 0
+    assert main(common + ["--groups", "512:1", "--shards", str(out)]) == 0  # a re-plan with one group
+    captured = capsys.readouterr()
+    assert "Saving the dataset" not in captured.err  # --quiet also silences datasets' bars
+    assert sorted(p.name for p in out.iterdir()) == ["group_0", "plan.json"]  # the old group_1 is gone

@@ -333,6 +333,8 @@ def test_bad_arguments_and_nothing_kept(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
     with pytest.raises(PreprocessError, match="tokenizer directory not found"):
         run(tmp_path, [good], tokenizer=str(tmp_path / "missing"))
+    with pytest.raises(PreprocessError, match=f"{good}: is a file; pass --tokenizer the directory"):
+        run(tmp_path, [good], tokenizer=str(good))  # e.g. DIR/tokenizer.json instead of DIR
     with pytest.raises(PreprocessError, match="--max-len"):
         run(tmp_path, [good], max_len=1)
     (tmp_path / "taken").mkdir()

@@ -445,6 +445,9 @@ def test_cli_missing_model_dir_and_unwritable_output_are_one_line(tmp_path, caps
     blocker.write_text("")
     rc, _, err = run_cli(["profile.dry_run=true", f"profile.output={blocker}/p.json"], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "profile.output" in err
+    rc, _, err = run_cli(["profile.dry_run=true", "profile.progress=false", f"profile.output={tmp_path}"], capsys)
+    assert rc == 2 and err.strip() == f"profile: profile.output={tmp_path}: cannot write there (it is a directory; " \
+        "give a file path such as profile.json)"  # found before the profiling, not after it
 
 
 def test_gpu_run_needs_a_tokenizer(tmp_path):

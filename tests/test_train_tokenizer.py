@@ -39,7 +39,11 @@ def test_shipped_tokenizer_loads_offline_with_specials_and_assistant_mask(tokeni
 
 def test_cli_bad_arguments_are_one_line_exit_2(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "tok"), "--vocab-size", "10"]) == 2
-    assert "--vocab-size must be >= 300" in capsys.readouterr().err
+    assert "--vocab-size 10 must be between 300" in capsys.readouterr().err
+    # A huge size would make the Rust trainer abort the process on its up-front allocation.
+    assert main(["--out", str(tmp_path / "tok"), "--vocab-size", "99999999999"]) == 2
+    assert "--vocab-size 99999999999 must be between 300" in capsys.readouterr().err
+    assert not (tmp_path / "tok").exists()
     taken = tmp_path / "file"
     taken.write_text("x")
     assert main(["--out", str(taken)]) == 2

@@ -252,5 +252,5 @@ def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.resume"))
     cfg = config.load(overrides(shards, str(tmp_path / "run"), f"train.resume={tmp_path / 'nothing'}"))
-    with pytest.raises(ValueError, match=r"^train.resume=.*nothing: not a checkpoint"):
+    with pytest.raises(ValueError, match=r"^train.resume=.*nothing: no such directory"):
         trainer.train(cfg)

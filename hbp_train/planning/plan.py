@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 PLAN_VERSION = 1
+MAX_WORLD_SIZE = 1 << 20
+MAX_ISF_ROUNDS = 1000
 STRATEGIES = ("hbp", "isf")
 BALANCE_METHODS = ("refine", "sort")
 DROP_TOO_LONG = "longer_than_max_pack_len"
@@ -93,6 +95,8 @@ class PlanConfig:
         self.groups = tuple(g if isinstance(g, GroupSpec) else GroupSpec(**g) for g in self.groups)
         if not isinstance(self.world_size, (int, np.integer)) or self.world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.world_size > MAX_WORLD_SIZE:  # every step lists world_size/sp replicas: memory grows with it
+            raise ValueError(f"world_size={self.world_size} is larger than the {MAX_WORLD_SIZE} ranks supported")
         if not self.groups:
             raise ValueError("groups must hold at least one group")
         lens = [g.pack_len for g in self.groups]
@@ -116,8 +120,8 @@ class PlanConfig:
             raise ValueError(f"curriculum_steps must be >= 0, got {self.curriculum_steps}")
         if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:  # numpy's RNG takes no negative seed
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.isf_rounds < 0:
-            raise ValueError(f"isf_rounds must be >= 0, got {self.isf_rounds}")
+        if not 0 <= self.isf_rounds <= MAX_ISF_ROUNDS:  # each round is a pass over the data
+            raise ValueError(f"isf_rounds must be between 0 and {MAX_ISF_ROUNDS}, got {self.isf_rounds}")
         if self.isf_threshold is not None and self.isf_threshold < 0:
             raise ValueError(f"isf_threshold must be >= 0 or None, got {self.isf_threshold}")
         if self.balance not in BALANCE_METHODS:
@@ -346,6 +350,9 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         """Rebuild a plan (numpy arrays) from its JSON dict. Needs "lengths" (written by to_dict)."""
+        if d.get("version", PLAN_VERSION) != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')!r} is not the version {PLAN_VERSION} this code reads; "
+                             "re-run python -m data_tools.pack to rebuild the plan")
         groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in d["groups"]]
         cfg = PlanConfig(
             world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),

@@ -84,7 +84,7 @@ class SimConfig:
     """GPU memory bandwidth in GB/s for the memory-bound optimizer step (default: H100 SXM HBM3)."""
 
     def __post_init__(self):
-        if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
+        if not (self.intra_node_gbps > 0 and self.inter_node_gbps > 0):  # also refuses NaN
             raise ValueError("intra_node_gbps and inter_node_gbps must be > 0")
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")

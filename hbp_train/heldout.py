@@ -11,6 +11,7 @@ No gradients, no optimizer state, and the live CR counters are untouched (no tok
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import torch
@@ -28,8 +29,13 @@ def evaluate(run, data: PackedData) -> dict:
     engine = run.engine
     engine.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [token-loss sum, loss tokens]
+    from tqdm import tqdm
+
+    # A held-out set can take minutes: its own bar under the training bar (rank 0, and only if bars are on).
+    bar = tqdm(range(data.num_steps), desc="eval", unit="step", leave=False, file=sys.stderr,
+               disable=rank != 0 or not run.cfg.logging.progress_bar)
     try:
-        for step in range(data.num_steps):
+        for step in bar:
             step_batch = data.step_batch(step, rank, run.pad_token_id)
             sp = step_batch.sp
             ulysses.set_active_sp(sp)

@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  preprocessing report  {out / 'tokenized' / 'report.json'}")
     print(f"  plan + metrics        {out / 'packed' / 'plan.json'}   plot {out / 'plan.png'}")
     print(f"  strategy comparison   {out / 'compare.json'}   plot {out / 'compare.png'} (simulated)")
-    print(f"  training metrics      {out / 'train'} (metrics.jsonl with loss/eval on the held-out chats; "
-          f"TensorBoard: tensorboard --logdir {out / 'train'})")
+    print(f"  training metrics      {out / 'train'} (metrics.jsonl with loss/eval on the held-out chats, plot "
+          f"metrics.png; TensorBoard: tensorboard --logdir {out / 'train'})")
     print(f"  exported checkpoint   {out / 'export'}")
     print(f"  evaluation            {out / 'eval'} (results.json, results.md, needle_heatmap.png)")
     return 0

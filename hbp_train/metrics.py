@@ -90,6 +90,7 @@ class MetricsLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: str, rank: int, total_steps: int, start_step: int = 0):
         self.cfg = cfg
         self.rank = rank
+        self.run_dir = run_dir
         self.peak_flops = resolve_peak_flops(cfg.peak_flops)
         self.jsonl = None
         self.tb = None
@@ -185,8 +186,19 @@ class MetricsLogger:
             self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
+            self._plot()
         if self.tb is not None:
             self.tb.close()
+
+    def _plot(self) -> None:
+        """RUN_DIR/metrics.png (hbp_train/run_plot.py); a failure to draw is reported, never fatal to the run."""
+        from hbp_train.run_plot import plot_run
+
+        try:
+            print(f"[train] metrics plot: {plot_run(self.run_dir)}", flush=True)
+        except Exception as exc:  # the run's results are saved already; a plot is not worth a traceback
+            print(f"[train] no metrics plot ({type(exc).__name__}: {exc}); python -m hbp_train.run_plot "
+                  f"{self.run_dir} redraws it", flush=True)
 
 
 def _fmt(value, spec: str, missing: str = "n/a") -> str:

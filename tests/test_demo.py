@@ -50,4 +50,4 @@ def test_demo_pipeline_end_to_end(tmp_path):
     # the exported model (one sample at a time): the export and both evaluations agree on the same weights.
     assert results["perplexity"]["num_loss_tokens"] == evals[-1]["eval/loss_tokens"]
     assert results["perplexity"]["loss"] == pytest.approx(evals[-1]["loss/eval"], rel=1e-4)
-    assert (out / "plan.png").exists() and (out / "compare.png").exists()
+    assert (out / "plan.png").exists() and (out / "compare.png").exists() and (out / "train" / "metrics.png").exists()

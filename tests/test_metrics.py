@@ -41,6 +41,25 @@ def test_step_metrics_and_outputs(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["balance/plan_DBR"] == 1.05 and record["plan/sp"] == 2
     assert list((tmp_path / "tb").iterdir())
+    assert (tmp_path / "metrics.png").stat().st_size > 0  # drawn when the logger closes (hbp_train/run_plot.py)
+
+
+def test_run_plot_reads_resumed_logs_and_refuses_damaged_ones(tmp_path, capsys):
+    from hbp_train.run_plot import main, read_metrics
+
+    base = {"loss/train": 5.0, "perf/tokens_per_s": 10.0, "plan/sp": 1, "balance/imbalance": 1.1,
+            "balance/plan_ABR": 0.05, "memory/peak_gib": 1.0, "sp/cr": 0.0}
+    lines = [{**base, "plan/step": 0}, {**base, "plan/step": 1, "loss/train": 4.0},
+             {**base, "plan/step": 1, "loss/train": 3.5, "loss/eval": 3.9, "plan/sp": 2}]  # step 1 again (resume)
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["plan/step"] for r in records] == [0, 1] and records[1]["loss/train"] == 3.5
+    assert main([str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").stat().st_size
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("{not json\n")
+    assert main([str(tmp_path)]) == 2
+    assert "metrics.jsonl:4: not a step record" in capsys.readouterr().err
+    assert main([str(tmp_path / "nowhere")]) == 2
 
 
 def test_mfu_is_na_without_a_peak_on_cpu(tmp_path):

@@ -1,0 +1,107 @@
+"""The training run at a glance: RUN_DIR/metrics.png from RUN_DIR/metrics.jsonl.
+
+    python -m hbp_train.run_plot RUN_DIR [--out PNG]
+
+Four panels over the optimizer steps: the training loss (with the held-out loss where it was measured), tokens/s
+coloured by the step's SP degree, the live imbalance between ranks (max/mean compute time) beside the plan's
+predicted ABR, and the peak memory with the live communication ratio (CR). The trainer writes it when a run ends
+(rank 0, with logging.jsonl on); this command redraws it for any run directory, also while the run is going on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of a metrics.jsonl; ValueError naming the line for a damaged one. A resumed run appends
+    to the same file, so a step seen twice keeps its latest record."""
+    by_step = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                by_step[int(record["plan/step"])] = record
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw RUN_DIR/metrics.jsonl into ``out`` (default RUN_DIR/metrics.png); returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if not records:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no steps logged yet")
+    out = Path(out) if out else run_dir / "metrics.png"
+
+    def series(key):
+        return [(r["plan/step"] + 1, r[key]) for r in records if isinstance(r.get(key), (int, float))]
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    ax = axes[0][0]
+    ax.plot(*zip(*series("loss/train")), lw=1, label="train (step)")
+    if series("loss/eval"):
+        ax.plot(*zip(*series("loss/eval")), "o-", label="held-out")
+    ax.set_title("loss")
+    ax.legend()
+    ax = axes[0][1]
+    for sp in sorted({r["plan/sp"] for r in records}):
+        pts = [(r["plan/step"] + 1, r["perf/tokens_per_s"]) for r in records if r["plan/sp"] == sp]
+        ax.plot(*zip(*pts), ".", label=f"sp={sp}")
+    ax.set_title("tokens/s (all ranks)")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot(*zip(*series("balance/imbalance")), lw=1, label="live max/mean rank time")
+    if series("balance/plan_ABR"):
+        steps, abr = zip(*series("balance/plan_ABR"))
+        ax.plot(steps, [1 / (1 - min(a, 0.99)) for a in abr], lw=1, label="plan: 1/(1-ABR)")
+    ax.set_title("balance between ranks (1 = perfect)")
+    ax.legend()
+    ax = axes[1][1]
+    ax.plot(*zip(*series("memory/peak_gib")), lw=1, color="tab:red")
+    ax.set_ylabel("peak memory (GiB)", color="tab:red")
+    if series("sp/cr"):
+        twin = ax.twinx()
+        twin.plot(*zip(*series("sp/cr")), lw=1, color="tab:blue")
+        twin.set_ylabel("live CR (share of tokens through SP)", color="tab:blue")
+    ax.set_title("memory and communication")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+    fig.suptitle(f"{run_dir}: {len(records)} steps")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hbp_train.run_plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="a run directory (train.out_dir) holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output PNG (default RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    try:
+        if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+            raise ValueError(f"{args.run_dir}: no metrics.jsonl (is it a train.out_dir with logging.jsonl on?)")
+        out = plot_run(args.run_dir, args.out)
+    except (ValueError, OSError) as exc:
+        print(f"run_plot: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,9 +28,14 @@ class DataConfig:
     shards: str = "???"
     """Packed-shard directory written by ``data_tools.pack --shards OUT`` (holds plan.json and group_<g>/)."""
     epochs: int = 1
-    """How many times the plan's steps are run. The plan is one pass over the data; epoch e replays it."""
+    """How many times the plan's steps are run. The plan is one pass over the data; every epoch runs all its steps
+    again (see shuffle_epochs)."""
     check_counts: bool = True
     """Check each pack's stored num_loss_tokens against its labels when it is loaded (cheap; catches stale shards)."""
+    shuffle_epochs: bool = True
+    """Epochs after the first run the plan's steps in a new order (seeded by train.seed and the epoch, so a resume
+    is exact); each step keeps its packs, so its balance holds. False replays the plan's order every epoch. The
+    first epoch always follows the plan, curriculum included."""
     eval_shards: Optional[str] = None
     """Packed held-out shards (data_tools.pack --shards on held-out data, same --world-size, SP degrees among the
     training plan's or not): their token-mean loss is logged as loss/eval every train.eval_every steps and at the
@@ -148,7 +153,7 @@ def _is_empty_row(row) -> bool:
 class PackedData:
     """The packed shards of one plan: plan.json plus one memory-mapped HF dataset per group."""
 
-    def __init__(self, path: str, check_counts: bool = True):
+    def __init__(self, path: str, check_counts: bool = True, shuffle_epochs: bool = False, seed: int = 0):
         plan_path = os.path.join(path, "plan.json")
         if not os.path.isfile(plan_path):
             raise ValueError(f"data.shards={path}: no plan.json there (write it with data_tools.pack --shards {path})")
@@ -165,6 +170,9 @@ class PackedData:
                              f"data_tools.pack --shards {path}")
         self.path = path
         self.check_counts = check_counts
+        self.shuffle_epochs = shuffle_epochs
+        self.seed = seed
+        self._orders: dict[int, np.ndarray] = {}
         self.groups = self.plan["groups"]
         self.steps = self.plan["steps"]
         if not self.steps:
@@ -228,9 +236,19 @@ class PackedData:
         self.dataset(group)
         return int(self._loss_tokens[group][row])
 
+    def plan_step(self, step: int) -> int:
+        """The plan step that global step ``step`` runs: epoch 0 in plan order, later epochs in their own seeded
+        order when shuffle_epochs (the same on every rank and after a resume: it depends only on seed and epoch)."""
+        epoch, index = divmod(step, self.num_steps)
+        if epoch == 0 or not self.shuffle_epochs:
+            return index
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_steps)
+        return int(self._orders[epoch][index])
+
     def step_batch(self, step: int, rank: int, pad_token_id: int = 0) -> StepBatch:
         """This rank's micro-batches for global step ``step`` and the step's global counts."""
-        plan_step = step % self.num_steps
+        plan_step = self.plan_step(step)
         entry = self.steps[plan_step]
         group = int(entry["group"])
         sp = int(self.groups[group].get("sp", 1))

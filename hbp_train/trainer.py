@@ -378,7 +378,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     from hbp_train.planning.bytescale import check_zero_stage
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    data = PackedData(cfg.data.shards, cfg.data.check_counts)
+    data = PackedData(cfg.data.shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
     eval_data = PackedData(cfg.data.eval_shards, cfg.data.check_counts) if cfg.data.eval_shards else None
     for shards, packed in ((cfg.data.shards, data), (cfg.data.eval_shards, eval_data)):
         if packed is None:

@@ -55,8 +55,24 @@ def test_step_batches_follow_the_plan(shards):
                 else:
                     assert mb["input_ids"][0].tolist() == expected_ids
                     assert mb["seq_lens"] == [len(SAMPLES[i][0]) for i in pack]
-    # Epochs replay the plan.
+    # Without shuffle_epochs, epochs replay the plan.
     assert data.step_batch(4, 1).plan_step == 1 and data.step_batch(4, 1).step == 4
+
+
+def test_later_epochs_run_the_steps_in_a_seeded_order(shards):
+    shuffled = PackedData(shards, shuffle_epochs=True, seed=3)
+    n = shuffled.num_steps
+    orders = [[shuffled.plan_step(e * n + i) for i in range(n)] for e in range(6)]
+    assert orders[0] == list(range(n))  # the first epoch follows the plan (its curriculum)
+    assert all(sorted(o) == list(range(n)) for o in orders)  # every epoch runs every step once
+    assert len({tuple(o) for o in orders[1:]}) > 1  # and later epochs are reordered, not one fixed order
+    again = PackedData(shards, shuffle_epochs=True, seed=3)  # a resumed run (new process) sees the same order
+    assert [again.plan_step(s) for s in range(6 * n)] == [s for o in orders for s in o]
+    other = PackedData(shards, shuffle_epochs=True, seed=4)
+    assert [other.plan_step(s) for s in range(n, 6 * n)] != [s for o in orders[1:] for s in o]
+    # the step's packs follow its plan step, whatever the epoch
+    step = 2 * n + 1
+    assert shuffled.step_batch(step, 0).plan_step == orders[2][1] and shuffled.step_batch(step, 0).step == step
 
 
 def test_split_for_sp_is_identity_at_sp1_and_slices_beyond():

@@ -253,15 +253,6 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
-
-
 def release(device) -> None:
     """Give freed tensors back (after an OOM or between paths) so the next path starts from an empty device."""
     import torch
@@ -593,6 +584,7 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     from tqdm import tqdm
 
     from hbp_train.data import collate_pack
+    from hbp_train.metrics import is_oom
     from hbp_train.model import pack_flops
 
     num_layers = run.model.config.num_hidden_layers
@@ -747,7 +739,7 @@ def run_bench(args) -> dict:
     import torch
 
     from hbp_train.data import collate_pack
-    from hbp_train.metrics import resolve_peak_flops
+    from hbp_train.metrics import is_oom, resolve_peak_flops
     from hbp_train.model import num_params
     from hbp_train.parallel import init_distributed
 
@@ -837,8 +829,13 @@ def run_bench(args) -> dict:
             results["pack_search"] = partial
             save(results, args.out)
 
-        results["pack_search"], run = pack_search(args, run, rebuild, hf_config, device, peak_flops, first,
-                                                  on_attempt)
+        # Hand the engine over with no reference left here (popped straight into the call): after an OOM the search
+        # drops it before building the next one, and a reference held here would keep its weights, gradients and
+        # optimizer states (~20 GB for the 1B shape) on the GPU for the rest of the search.
+        handover = [run]
+        del run
+        results["pack_search"], run = pack_search(args, handover.pop(), rebuild, hf_config, device, peak_flops,
+                                                  first, on_attempt)
     destroy_ours(run)
     best_ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
     search = results.get("pack_search")

@@ -69,6 +69,16 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error: the caching allocator's OutOfMemoryError, or one a library reports as a plain
+    RuntimeError (cuBLAS failing to allocate its workspace, a raw "CUDA error: out of memory"). The profiler and
+    the trainer benchmark record such a trial as infeasible instead of stopping."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
 def reset_peak_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -79,8 +79,9 @@ class ModelConfig:
 def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: dict | None = None):
     """The causal LM of `cfg` with use_cache=False and packed attention registered; returns the HF model.
 
-    vocab_size (the tokenizer's) sets the vocabulary of a model built from a config, and grows the embeddings of a
-    pretrained one whose vocabulary is smaller (never shrinks it). zero3_config (the run's DeepSpeed config, ZeRO
+    vocab_size (the tokenizer's) is the least vocabulary: a model built from a config gets the larger of it and
+    model.config.vocab_size (so a profile or benchmark can keep a real model's 128K vocabulary with a small
+    tokenizer), and a pretrained one whose vocabulary is smaller grows its embeddings (never shrinks them). zero3_config (the run's DeepSpeed config, ZeRO
     stage 3; torch.distributed initialized) builds the model already partitioned across the ranks, so no rank ever
     holds all of its weights: the initial weights equal those of the unpartitioned build with the same seed.
     """
@@ -105,8 +106,8 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
 
                     deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config)
     else:
-        if vocab_size is not None:
-            overrides["vocab_size"] = vocab_size
+        if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
+            overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
         hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):

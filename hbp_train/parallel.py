@@ -40,9 +40,9 @@ def init_distributed(backend: str | None = None) -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    if backend == "nccl":
+    if backend == "nccl":  # before the process group exists, so NCCL binds this rank's GPU, not GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def _free_port() -> int:

@@ -542,7 +542,12 @@ def nvml_used_bytes(index: int = 0) -> Optional[int]:
         return None
     import pynvml
 
-    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except pynvml.NVMLError as exc:  # e.g. a virtualised GPU that hides it: fall back to torch's counters
+        _nvml["state"] = False
+        log.warning("NVML memory reading failed (%s): memory from torch counters only", type(exc).__name__)
+        return None
 
 
 def nvml_hardware() -> Optional[dict]:
@@ -551,14 +556,18 @@ def nvml_hardware() -> Optional[dict]:
         return None
     import pynvml
 
-    count = pynvml.nvmlDeviceGetCount()
-    gpus = []
-    for i in range(count):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        name = pynvml.nvmlDeviceGetName(handle)
-        gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                     "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)})
-    driver = pynvml.nvmlSystemGetDriverVersion()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        gpus = []
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                         "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)})
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError as exc:  # called after all the measuring: never lose the profile over it
+        log.warning("NVML hardware query failed (%s)", type(exc).__name__)
+        return None
     return {"gpu_count": count, "gpus": gpus, "driver": driver.decode() if isinstance(driver, bytes) else driver}
 
 
@@ -838,7 +847,11 @@ class GpuBackend:
                     times.append(timer)
             if self.on_gpu:
                 torch.cuda.synchronize(self.device)
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; metrics.is_oom knows the others
+            from hbp_train.metrics import is_oom
+
+            if not is_oom(exc):
+                raise
             oom = True
         hidden = loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
         # Outside the except block, so the exception's frames (holding activations) are gone before freeing.

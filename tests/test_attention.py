@@ -140,6 +140,47 @@ def test_gpu_only_backends_refuse_cpu_tensors():
         packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "torch_varlen")
 
 
+def _fake_varlen(release):
+    """A CPU stand-in for torch.nn.attention.varlen.varlen_attn with the keyword signature of a torch release; it
+    checks what _torch_varlen hands over, then computes per-sample attention the way the kernel would."""
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, gqa):
+        assert causal, "the kernel was not asked for causal attention"
+        assert cu_seq_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
+        assert gqa or key.shape[1] == query.shape[1], "kv heads must be expanded when the kernel has no enable_gqa"
+        lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        return _reference(query, key, value, lengths, query.shape[-1] ** -0.5 if scale is None else scale)
+
+    if release == "2.10":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False):
+            return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, None, False)
+    elif release == "2.11":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):
+            # torch 2.11 derives causality as `window_size == (-1, 0)`: a list would silently mean non-causal
+            return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale, False)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):
+            return kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale,
+                          enable_gqa)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.11", "2.13"])
+def test_torch_varlen_call_matches_each_release_signature(release, monkeypatch):
+    """The GPU-only torch_varlen backend's call, checked on the CPU against each release's keyword signature."""
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: _fake_varlen(release))
+    attention._torch_varlen_params.cache_clear()
+    try:
+        q, k, v = _qkv(8, 2)
+        for scale in (None, 0.3):
+            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 16**-0.5 if scale is None else scale)
+            ref = _reference(q, k, v, LENGTHS, 16**-0.5 if scale is None else scale)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    finally:
+        attention._torch_varlen_params.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------------- tiny Llama
 def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -112,6 +112,39 @@ def test_pack_search_adds_checkpointing_after_oom(monkeypatch):
     assert saved == list(range(2, 11))
 
 
+def test_pack_search_holds_the_only_reference_to_the_engine(monkeypatch):
+    """After an OOM the search destroys the engine and builds a fresh one: nothing in run_bench may still reference
+    the old one, or its weights and optimizer states would stay on the GPU for the rest of the search."""
+    import gc
+    import weakref
+
+    import hbp_train.parallel
+
+    class FakeRun:
+        def __init__(self):
+            self.model, self.device = torch.nn.Linear(2, 2), torch.device("cpu")
+            self.model.config = None
+
+    freed = []
+
+    def fake_search(args, run, rebuild, *rest):
+        gone = weakref.ref(run)
+        del run
+        gc.collect()
+        freed.append(gone() is None)
+        return {"goal_met": False}, None
+
+    monkeypatch.setattr(hbp_train.parallel, "init_distributed", lambda backend=None: None)
+    monkeypatch.setattr(bench, "device_info", lambda device, peak_flops: {"name": "cpu", "type": "cpu"})
+    monkeypatch.setattr(bench, "build_ours", lambda *args: (FakeRun(), "sdpa_block"))
+    monkeypatch.setattr(bench, "measure_ours", lambda *args: bench.Measured([0.1], 64, 1e6, [1.0], 0.1))
+    monkeypatch.setattr(bench, "pack_search", fake_search)
+    args = bench.resolve_args(bench.build_parser().parse_args(
+        ["--device", "cpu", "--pack-len", "64", "--steps", "1", "--baselines", "none", "--no-sp1-check"]))
+    results = bench.run_bench(args)
+    assert freed == [True] and results["pack_search"] == {"goal_met": False}
+
+
 def test_bad_model_shape_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets these for a CPU run; restored after the test
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)

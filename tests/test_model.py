@@ -38,6 +38,13 @@ def _shift(labels_T, lengths):
 
 
 # --------------------------------------------------------------------------------------------------- config
+def test_vocabulary_is_the_larger_of_tokenizer_and_config():
+    # A real model's vocabulary in model.config (e.g. 128256 for a Llama-3 profile) survives a smaller tokenizer;
+    # a config without one, or with a smaller one, gets the tokenizer's.
+    assert _tiny(vocab_size=VOCAB * 2).get_output_embeddings().weight.shape[0] == VOCAB * 2
+    assert _tiny(vocab_size=100).config.vocab_size == VOCAB and _tiny().config.vocab_size == VOCAB
+
+
 def test_build_tiny_llama_from_config():
     model = _tiny()
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -347,6 +347,50 @@ def test_measurement_code_path_on_a_tiny_cpu_model():
     assert m.nvml_used_bytes == 2 * 10 ** 9 + b.state_correction + buffers
 
 
+def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch):
+    """On a GPU an OOM may also come as a plain RuntimeError (cuBLAS workspace, a raw CUDA error): like torch's
+    OutOfMemoryError it marks the configuration infeasible; any other error still stops the profile."""
+    import torch
+
+    from hbp_train import loss
+    from hbp_train.cost_model import CostModel
+    from hbp_train.model import ModelConfig
+
+    model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
+    shape = prof.model_shape_of(model_cfg, None)
+    b = prof.GpuBackend(model_cfg, cfg(max_len=512, min_len=128, warmup_iters=0, iters=1),
+                        CostModel.from_calibration(model_shape=shape), prof.JobSettings(), device="cpu")
+    errors = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+              RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+              RuntimeError("CUDA error: out of memory")]
+    for error in errors:
+        def fail(*args, error=error, **kwargs):
+            raise error
+        monkeypatch.setattr(loss, "chunked_token_losses", fail)
+        m = b.measure(128, 1, 0, 1)
+        assert m.oom and m.time_s is None, error
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+    monkeypatch.setattr(loss, "chunked_token_losses", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        b.measure(128, 1, 0, 1)
+
+
+def test_nvml_reading_failure_degrades_to_torch_counters(monkeypatch, caplog):
+    import pynvml
+
+    def fail(*args):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    monkeypatch.setitem(prof._nvml, "state", True)  # NVML initialised, but this GPU hides its memory reading
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: object())
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", fail)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.profile"):
+        assert prof.nvml_used_bytes(0) is None
+        assert prof.nvml_used_bytes(0) is None and prof.nvml_hardware() is None
+    assert len([r for r in caplog.records if "NVML" in r.getMessage()]) == 1
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def run_cli(argv, capsys):
     rc = prof.main(argv)

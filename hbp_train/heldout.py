@@ -31,9 +31,10 @@ def evaluate(run, data: PackedData) -> dict:
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [token-loss sum, loss tokens]
     from tqdm import tqdm
 
-    # A held-out set can take minutes: its own bar under the training bar (rank 0, and only if bars are on).
+    # A held-out set can take minutes: its own bar under the training bar (rank 0, bars on, and a terminal: in a
+    # log file a bar that erases itself leaves only cursor codes).
     bar = tqdm(range(data.num_steps), desc="eval", unit="step", leave=False, file=sys.stderr,
-               disable=rank != 0 or not run.cfg.logging.progress_bar)
+               disable=rank != 0 or not run.cfg.logging.progress_bar or not sys.stderr.isatty())
     try:
         for step in bar:
             step_batch = data.step_batch(step, rank, run.pad_token_id)

@@ -1,9 +1,10 @@
 """Planner benchmark: isf vs hbp on a seeded 1M-sample long-tailed mix, in the same process.
 
-    .venv/bin/python bench/bench_planner.py [--samples 1000000] [--repeats 3]
+    .venv/bin/python bench/bench_planner.py [--samples 1000000] [--repeats 3] [--world-size 32]
 
 Mix: 95% chat-like samples (lognormal, median 600 tokens, sigma 1.2, clipped to [16, 32768]) and 5% long
-documents (log-uniform 8K..128K). max_len 131072, W = 32, groups 16384:1,131072:8, 4M global tokens.
+documents (log-uniform 8K..128K). max_len 131072, W = 32 (--world-size), groups 16384:1,131072:8, W x 128K global
+tokens (4M at W=32).
 Prints planning time (best of N, compute only), JSON write time (separately), the metrics side by side with
 the hbp/isf ratio, hbp with the paper's plain sort balancing for comparison, and CR beside the share of tokens
 that must use SP. Targets: hbp plans 1M samples in <= 1 s, ABR <= 0.005, DBR <= 0.01, PR <= 0.03.
@@ -49,16 +50,23 @@ def main():
     ap.add_argument("--samples", type=int, default=1_000_000, help="number of samples in the mix")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the mix and the planners")
+    ap.add_argument("--world-size", type=int, default=32, help="GPUs (W) the plan is made for (default 32)")
+    ap.add_argument("--global-tokens", type=int, default=None,
+                    help="tokens per optimizer step (default W x 131072: one 128K pack's worth per GPU)")
     args = ap.parse_args()
+    if args.world_size < 8 or args.world_size % 8:
+        ap.error("--world-size must be a multiple of 8 (the 131072:8 group needs W/8 replicas)")
+    global_tokens = args.global_tokens or args.world_size * 131072
     lengths = long_tailed_lengths(args.samples, args.seed)
     groups = [GroupSpec(16384, 1), GroupSpec(131072, 8)]
 
     def cfg(strategy, balance="refine"):
-        return PlanConfig(world_size=32, groups=groups, strategy=strategy, global_tokens=4194304, max_len=131072,
+        return PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy, global_tokens=global_tokens,
+                          max_len=131072,
                           seed=args.seed, balance=balance)
 
-    print(f"{args.samples} samples, {lengths.sum() / 1e9:.2f}G tokens, W=32, groups 16384:1,131072:8, "
-          f"best of {args.repeats}")
+    print(f"{args.samples} samples, {lengths.sum() / 1e9:.2f}G tokens, W={args.world_size}, {global_tokens} tokens "
+          f"per step, groups 16384:1,131072:8, best of {args.repeats}")
     runs = {}
     for name, c in (("isf", cfg("isf")), ("hbp-sort", cfg("hbp", "sort")), ("hbp", cfg("hbp"))):
         runs[name] = best_of(lambda c=c: make_plan(lengths, c), args.repeats)

@@ -6,6 +6,8 @@ Layout under ``CKPT_ROOT`` (= RUN_DIR/checkpoints):
     step_00000012/              one DeepSpeed tag: model/optimizer shards of every rank, plus
         rng_rank<r>.pt          each rank's python/numpy/torch(/cuda) RNG state (client_state is written by rank 0 only)
         config.yaml             the resolved run config
+        resume.json             what a resume must match: world size and the plan's fingerprint (read before any
+                                model is built, so a mismatch is one line, not a failed DeepSpeed load)
         hf/                     the model's HF config and the tokenizer (what export needs besides the weights)
 
 ``client_state`` holds ``next_step`` (the global step to run next) and the config. Resuming loads the DeepSpeed
@@ -15,6 +17,8 @@ resumed run reproduces the uninterrupted run's loss trace.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
@@ -70,12 +74,40 @@ class Resumed(NamedTuple):
     """Run-long counters (skipped steps, SP token totals) so live metrics continue instead of restarting."""
 
 
+def plan_fingerprint(shards: str) -> str:
+    """sha256 (16 hex digits) of a packed-shard directory's plan.json: which steps "step n" means."""
+    with open(os.path.join(shards, "plan.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> None:
+    """ValueError (one line) when the checkpoint was saved by a run of another world size or another plan: its
+    optimizer shards would not load, or its next_step would point into different data. Checkpoints without
+    resume.json (older ones) are not checked."""
+    path = os.path.join(ckpt_root, tag, "resume.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("world_size") not in (None, world_size):
+        raise ValueError(f"{os.path.join(ckpt_root, tag)} was saved by {saved['world_size']} ranks and this run has "
+                         f"{world_size}: resume with {saved['world_size']} ranks, or export it (hbp_train.export) and "
+                         "start a new run from the export")
+    if saved.get("plan_sha256") not in (None, plan_fingerprint(shards)):
+        raise ValueError(f"{os.path.join(ckpt_root, tag)} was saved with another plan than {shards}/plan.json "
+                         f"(saved with {saved.get('data_shards')}): its step {saved.get('next_step')} would be other "
+                         "data; resume with the same packed shards, or start fresh (train.resume=null, another "
+                         "train.out_dir)")
+
+
 def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
-         keep_last: int = 0, total_steps: Optional[int] = None, counters: Optional[dict] = None) -> str:
+         keep_last: int = 0, total_steps: Optional[int] = None, counters: Optional[dict] = None,
+         shards: Optional[str] = None) -> str:
     """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory.
 
     ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed;
-    ``counters`` (JSON-able, the same on every rank) are handed back by ``load``."""
+    ``counters`` (JSON-able, the same on every rank) are handed back by ``load``; ``shards`` (the packed-shard
+    directory) goes into resume.json for ``check_resumable``."""
     tag = tag_for(next_step)
     engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml,
                                                              "total_steps": total_steps, "counters": counters or {}})
@@ -84,6 +116,10 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
     if _rank() == 0:
         with open(os.path.join(tag_dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        with open(os.path.join(tag_dir, "resume.json"), "w") as f:
+            json.dump({"next_step": next_step, "world_size": world_size, "data_shards": shards,
+                       "plan_sha256": plan_fingerprint(shards) if shards else None}, f)
         hf_dir = os.path.join(tag_dir, "hf")
         os.makedirs(hf_dir, exist_ok=True)
         if hf_model is not None:

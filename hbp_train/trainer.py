@@ -426,8 +426,10 @@ def build(cfg, config_yaml: str = "") -> Run:
 def train(cfg, config_yaml: str = "") -> dict:
     """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
-    try:  # before building anything: a wrong path is a one-line error
+    try:  # before building anything: a wrong path, or a checkpoint of another world size or plan, is one line
         resume = ckpt.find_resume(cfg.train.resume, ckpt_root)
+        if resume is not None:
+            ckpt.check_resumable(*resume, dist.get_world_size() if dist.is_initialized() else 1, cfg.data.shards)
     except ValueError as e:
         raise ValueError(f"train.resume={cfg.train.resume}: {e}") from None
     run = build(cfg, config_yaml)
@@ -460,7 +462,7 @@ def train(cfg, config_yaml: str = "") -> dict:
             return
         counters = {"num_skipped": num_skipped, "sp_token_totals": ulysses.stats().totals()}
         ckpt.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer, cfg.train.keep_last,
-                  run.total_steps, counters)
+                  run.total_steps, counters, cfg.data.shards)
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, ckpt.tag_for(next_step))}")
 

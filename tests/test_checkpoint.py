@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -73,3 +74,26 @@ def test_repeated_sigint_finishes_the_step_unless_the_user_insists():
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.uninstall()
+
+
+def test_resume_is_refused_for_another_world_size_or_plan(tmp_path):
+    shards, other = tmp_path / "shards", tmp_path / "other"
+    for d, plan in ((shards, {"steps": [1]}), (other, {"steps": [2]})):
+        d.mkdir()
+        (d / "plan.json").write_text(json.dumps(plan))
+    root = str(tmp_path / "checkpoints")
+    _make(root, [4])
+    tag = ckpt.tag_for(4)
+    ckpt.check_resumable(root, tag, 8, str(other))  # no resume.json (an older checkpoint): not checked
+    with open(os.path.join(root, tag, "resume.json"), "w") as f:
+        json.dump({"next_step": 4, "world_size": 8, "data_shards": str(shards),
+                   "plan_sha256": ckpt.plan_fingerprint(str(shards))}, f)
+    ckpt.check_resumable(root, tag, 8, str(shards))
+    with pytest.raises(ValueError, match="saved by 8 ranks and this run has 16: resume with 8 ranks"):
+        ckpt.check_resumable(root, tag, 16, str(shards))
+    with pytest.raises(ValueError, match=r"saved with another plan than .*other/plan.json .*step 4 would be other data"):
+        ckpt.check_resumable(root, tag, 8, str(other))
+    moved = tmp_path / "moved"  # the same plan under another path is the same data
+    moved.mkdir()
+    (moved / "plan.json").write_bytes((shards / "plan.json").read_bytes())
+    ckpt.check_resumable(root, tag, 8, str(moved))

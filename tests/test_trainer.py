@@ -197,7 +197,7 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     steps_done = len(metrics.read_text().splitlines())
     assert 2 <= steps_done < 600
     # The checkpoint holds the step to resume at and loads (consolidated by DeepSpeed's own reader).
-    from hbp_train.checkpoint import resolve
+    from hbp_train.checkpoint import plan_fingerprint, resolve
     from hbp_train.export import export
 
     root, tag = resolve(str(out / "checkpoints"))
@@ -206,6 +206,9 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     assert state["next_step"] == steps_done
     assert state["total_steps"] > steps_done  # the run's length, so a resume can warn when the LR schedule changes
     assert state["counters"]["num_skipped"] == 0 and state["counters"]["sp_token_totals"][0] > 0
+    with open(os.path.join(root, tag, "resume.json")) as f:  # what a resume is checked against, before building
+        assert json.load(f) == {"next_step": steps_done, "world_size": 1, "data_shards": shards,
+                                "plan_sha256": plan_fingerprint(shards)}
     assert (out / "config.yaml").exists() and os.path.isfile(os.path.join(root, tag, "config.yaml"))
     export(str(out / "checkpoints"), str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "model.safetensors").exists()
@@ -245,6 +248,30 @@ def test_deepspeed_config_follows_the_run_config():
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
     assert zero["stage3_max_live_parameters"] == 7 and zero["reduce_bucket_size"] == ds.reduce_bucket_size  # merged
+
+
+def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
+    import shutil
+
+    from hbp_train import checkpoint as ckpt
+    from hbp_train import config, trainer
+
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking the checkpoint"))
+    tag_dir = tmp_path / "run" / "checkpoints" / ckpt.tag_for(3)
+    tag_dir.mkdir(parents=True)
+    (tag_dir.parent / "latest").write_text(ckpt.tag_for(3))
+    (tag_dir / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1, "data_shards": shards,
+                                                     "plan_sha256": ckpt.plan_fingerprint(shards)}))
+    replanned = str(tmp_path / "replanned")
+    shutil.copytree(shards, replanned)
+    with open(f"{replanned}/plan.json") as f:
+        plan = json.load(f)
+    plan["steps"].reverse()
+    with open(f"{replanned}/plan.json", "w") as f:
+        json.dump(plan, f)
+    cfg = config.load(overrides(replanned, str(tmp_path / "run"), "train.resume=auto"))
+    with pytest.raises(ValueError, match=r"^train.resume=auto: .*step_00000003 was saved with another plan"):
+        trainer.train(cfg)
 
 
 def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):

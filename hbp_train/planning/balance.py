@@ -9,8 +9,10 @@ top of the cost distribution, where neighbouring packs differ a lot; re-forming 
 ``balance=False`` keeps the packs' order (the isf baseline).
 
 Tail rule (every sample is trained, no step has uneven replicas): a group whose pack count is not a multiple of
-R*m gets one smaller final step with m' = ceil(r/R) micro-batches built from the r least-filled packs. The
-R*m' - r missing packs are made by splitting multi-sample packs of that step in two (largest first); only when
+R*m gets one smaller final step with m' = ceil(r/R) micro-batches built from the r least-filled packs. With
+balancing, their samples are dealt afresh into R*m' packs by attention cost (``_lpt_repack``); otherwise (or if
+that cannot fill every pack) the R*m' - r missing packs are made by splitting multi-sample packs of that step in
+two (largest first); only when
 no pack of the step has two samples left does the step get empty packs ([]), counted in plan["empty_packs"] —
 the trainer runs a zero-loss dummy micro-batch for them.
 """
@@ -225,7 +227,8 @@ def build_steps(
             step_sizes.extend([per_step] * num_full)
             step_groups.extend([g] * num_full)
         if num_tail:
-            tail_ids = _tail_step(tail, r, lengths, contents, lambda samples: add_pack(samples, g))
+            tail_ids = _tail_step(tail, r, lengths, contents, lambda samples: add_pack(samples, g),
+                                  config.groups[g].pack_len if balance else None)
             if balance:
                 t_cost = _list_costs([contents(p) for p in tail_ids], lengths, config, g)
                 order = np.argsort(-t_cost, kind="stable")
@@ -255,10 +258,45 @@ def build_steps(
     return pack_ptr, pack_samples, pack_group.astype(np.int32), step_ptr, step_packs, np.asarray(step_groups, np.int32)
 
 
-def _tail_step(tail: np.ndarray, r: int, lengths: np.ndarray, contents, add_pack) -> np.ndarray:
-    """Pack ids of a group's tail step: the r' = len(tail) packs padded to a multiple of R (see module doc)."""
+def _lpt_repack(samples: np.ndarray, lengths: np.ndarray, num_bins: int, cap: int) -> list[np.ndarray] | None:
+    """The samples dealt into ``num_bins`` packs of at most ``cap`` tokens with even attention cost (sum len^2):
+    longest first, each into the cheapest pack it fits (LPT). None if some sample fits nowhere."""
+    import heapq
+
+    order = samples[np.argsort(-lengths[samples], kind="stable")]
+    heap = [(0.0, i) for i in range(num_bins)]  # (cost, bin)
+    tokens = np.zeros(num_bins, np.int64)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for s in order.tolist():
+        length = int(lengths[s])
+        skipped = []
+        while heap and tokens[heap[0][1]] + length > cap:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        cost, b = heapq.heappop(heap)
+        bins[b].append(s)
+        tokens[b] += length
+        heapq.heappush(heap, (cost + float(length) ** 2, b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return [np.asarray(b, np.int64) for b in bins]
+
+
+def _tail_step(tail: np.ndarray, r: int, lengths: np.ndarray, contents, add_pack, cap: int | None = None) -> np.ndarray:
+    """Pack ids of a group's tail step: the r' = len(tail) packs padded to a multiple of R (see module doc).
+
+    With ``cap`` (balancing on), the tail's samples are first dealt afresh into the R*m' packs by LPT on their
+    attention cost: the least-filled packs the packer left are uneven by nature, and splitting them only halves
+    the unevenness. If there are at least as many samples as packs, no pack is left empty."""
     m_tail = -(-len(tail) // r)
     need = m_tail * r - len(tail)
+    if cap is not None:
+        samples = np.concatenate([contents(p) for p in tail]).astype(np.int64)
+        if len(samples) >= m_tail * r:
+            dealt = _lpt_repack(samples, lengths, m_tail * r, cap)
+            if dealt is not None and all(len(pk) for pk in dealt):
+                return np.asarray([add_pack(pk) for pk in dealt], np.int64)
     packs = [contents(p) for p in tail]
     is_new = [False] * len(packs)
     while need > 0:

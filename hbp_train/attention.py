@@ -172,8 +172,17 @@ def _compiled_flex():
 _flex_mask_cache: dict = {"key": None, "mask": None}
 
 
+FLEX_BLOCK = 128  # FlexAttention's default block size
+
+
 def _flex_block_mask(cu_seqlens: torch.Tensor, num_tokens: int):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The document-causal BlockMask of a pack, built from the sample boundaries block by block.
+
+    create_block_mask would evaluate the mask for every token pair (T x T booleans: 16 GiB at 128K tokens).
+    The block structure follows from the sample of each block's first and last token: a kv block j <= q block i
+    is needed iff its last sample reaches i's first sample; it is *full* (no masking inside) iff j < i and both
+    blocks lie in one and the same sample. Needed blocks that are not full run the mask_mod per element."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     key = (str(cu_seqlens.device), num_tokens, tuple(cu_seqlens.tolist()))
     if _flex_mask_cache["key"] != key:
@@ -182,9 +191,23 @@ def _flex_block_mask(cu_seqlens: torch.Tensor, num_tokens: int):
         def same_sample_causal(b, h, q_idx, kv_idx):
             return (doc_T[q_idx] == doc_T[kv_idx]) & (q_idx >= kv_idx)
 
-        _flex_mask_cache["mask"] = create_block_mask(
-            same_sample_causal, B=None, H=None, Q_LEN=num_tokens, KV_LEN=num_tokens, device=cu_seqlens.device
-        )
+        device = cu_seqlens.device
+        starts = torch.arange(0, num_tokens, FLEX_BLOCK, device=device)
+        ends = torch.clamp(starts + FLEX_BLOCK, max=num_tokens) - 1
+        first, last = doc_T[starts], doc_T[ends]
+        single = (first == last) & (ends - starts + 1 == FLEX_BLOCK)  # a whole block inside one sample
+        q_blk = torch.arange(len(starts), device=device)[:, None]
+        kv_blk = q_blk.T
+        needed = (kv_blk <= q_blk) & (last[None, :] >= first[:, None])
+        full = (kv_blk < q_blk) & single[:, None] & single[None, :] & (first[:, None] == first[None, :])
+
+        def as_blocks(m):  # [Q, KV] bool -> per q block: how many kv blocks, and which (listed first)
+            order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+            return m.sum(-1).to(torch.int32)[None, None], order[None, None]
+
+        _flex_mask_cache["mask"] = BlockMask.from_kv_blocks(
+            *as_blocks(needed & ~full), *as_blocks(full), FLEX_BLOCK, same_sample_causal,
+            seq_lengths=(num_tokens, num_tokens))
         _flex_mask_cache["key"] = key
     return _flex_mask_cache["mask"]
 

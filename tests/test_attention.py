@@ -134,6 +134,35 @@ def test_flex_mask_matches_reference_on_cpu_forward():
     torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 16**-0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_from_boundaries_matches_create_block_mask_over_many_blocks():
+    """The BlockMask is built from the sample boundaries (no T x T mask: 16 GiB at 128K); over packs of several
+    128-token blocks, with samples inside, across and exactly on block edges and a last partial block, it needs
+    the same blocks as create_block_mask, runs no masked block as full, and attention equals the reference."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hbp_train.attention import _document_ids, _flex_block_mask
+
+    for lengths in [(20, 400, 130, 1, 200), (128, 128, 256, 3), (725,), (1,) * 5 + (300, 97)]:
+        cu, num_tokens = _cu(lengths), sum(lengths)
+        doc = _document_ids(cu, num_tokens)
+        ref = create_block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), None, None, num_tokens,
+                                num_tokens, device="cpu")
+        ours = _flex_block_mask(cu, num_tokens)
+        assert torch.equal(ours.to_dense(), ref.to_dense()), lengths  # the same blocks are computed
+        ours_full = torch.zeros_like(ours.to_dense())
+        for i, (n, idx) in enumerate(zip(ours.full_kv_num_blocks[0, 0], ours.full_kv_indices[0, 0])):
+            ours_full[0, 0, i, idx[:n].long()] = 1
+        ref_full = torch.zeros_like(ours_full)
+        for i, (n, idx) in enumerate(zip(ref.full_kv_num_blocks[0, 0], ref.full_kv_indices[0, 0])):
+            ref_full[0, 0, i, idx[:n].long()] = 1
+        assert bool((ours_full <= ref_full).all()), lengths  # full only where no element is masked
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(num_tokens, heads, 8, generator=gen) for heads in (4, 2, 2))
+        out = packed_attention(q, k, v, cu, max(lengths), "flex")
+        torch.testing.assert_close(out, _reference(q, k, v, lengths, 8**-0.5), atol=1e-5, rtol=1e-5)
+
+
 def test_gpu_only_backends_refuse_cpu_tensors():
     q, k, v = _qkv(4, 2)
     with pytest.raises(ValueError, match="needs a CUDA tensor"):

@@ -670,6 +670,24 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     return int(states + acts + recompute + embed_and_final + loss)
 
 
+def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,
+                     device_bytes: int, headroom: float = 0.05) -> list[str]:
+    """Warnings for the packing groups that the memory model predicts will not fit one GPU of ``device_bytes``.
+
+    The trainer runs this before it builds anything on a GPU (a 128K group that cannot fit should not cost the
+    minutes of loading a large model first); it is advice from analytic_memory_bytes, not a measurement."""
+    warnings = []
+    for g, group in enumerate(groups):
+        pack_len, sp, ckpt = int(group["pack_len"]), int(group.get("sp", 1)), int(group.get("ckpt_layers") or 0)
+        need = analytic_memory_bytes(shape, pack_len, sp, ckpt, world_size, job)
+        if need > (1.0 - headroom) * device_bytes:
+            warnings.append(
+                f"group {g} ({pack_len} tokens, sp={sp}, {ckpt} checkpointed layers) is predicted to need "
+                f"{need / 2**30:.1f} GiB of the GPU's {device_bytes / 2**30:.1f} GiB: raise its ckpt_layers "
+                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profile choose")
+    return warnings
+
+
 # ================================================================================================ backends
 class CurveBackend:
     """Injected curves: time_fn(l, sp, ckpt) -> s and mem_fn(l, sp, ckpt) -> bytes. A configuration whose memory

@@ -417,10 +417,33 @@ def build(cfg, config_yaml: str = "") -> Run:
     if any(int(k) > num_layers for k in wanted):
         source = "train.ckpt_layers" if cfg.train.ckpt_layers else f"{cfg.data.shards}/plan.json groups[].ckpt_layers"
         raise ValueError(f"{source}={list(wanted)}: the model has only {num_layers} decoder layers")
+    _warn_if_groups_may_not_fit(cfg, data, model, world_size, wanted)
     engine = build_engine(cfg, model, total_steps, world_size)
     return Run(cfg=cfg, engine=engine, model=model, data=data, pstate=pstate, device=engine.device,
                tokenizer=tokenizer, total_steps=total_steps, grad_divisor=engine.dp_world_size,
                pad_token_id=pad_token_id, config_yaml=config_yaml, eval_data=eval_data)
+
+
+def _warn_if_groups_may_not_fit(cfg, data: PackedData, model, world_size: int, ckpt_layers: list) -> None:
+    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit (before the
+    engine allocates anything). Advice only; models whose config is not Llama-like are not checked."""
+    if not torch.cuda.is_available():
+        return
+    from hbp_train.cost_model import parse_model_shape
+    from hbp_train.profile import JobSettings, memory_preflight
+
+    try:
+        shape = parse_model_shape(model.config.to_dict())
+    except (ValueError, TypeError):
+        return
+    job = JobSettings(cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer, cfg.loss.chunk_size)
+    groups = [{**g, "ckpt_layers": int(ckpt_layers[0] if len(ckpt_layers) == 1 else ckpt_layers[i])}
+              for i, g in enumerate(data.groups)]
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return
+    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    for message in memory_preflight(groups, shape, world_size, job, device_bytes):
+        print(f"[train] warning: {message}", flush=True)
 
 
 def train(cfg, config_yaml: str = "") -> dict:

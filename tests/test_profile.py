@@ -498,3 +498,18 @@ def test_gpu_run_needs_a_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="model.tokenizer"):
         prof.tokenizer_vocab(str(tmp_path), dry_run=False)
     assert prof.tokenizer_vocab(str(tmp_path), dry_run=True) is None
+
+
+def test_memory_preflight_names_the_groups_that_will_not_fit():
+    from hbp_train.cost_model import MODEL_SHAPES
+    from hbp_train.profile import JobSettings, analytic_memory_bytes, memory_preflight
+
+    shape, job, gpu = MODEL_SHAPES["llama3-8b"], JobSettings(zero_stage=2), 80 * 2**30
+    groups = [{"pack_len": 16384, "sp": 1, "ckpt_layers": 32}, {"pack_len": 131072, "sp": 8, "ckpt_layers": None},
+              {"pack_len": 131072, "sp": 8, "ckpt_layers": 32}]
+    warnings = memory_preflight(groups, shape, 32, job, gpu)
+    need = [analytic_memory_bytes(shape, g["pack_len"], g["sp"], g["ckpt_layers"] or 0, 32, job) for g in groups]
+    assert [need_g > 0.95 * gpu for need_g in need] == [False, True, False]  # the model's own verdict
+    assert len(warnings) == 1 and warnings[0].startswith("group 1 (131072 tokens, sp=8, 0 checkpointed layers)")
+    assert "raise its ckpt_layers" in warnings[0]
+    assert memory_preflight(groups[:1], shape, 32, job, 2**30)[0].startswith("group 0")  # a 1 GiB GPU fits nothing

@@ -281,3 +281,27 @@ def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
     cfg = config.load(overrides(shards, str(tmp_path / "run"), f"train.resume={tmp_path / 'nothing'}"))
     with pytest.raises(ValueError, match=r"^train.resume=.*nothing: no such directory"):
         trainer.train(cfg)
+
+
+def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, capsys):
+    """On a GPU the trainer warns, before allocating the engine, about groups the memory model says cannot fit
+    (CUDA faked here: the check itself is arithmetic)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from hbp_train import trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    cfg = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2, offload_optimizer=False),
+                          loss=SimpleNamespace(chunk_size=4096))
+    data = SimpleNamespace(groups=[{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}])
+    model = SimpleNamespace(config=LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    trainer._warn_if_groups_may_not_fit(cfg, data, model, 32, [32, 0])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("[train] warning: group 1 (131072 tokens, sp=8, 0 checkpointed")
+    trainer._warn_if_groups_may_not_fit(cfg, data, model, 32, [32])  # one value for all groups: both fit
+    assert capsys.readouterr().out == ""

@@ -24,6 +24,8 @@ export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=fa
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 have_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+# Without a GPU, name DeepSpeed's accelerator: it would pick the CPU anyway, after a warning per process.
+have_cuda || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 
 setup() {
   # The stamp holds the hash of the requirements: a changed file re-runs the install, an unchanged one is instant.
@@ -82,8 +84,6 @@ train() {
     exec "$VENV/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --module hbp_train.train "$@"
   fi
   # The CPU threads of the node shared among the workers (torchrun's own default is 1, with a warning banner).
-  # Without a GPU, name DeepSpeed's accelerator: it would pick the CPU anyway, after a warning per worker.
-  have_cuda || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
   local cores; cores=$(nproc)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
   # hbp_train.launch is torchrun that ends a worker's failure with one line instead of its own traceback.

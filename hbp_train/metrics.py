@@ -1,6 +1,7 @@
 """Live step metrics: one namespaced dict per step, one rank-0 line, a JSON-lines file, TensorBoard, a tqdm bar.
 
-Keys are namespaced (``loss/…``, ``optim/…``, ``perf/…``, ``balance/…``, ``memory/…``, ``plan/…``). The balance
+Keys are namespaced (``loss/…``, ``optim/…``, ``perf/…``, ``balance/…``, ``memory/…``, ``plan/…``, ``tokens/…``;
+the trainer adds ``sp/…`` and ``time/…`` from hbp_train/ulysses.py and ``loss/eval`` from heldout.py). The balance
 figures compare what the plan predicted (its step ABR/DBR) with what the ranks measured: every rank's compute time
 for the step is all-gathered (one small vector per rank, also carrying the flags the ranks must agree on) and the
 live imbalance is max/mean over ranks; ``balance/live_BR`` applies the plan's ABR formula (1 - mean/max) to the
@@ -122,8 +123,12 @@ class MetricsLogger:
 
     def step_metrics(self, *, step: int, total_steps: int, gathered: torch.Tensor, columns: list, lr: float,
                      grad_norm: Optional[float], step_time: float, data_time: float, group: int, sp: int,
-                     num_micro_batches: int, plan_metrics: dict, skipped: bool, num_skipped: int) -> dict:
-        """The namespaced metric dict of one step from every rank's gathered values."""
+                     num_micro_batches: int, plan_metrics: dict, skipped: bool, num_skipped: int,
+                     pack_len: Optional[int] = None, num_packs: Optional[int] = None) -> dict:
+        """The namespaced metric dict of one step from every rank's gathered values.
+
+        With the group's ``pack_len`` and the step's ``num_packs`` (all replicas, empty ones included) it adds the
+        paper's plan metrics as lived: ``tokens/ave_t`` (tokens per GPU this step) and ``tokens/pad_ratio``."""
         col = {name: gathered[:, i] for i, name in enumerate(columns)}
         compute = col["compute_time"]
         loss_tokens = float(col["loss_tokens"].sum())
@@ -157,7 +162,10 @@ class MetricsLogger:
             "plan/group": group,
             "plan/sp": sp,
             "plan/micro_batches": num_micro_batches,
+            "tokens/ave_t": tokens / world,
         }
+        if pack_len and num_packs:
+            metrics["tokens/pad_ratio"] = 1.0 - tokens / (pack_len * num_packs)
         return metrics
 
     def log(self, metrics: dict) -> None:

@@ -502,7 +502,8 @@ def train(cfg, config_yaml: str = "") -> dict:
                 lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
-                skipped=skipped, num_skipped=num_skipped)
+                skipped=skipped, num_skipped=num_skipped, pack_len=int(run.data.groups[step_batch.group]["pack_len"]),
+                num_packs=step_batch.dp_size * len(step_batch.micro_batches))
             m.update(ulysses.stats().step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
             if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):

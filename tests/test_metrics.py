@@ -26,14 +26,16 @@ def test_step_metrics_and_outputs(tmp_path):
                  peak_mem_gib=2.5)]
     m = logger.step_metrics(step=3, total_steps=10, gathered=_gathered(rows), columns=STAT_COLUMNS, lr=1e-4,
                             grad_norm=0.5, step_time=2.0, data_time=0.5, group=1, sp=2, num_micro_batches=3,
-                            plan_metrics={"ABR": 1.1, "DBR": 1.05}, skipped=False, num_skipped=0)
+                            plan_metrics={"ABR": 1.1, "DBR": 1.05}, skipped=False, num_skipped=0, pack_len=64,
+                            num_packs=3)
     assert m["loss/train"] == pytest.approx(40.0 / 40)  # token-weighted over ranks
     assert m["perf/tokens_per_s"] == pytest.approx(75.0)
     assert m["balance/imbalance"] == pytest.approx(2.0 / 1.5)
     assert m["balance/live_BR"] == pytest.approx(((2.0 - 2.0) + (2.0 - 1.0)) / (2.0 * 2))  # the plan's ABR formula
     assert m["perf/mfu"] == pytest.approx(4e12 / (2 * 1e12 * 2.0))
     assert m["memory/peak_gib"] == 2.5 and m["perf/data_wait_pct"] == pytest.approx(25.0)
-    assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan"}
+    assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan", "tokens"}
+    assert m["tokens/ave_t"] == 150 / 2 and m["tokens/pad_ratio"] == pytest.approx(1 - 150 / (64 * 3))  # live Ave-T, PR
     logger.log(m)
     logger.close()
     line = format_line(m)

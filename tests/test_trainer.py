@@ -160,6 +160,7 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
     for step, m in enumerate(logged):
         tokens, flops, flops_t2 = r["step_tokens"][step], r["step_flops"][step], r["step_flops_if_T2"][step]
         assert m["perf/tokens_per_s"] * m["perf/step_time_s"] == pytest.approx(tokens, rel=1e-9)
+        assert m["tokens/ave_t"] == tokens and 0 <= m["tokens/pad_ratio"] < 1  # live Ave-T (one rank) and PR
         assert m["perf/tflops_per_device"] * 1e12 * m["perf/step_time_s"] == pytest.approx(flops, rel=1e-9)
         # ONE_RANK_STEPS: odd steps hold one two-sample pack, where sum of len^2 < T^2; even steps one-sample packs
         assert (flops < flops_t2) == (step % 2 == 1) and flops <= flops_t2

@@ -998,8 +998,12 @@ def model_shape_of(model_cfg, vocab_size: Optional[int]) -> ModelShape:
         hf = AutoConfig.for_model(model_cfg.architecture, **overrides)
         name = f"{model_cfg.architecture}-from-config"
     fields = hf.to_dict()
-    if vocab_size is not None and (model_cfg.name_or_path is None or vocab_size > fields["vocab_size"]):
-        fields["vocab_size"] = vocab_size  # what build_model does with the tokenizer's vocabulary
+    # What build_model does with the tokenizer's vocabulary: a config-built model gets the larger of it and a
+    # vocab_size given in model.config; a pretrained one grows to it, never shrinks.
+    if vocab_size is not None and model_cfg.name_or_path is None:
+        fields["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
+    elif vocab_size is not None and vocab_size > fields["vocab_size"]:
+        fields["vocab_size"] = vocab_size
     if not fields.get("head_dim"):
         fields.pop("head_dim", None)
     fields["name"] = name

@@ -513,3 +513,14 @@ def test_memory_preflight_names_the_groups_that_will_not_fit():
     assert len(warnings) == 1 and warnings[0].startswith("group 1 (131072 tokens, sp=8, 0 checkpointed layers)")
     assert "raise its ckpt_layers" in warnings[0]
     assert memory_preflight(groups[:1], shape, 32, job, 2**30)[0].startswith("group 0")  # a 1 GiB GPU fits nothing
+
+
+def test_model_shape_follows_build_model_vocabulary_rule():
+    from hbp_train.model import ModelConfig
+    from hbp_train.profile import model_shape_of
+
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    assert model_shape_of(ModelConfig(config=tiny), 4096).vocab == 4096  # the tokenizer's, as build_model
+    assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 128256}), 4096).vocab == 128256  # the larger
+    assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 100}), 4096).vocab == 4096

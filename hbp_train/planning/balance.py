@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hbp_train.planning.plan import PlanConfig, default_pack_cost
+from hbp_train.planning.plan import PlanConfig, default_pack_cost, gather_ranges
 
 
 def pack_tokens(lengths: np.ndarray, pack_ptr: np.ndarray, pack_samples: np.ndarray) -> np.ndarray:
@@ -42,18 +42,9 @@ def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig) 
             continue
         sizes = pack_ptr[ids + 1] - pack_ptr[ids]
         sub_ptr = np.concatenate([[0], np.cumsum(sizes)])
-        sub_flat = flat[_gather_ranges(pack_ptr[ids], sizes)]
+        sub_flat = flat[gather_ranges(pack_ptr[ids], sizes)]
         cost[ids] = np.asarray(config.pack_cost(sub_flat, sub_ptr, spec), np.float64)
     return cost
-
-
-def _gather_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Indices start[i] .. start[i]+size[i]-1 for all i, concatenated (vectorised)."""
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
-    return np.arange(total, dtype=np.int64) + offs
 
 
 def _slot_abr(costs_2d: np.ndarray) -> np.ndarray:
@@ -250,7 +241,7 @@ def build_steps(
         new_index = np.cumsum(keep) - 1
         kept = np.flatnonzero(keep)
         k_sizes = all_sizes[kept]
-        pack_samples = all_flat[_gather_ranges(all_ptr[kept], k_sizes)]
+        pack_samples = all_flat[gather_ranges(all_ptr[kept], k_sizes)]
         pack_ptr = np.concatenate([[0], np.cumsum(k_sizes)]).astype(np.int64)
         pack_group = all_group[kept]
         step_packs = new_index[step_packs]
@@ -320,5 +311,5 @@ def _tail_step(tail: np.ndarray, r: int, lengths: np.ndarray, contents, add_pack
 def reorder_steps(step_ptr: np.ndarray, step_packs: np.ndarray, step_group: np.ndarray, order: np.ndarray):
     """Apply a step permutation: returns (step_ptr, step_packs, step_group) with step i = old step order[i]."""
     sizes = np.diff(step_ptr)[order]
-    flat = step_packs[_gather_ranges(step_ptr[order], sizes)]
+    flat = step_packs[gather_ranges(step_ptr[order], sizes)]
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), flat, step_group[order]

@@ -22,7 +22,7 @@ import numpy as np
 
 from hbp_train.planning.balance import pack_costs
 
-from hbp_train.planning.plan import Plan
+from hbp_train.planning.plan import Plan, gather_ranges
 
 
 def slot_imbalance(values: np.ndarray) -> np.ndarray:
@@ -54,7 +54,7 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         if len(steps) == 0:
             continue
         r = cfg.replicas(g)
-        idx = _ranges(plan.step_ptr[steps], step_sizes[steps])
+        idx = gather_ranges(plan.step_ptr[steps], step_sizes[steps])
         packs = plan.step_packs[idx].reshape(-1, r)
         abr = slot_imbalance(pack_a[packs])
         dbr = slot_imbalance(pack_t[packs].astype(np.float64))
@@ -106,12 +106,6 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
     return metrics, step_metrics
 
 
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    total = int(sizes.sum())
-    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
-    return np.arange(total, dtype=np.int64) + offs
-
-
 def cost_balance_ratio(plan: Plan, pack_cost) -> float:
     """Mean over slots of sum_r (C_max - C_r) / (C_max * N) for a per-pack cost (e.g. predicted seconds from
     hbp_train.cost_model): the ABR formula applied to the cost a cost model balances instead of sum len^2."""
@@ -122,6 +116,6 @@ def cost_balance_ratio(plan: Plan, pack_cost) -> float:
     for g in range(len(plan.config.groups)):
         steps = np.flatnonzero(plan.step_group == g)
         if len(steps):
-            packs = plan.step_packs[_ranges(plan.step_ptr[steps], sizes[steps])].reshape(-1, plan.config.replicas(g))
+            packs = plan.step_packs[gather_ranges(plan.step_ptr[steps], sizes[steps])].reshape(-1, plan.config.replicas(g))
             ratios.append(slot_imbalance(cost[packs]))
     return float(np.concatenate(ratios).mean()) if ratios else 0.0

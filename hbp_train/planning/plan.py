@@ -38,6 +38,15 @@ def _is_power_of_two(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
+def gather_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Indices start[i] .. start[i]+size[i]-1 for all i, concatenated (vectorised): the rows of CSR segments."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
+    return np.arange(total, dtype=np.int64) + offs
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """One hierarchical packing group: packs of up to ``pack_len`` tokens trained with SP degree ``sp``."""

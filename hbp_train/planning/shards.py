@@ -21,18 +21,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from hbp_train.planning.plan import Plan
+from hbp_train.planning.plan import Plan, gather_ranges
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
 COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
-
-
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
-    return np.arange(total, dtype=np.int64) + offs
 
 
 def _list_column(dataset, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -66,11 +58,11 @@ def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
 def _pack_batch(plan: Plan, packs: np.ndarray, ids_off, ids_val, lab_off, lab_val) -> pa.RecordBatch:
     """One Arrow record batch for ``packs`` (vectorised)."""
     sizes = plan.pack_ptr[packs + 1] - plan.pack_ptr[packs]
-    samples = plan.pack_samples[_ranges(plan.pack_ptr[packs], sizes)]
+    samples = plan.pack_samples[gather_ranges(plan.pack_ptr[packs], sizes)]
     lens = ids_off[samples + 1] - ids_off[samples]
-    tok_idx = _ranges(ids_off[samples], lens)
+    tok_idx = gather_ranges(ids_off[samples], lens)
     input_ids = ids_val[tok_idx].astype(np.int32)
-    labels = lab_val[_ranges(lab_off[samples], lens)].astype(np.int32)
+    labels = lab_val[gather_ranges(lab_off[samples], lens)].astype(np.int32)
     sample_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
     position_ids = (np.arange(len(tok_idx)) - np.repeat(sample_start, lens)).astype(np.int32)
     # Targets after the per-sample shift: label at t counts when t is not a sample's first token.

@@ -21,13 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hbp_train.planning.plan import PlanConfig, default_pack_cost, gather_ranges
-
-
-def pack_tokens(lengths: np.ndarray, pack_ptr: np.ndarray, pack_samples: np.ndarray) -> np.ndarray:
-    """int64 [num_packs]: tokens in every pack."""
-    csum = np.concatenate([[0], np.cumsum(lengths[pack_samples])])
-    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
+from hbp_train.planning.plan import PlanConfig, default_pack_cost, gather_ranges, pack_tokens
 
 
 def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig) -> np.ndarray:

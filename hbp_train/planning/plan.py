@@ -47,6 +47,12 @@ def gather_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + offs
 
 
+def pack_tokens(lengths: np.ndarray, pack_ptr: np.ndarray, pack_samples: np.ndarray) -> np.ndarray:
+    """int64 [num_packs]: tokens in every pack of a CSR pack list."""
+    csum = np.concatenate([[0], np.cumsum(lengths[pack_samples])])
+    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """One hierarchical packing group: packs of up to ``pack_len`` tokens trained with SP degree ``sp``."""
@@ -206,8 +212,7 @@ class Plan:
     @property
     def pack_tokens(self) -> np.ndarray:
         """int64 [num_packs]: tokens in every pack."""
-        csum = np.concatenate([[0], np.cumsum(self.lengths[self.pack_samples])])
-        return csum[self.pack_ptr[1:]] - csum[self.pack_ptr[:-1]]
+        return pack_tokens(self.lengths, self.pack_ptr, self.pack_samples)
 
     @property
     def num_empty_packs(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from data_tools.outputs import check_output_file, write_output
+from hbp_train.outputs import check_output_file, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
 

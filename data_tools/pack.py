@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.outputs import check_output_file
+from hbp_train.outputs import check_output_file
 
 
 MAX_PACK_LEN = 2**31 - 1

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from data_tools.outputs import check_output_file, write_output
+from hbp_train.outputs import check_output_file, write_output
 from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
 from hbp_train.planning.simulate import DEFAULT_HBM_GBPS, SimConfig
 

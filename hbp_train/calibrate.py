@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 import numpy as np
 
 from hbp_train.cost_model import TABLE_TOKENS, CostModel, ModelShape, parse_model_shape
+from hbp_train.outputs import check_output_file, write_output
 
 DEFAULT_DOC_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 NOOP_ATTENTION = "hbp_calibrate_noop"
@@ -120,19 +119,6 @@ def parse_doc_lens(text: str, tokens: int) -> list[int]:
     if not doc_lens or any(l < 1 or l > tokens for l in doc_lens):
         raise ValueError(f"--doc-lens must be positive and <= --tokens ({tokens}), got {text}")
     return doc_lens
-
-
-def writable(path: str, flag: str) -> Path:
-    """``path`` with its folder created; ValueError naming ``flag`` when it cannot be written (checked before the
-    measurements, which take minutes)."""
-    out = Path(path)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot create its folder ({exc.strerror})") from None
-    if out.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: not a writable file path")
-    return out
 
 
 def cu_seqlens_for(lengths, device):
@@ -280,8 +266,10 @@ def main(argv=None) -> int:
             raise ValueError("--out JSON is required to write the calibration")
         if not args.validate:
             parse_doc_lens(args.doc_lens, args.tokens)
-        out_path = writable(args.out, "--out") if args.out and not args.validate else None
-        report_path = writable(args.validate_out, "--validate-out") if args.validate and args.validate_out else None
+        out_path = args.out if args.out and not args.validate else None
+        report_path = args.validate_out if args.validate and args.validate_out else None
+        check_output_file("--out", out_path)  # before the measurements, which take minutes
+        check_output_file("--validate-out", report_path)
         if not torch.cuda.is_available() and not args.allow_cpu:  # after the flags: fix those on a CPU node first
             raise ValueError("no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)")
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -292,11 +280,11 @@ def main(argv=None) -> int:
             print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
                   f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
             if report_path:
-                report_path.write_text(json.dumps(report, indent=1))
+                write_output("--validate-out", report_path, lambda p: p.write_text(json.dumps(report, indent=1)))
                 print(f"wrote {report_path}")
         else:
             result = calibrate(shape, args, device, dtype)
-            out_path.write_text(json.dumps(result, indent=1))
+            write_output("--out", out_path, lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"wrote {out_path}")
     except ValueError as exc:
         print(f"calibrate: error: {exc}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Output paths of the planning CLIs (pack, simulate, compare): checked before the work, written with one-line errors.
+"""Output files of the long-running CLIs (pack, simulate, compare, calibrate): checked before the work, written
+with one-line errors.
 
 A run that plans a million samples should not fail at its last line because ``--plot`` names a folder or an image
 type matplotlib cannot write; ``check_output_file`` catches that up front. Errors are ValueError naming the flag.

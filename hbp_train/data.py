@@ -136,14 +136,9 @@ def empty_micro_batch(pad_token_id: int = 0) -> dict:
     return batch
 
 
-def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
-    """This SP rank's slice of a micro-batch along T (padded to a multiple of sp); see ulysses.split_for_sp.
-
-    The single place where a batch is sharded for SP. Adds num_local_tokens (real tokens in the slice).
-    """
-    from hbp_train.ulysses import split_for_sp as ulysses_split  # SP (issue #6)
-
-    return ulysses_split(batch, sp, sp_rank)
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with its tensors on ``device`` (other fields as they are)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _is_empty_row(row) -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hbp_train import ulysses
-from hbp_train.data import PackedData, split_for_sp
+from hbp_train.data import PackedData, to_device
 
 
 @torch.no_grad()
@@ -44,8 +44,7 @@ def evaluate(run, data: PackedData) -> dict:
             # Every rank of the step runs every micro-batch (empty packs are dummies): the SP all-to-alls and the
             # ZeRO-3 parameter gathers are collectives and need all their ranks.
             for micro_batch in step_batch.micro_batches:
-                batch = split_for_sp(micro_batch, sp, sp_rank)
-                batch = {k: v.to(run.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                batch = to_device(ulysses.split_for_sp(micro_batch, sp, sp_rank), run.device)
                 loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                                 batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
                 sums[0] += loss_T.double().sum()

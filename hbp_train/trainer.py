@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hbp_train import checkpoint as ckpt
 from hbp_train import heldout, ulysses
-from hbp_train.data import PackedData, StepBatch, split_for_sp
+from hbp_train.data import PackedData, StepBatch, to_device
 from hbp_train.loss import chunked_token_losses, normalize_loss
 from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
 
@@ -237,10 +237,6 @@ def ckpt_layers_for(run: Run, step_batch: StepBatch) -> int:
     return int(step_batch.ckpt_layers or 0)
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _set_sp(sp: int) -> None:
     """SP: switch the attention to the step's SP degree (the Ulysses dispatcher's active size)."""
     ulysses.set_active_sp(sp)
@@ -266,7 +262,7 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
             flops += pack_flops(run.model.config, micro_batch["seq_lens"]) / sp
         # One boundary per step, at its last micro-batch: ZeRO accumulates gradients until then.
         engine.set_gradient_accumulation_boundary(k == num_micro - 1)
-        batch = _to_device(split_for_sp(micro_batch, sp, sp_rank), run.device)  # SP: the collate split
+        batch = to_device(ulysses.split_for_sp(micro_batch, sp, sp_rank), run.device)  # SP: the collate split
         # SP: live CR — the attention dispatcher books this slice's real tokens as SP tokens or not.
         ulysses.begin_micro_batch(batch["num_local_tokens"] if micro_batch["num_samples"] else 0)
         loss_tokens += micro_batch["num_loss_tokens"] if sp == 1 else float((batch["shift_labels"] != -100).sum())

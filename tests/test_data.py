@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train.data import IGNORE_INDEX, DataConfig, PackedData, collate_pack, empty_micro_batch, split_for_sp
+from hbp_train.data import IGNORE_INDEX, DataConfig, PackedData, collate_pack, empty_micro_batch
+from hbp_train.ulysses import split_for_sp
 from tests.assets.packed_fixture import TWO_RANK_STEPS, loss_tokens, synthetic_samples, write_packed
 
 SAMPLES = synthetic_samples(14, 100, seed=5)
@@ -76,7 +77,7 @@ def test_later_epochs_run_the_steps_in_a_seeded_order(shards):
 
 
 def test_split_for_sp_is_identity_at_sp1_and_slices_beyond():
-    # SP (issue #6): the split itself is tested in tests/test_ulysses.py; here the data module hands over to it.
+    # SP (issue #6): the split itself is tested in tests/test_ulysses.py; here it meets the loader's dummy micro-batch.
     batch = empty_micro_batch()
     same = split_for_sp(batch, 1, 0)
     assert all(same[k] is batch[k] for k in batch) and same["num_local_tokens"] == 1

@@ -237,11 +237,6 @@ def ckpt_layers_for(run: Run, step_batch: StepBatch) -> int:
     return int(step_batch.ckpt_layers or 0)
 
 
-def _set_sp(sp: int) -> None:
-    """SP: switch the attention to the step's SP degree (the Ulysses dispatcher's active size)."""
-    ulysses.set_active_sp(sp)
-
-
 def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
@@ -251,7 +246,7 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     set_checkpointed_layers(run.model, ckpt_layers_for(run, step_batch))
     sp = step_batch.sp
     sp_rank = run.pstate.sp_rank(sp)
-    _set_sp(sp)
+    ulysses.set_active_sp(sp)  # SP: the attention dispatcher switches to the step's degree
     num_micro = len(step_batch.micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     tokens = flops = loss_tokens = 0.0

@@ -272,6 +272,21 @@ def test_hf_packed_attention_rejects_batches_missing_boundaries_and_short_window
     assert out.shape == (1, 6, 4, 8)
 
 
+def test_boundaries_follow_an_in_place_refill_of_the_same_position_ids_tensor():
+    # The boundary cache is keyed by the tensor and its version: a reused buffer refilled in place (a loader that
+    # recycles its input tensors) must not keep the previous pack's boundaries.
+    attention.set_backend("sdpa_block")
+    q, k, v = (t.transpose(0, 1)[None] for t in _qkv(2, 2, dim=4))
+    position_ids = torch.arange(q.shape[2])[None]
+    hf_packed_attention(None, q, k, v, None, position_ids=position_ids)
+    lengths = [3, q.shape[2] - 3]
+    position_ids.copy_(torch.cat([torch.arange(n) for n in lengths])[None])
+    out, _ = hf_packed_attention(None, q, k, v, None, position_ids=position_ids)
+    expected = packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), _cu(lengths),
+                                max(lengths), "sdpa_block")
+    torch.testing.assert_close(out[0], expected)
+
+
 # ----------------------------------------------------------------------------------------------------- GPU
 GPU_BACKENDS = ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
 

@@ -36,6 +36,20 @@ def test_collate_shifts_inside_each_sample():
                       "num_loss_tokens": 5}, where="x")
 
 
+def test_collate_trains_a_samples_first_label_only_inside_it():
+    # Sample b has no prompt: its first label is a real token. The last token of a must still not predict it, and
+    # the per-sample counts must come from the shifted labels. Reference: each sample shifted on its own.
+    a_ids, a_lab = [5, 6, 7, 8], [-100, -100, 7, 8]
+    b_ids, b_lab = [9, 10, 11], [9, 10, 11]
+    batch = collate_pack({"input_ids": a_ids + b_ids, "labels": a_lab + b_lab, "position_ids": [0, 1, 2, 3, 0, 1, 2],
+                          "cu_seqlens": [0, 4, 7]}, check_counts=False)
+    per_sample = [lab[1:] + [IGNORE_INDEX] for lab in (a_lab, b_lab)]
+    assert batch["shift_labels"].tolist() == [per_sample[0] + per_sample[1]]
+    counts = [sum(x != IGNORE_INDEX for x in lab) for lab in per_sample]
+    assert batch["sample_loss_tokens"].tolist() == [[counts[0]] * 4 + [counts[1]] * 3]
+    assert batch["num_loss_tokens"] == sum(counts)
+
+
 def test_step_batches_follow_the_plan(shards):
     data = PackedData(shards)
     assert data.num_steps == 3 and data.world_size == 2 and data.sp_degrees() == [1]

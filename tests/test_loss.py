@@ -179,6 +179,7 @@ def test_sample_mean_with_sample_token_counts_splits_like_sequence_parallel():
         ("ave_token", {}, "global_loss_tokens"),
         ("token_mean", {"rank_loss_tokens": 0}, "rank_loss_tokens"),
         ("sample_mean", {}, "global_num_samples"),
+        ("sample_mean", {"global_num_samples": 2, "rank_num_samples": 3}, "rank_num_samples"),
     ],
 )
 def test_normalize_loss_errors(mode, kwargs, match):

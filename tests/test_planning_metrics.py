@@ -73,11 +73,32 @@ def test_cr_avet_and_sp_required_share():
     assert m["DBR"] == pytest.approx(((100 - 40) / (100 * 4) + (350 - 300) / (350 * 2)) / 2)
 
 
+def test_plan_wide_balance_is_a_mean_over_slots_and_avet_over_steps():
+    # Two steps of 1 and 3 slots (W=2): a mean over steps would weigh the lone slot three times as much.
+    # Reference recomputed from the plan's JSON (replica r's packs per slot) with the paper's formulas.
+    lengths = [10, 2, 8, 8, 5, 3, 9, 1]
+    plan = make(lengths, [[i] for i in range(8)], [(0, [0, 1]), (0, [2, 3, 4, 5, 6, 7])], [GroupSpec(16, 1)], 2)
+    d = plan.to_dict()
+    dbr, abr = [], []
+    for step in d["steps"]:
+        replicas = step["replicas"]
+        for k in range(len(replicas[0])):
+            t = np.array([sum(lengths[i] for i in rep[k]) for rep in replicas], float)
+            a = np.array([sum(lengths[i] ** 2 for i in rep[k]) for rep in replicas], float)
+            dbr.append((t.max() - t).sum() / (t.max() * len(t)))
+            abr.append((a.max() - a).sum() / (a.max() * len(a)))
+    assert len(dbr) == 4
+    assert plan.metrics["DBR"] == pytest.approx(np.mean(dbr))
+    assert plan.metrics["ABR"] == pytest.approx(np.mean(abr))
+    assert plan.metrics["AveT"] == pytest.approx(sum(lengths) / (len(d["steps"]) * 2))  # paper: per iteration
+
+
 def test_empty_pack_counts_as_zero_cost():
     plan = make([8], [[0], []], [(0, [0, 1])], [GroupSpec(8, 1)], 2)
     assert plan.metrics["ABR"] == pytest.approx(0.5)
     assert plan.metrics["DBR"] == pytest.approx(0.5)
     assert plan.metrics["empty_packs"] == 1
+    assert plan.metrics["PR"] == pytest.approx(1 - 8 / (2 * 8))  # the empty pack's capacity is padding too
 
 
 def test_validate_rejects_broken_plans():
@@ -85,5 +106,7 @@ def test_validate_rejects_broken_plans():
         make([4, 4], [[0, 0], [1]], [(0, [0, 1])], [GroupSpec(8, 1)], 2)
     with pytest.raises(ValueError, match="tokens > pack_len"):
         make([6, 4], [[0, 1], []], [(0, [0, 1])], [GroupSpec(8, 1)], 2)
+    with pytest.raises(ValueError, match="tokens > pack_len"):  # one token over
+        make([5, 4], [[0, 1], []], [(0, [0, 1])], [GroupSpec(8, 1)], 2)
     with pytest.raises(ValueError, match="multiple of its replica count"):
         make([4, 4, 4], [[0], [1], [2]], [(0, [0, 1, 2])], [GroupSpec(8, 1)], 2)

@@ -145,3 +145,43 @@ def test_tail_steps_are_balanced_like_full_steps():
     dropped = [d["index"] for d in plan.to_dict()["dropped"]]
     every = np.sort(np.concatenate([plan.pack_samples, np.asarray(dropped, np.int64)]))
     assert np.array_equal(every, np.arange(len(lengths)))  # every sample packed once, or dropped
+
+
+def test_samples_of_exactly_a_pack_length_are_packed_not_dropped():
+    # Boundaries: len == l_i belongs to group i; only len > l_max is dropped (random lengths rarely hit these).
+    lengths = np.array([32, 33, 128, 128, 1, 129], np.int64)
+    plan = make_plan(lengths, PlanConfig(world_size=2, groups=[GroupSpec(32, 1), GroupSpec(128, 2)],
+                                         strategy="hbp", global_tokens=256))
+    assert plan.dropped.tolist() == np.flatnonzero(lengths > 128).tolist()
+    assert sorted(plan.pack_samples.tolist()) == np.flatnonzero(lengths <= 128).tolist()
+
+
+def test_greedy_fill_leaves_no_gap_a_lower_group_sample_would_fit():
+    # After GreedyFill, no pack of group i has room for a sample of a lower level that stayed below group i:
+    # a sample is offered to every pack with room for the largest sample of its size class, which is < sqrt(2) x
+    # its own length, so every gap left is < sqrt(2) x each such sample.
+    from hbp_train.planning.curriculum import sample_levels
+    from hbp_train.planning.hbp import pack_hierarchical
+
+    rng = np.random.default_rng(0)  # mostly short samples, so that many stay in the lower groups
+    lengths = np.concatenate([rng.integers(1, 33, 1400), rng.integers(33, 129, 400), rng.integers(129, 513, 200)])
+    pack_lens = [32, 128, 512]
+    config = PlanConfig(world_size=4, groups=[GroupSpec(n, 1) for n in pack_lens], strategy="hbp",
+                        global_tokens=2048)
+    ptr, flat, pack_group = pack_hierarchical(lengths, np.arange(len(lengths)), config, np.random.default_rng(0))
+    gaps = np.array(pack_lens)[pack_group] - np.add.reduceat(lengths[flat], ptr[:-1])
+    sample_group = np.repeat(pack_group, np.diff(ptr))
+    level = sample_levels(lengths[flat], pack_lens)
+    assert np.array_equal(np.sort(flat), np.arange(len(lengths)))
+    for i in (1, 2):
+        below = lengths[flat][(level < i) & (sample_group < i)]  # lower-level samples that GreedyFill left below
+        assert len(below) and gaps[pack_group == i].max() < np.sqrt(2) * below.min()
+
+
+def test_partial_tail_step_has_as_many_micro_batches_as_its_packs_need():
+    # isf, every sample a full pack: 2 full steps of 2 replicas x 3 micro-batches, then 2 packs -> 1 micro-batch.
+    lengths = np.full(2 * 3 * 2 + 2, 64, np.int64)
+    plan = make_plan(lengths, PlanConfig(world_size=2, groups=[GroupSpec(64, 1)], strategy="isf",
+                                         global_tokens=64 * 2 * 3))
+    assert sorted(plan.step_micro_batches().tolist()) == [1, 3, 3]
+    assert plan.num_empty_packs == 0

@@ -251,6 +251,13 @@ def test_truncation_and_drop_accounting(tmp_path, encoder):
     dropped = [json.loads(l) for l in (tmp_path / "drop" / "dropped.jsonl").read_text().splitlines()]
     assert [d["source"] for d in dropped] == [f"{path}:2", f"{path}:3"]
 
+    # A sample of exactly --max-len is not overlong: kept whole under either policy.
+    for policy in ("drop", "truncate"):
+        report, dataset = run(tmp_path, [write_jsonl(tmp_path / "good.jsonl", [GOOD])], f"exact_{policy}",
+                              max_len=short_len, overlong=policy)
+        assert (report["kept"], report["truncated"], report["dropped"]) == (1, 0, {})
+        assert dataset["length"] == [short_len]
+
 
 # ------------------------------------------------------------------------------------------------ bad input
 

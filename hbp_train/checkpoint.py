@@ -129,7 +129,7 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
         if tokenizer is not None:
             tokenizer.save_pretrained(hf_dir)
         if keep_last > 0:
-            prune(ckpt_root, keep_last)
+            prune(ckpt_root, keep_last, next_step)
     _barrier()
     return tag_dir
 
@@ -142,10 +142,28 @@ def list_tags(ckpt_root: str) -> list:
     return sorted(tags, key=lambda t: int(TAG_RE.match(t).group(1)))
 
 
-def prune(ckpt_root: str, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints."""
-    for tag in list_tags(ckpt_root)[:-keep_last]:
+def prune(ckpt_root: str, keep_last: int, upto_step: Optional[int] = None) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints up to step ``upto_step`` (the one just saved).
+
+    Tags of later steps are left alone: they exist only when a run resumed from an older checkpoint, and ranking
+    them as newer would delete the checkpoint just written."""
+    tags = list_tags(ckpt_root)
+    if upto_step is not None:
+        tags = [t for t in tags if int(TAG_RE.match(t).group(1)) <= upto_step]
+    for tag in tags[:-keep_last]:
         shutil.rmtree(os.path.join(ckpt_root, tag), ignore_errors=True)
+
+
+def check_fresh_root(ckpt_root: str, resume: Optional[tuple]) -> None:
+    """ValueError (one line) when a run that does not resume from ``ckpt_root`` would save into it while it holds
+    another run's checkpoints: the two runs' steps would mix (pruning, ``latest``, export, resume=auto)."""
+    if resume is not None and os.path.abspath(resume[0]) == os.path.abspath(ckpt_root):
+        return
+    tags = list_tags(ckpt_root)
+    if tags:
+        run_dir = os.path.dirname(os.path.abspath(ckpt_root))
+        raise ValueError(f"{ckpt_root} already holds checkpoints of an earlier run (newest {tags[-1]}): continue it "
+                         f"with train.resume=auto, or start this run elsewhere (train.out_dir=...), or delete {run_dir}")
 
 
 def resolve(path: str) -> tuple:
@@ -158,7 +176,12 @@ def resolve(path: str) -> tuple:
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
-            return path, f.read().strip()
+            tag = f.read().strip()
+        if not os.path.isdir(os.path.join(path, tag)):
+            have = ", ".join(list_tags(path)) or "none"
+            raise ValueError(f"{latest} names {tag}, which is not there (checkpoints there: {have}); pass one "
+                             f"explicitly, e.g. train.resume={os.path.join(path, list_tags(path)[-1]) if have != 'none' else path}")
+        return path, tag
     if os.path.isdir(path) and TAG_RE.match(os.path.basename(path)):
         return os.path.dirname(path), os.path.basename(path)
     tags = list_tags(path)

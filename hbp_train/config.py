@@ -160,6 +160,35 @@ def resolved_yaml(cfg: HBPConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+# Hydra's own command-line flags (hydra/_internal/utils.py get_args_parser), and those of them that take a value.
+HYDRA_FLAGS = {"-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve", "-p", "--package", "-r",
+               "--run", "-m", "--multirun", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
+               "--config-name", "-cd", "--config-dir", "--experimental-rerun", "-i", "--info"}
+HYDRA_VALUE_FLAGS = {"-c", "--cfg", "-p", "--package", "-sc", "--shell-completion", "-cp", "--config-path", "-cn",
+                     "--config-name", "-cd", "--config-dir", "--experimental-rerun"}
+
+
+def check_command_line(argv: list) -> None:
+    """ConfigError for what is neither a Hydra flag nor a KEY=VALUE override, e.g. ``--max-steps 3`` (Hydra would
+    answer with a parser exception); names the override meant when a field matches."""
+    expect_value = False
+    for arg in argv:
+        if expect_value:
+            expect_value = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if arg.startswith("-") and flag in HYDRA_FLAGS:
+            expect_value = flag in HYDRA_VALUE_FLAGS and "=" not in arg
+            continue
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            name = flag.lstrip("-").replace("-", "_")
+            dotted = [f"{sec}.{f}" for sec, names in _section_fields().items() for f in names]
+            close = [d for d in dotted if d.split(".", 1)[1] == name] or difflib.get_close_matches(name, dotted, n=1)
+            example = f"{close[0]}=VALUE" if close else "train.max_steps=3"
+            raise ConfigError(f"{arg}: training takes Hydra overrides KEY=VALUE, not options (e.g. {example}); "
+                              "python -m hbp_train.train --help lists every field")
+
+
 def user_overrides(argv: list) -> list:
     """The Hydra overrides of a command line (no flags such as --cfg or -m; no hydra.* settings)."""
     return [a for a in argv if not a.startswith("-") and not a.lstrip("+~").startswith("hydra.")]

@@ -151,7 +151,10 @@ class PackedData:
     def __init__(self, path: str, check_counts: bool = True, shuffle_epochs: bool = False, seed: int = 0):
         plan_path = os.path.join(path, "plan.json")
         if not os.path.isfile(plan_path):
-            raise ValueError(f"data.shards={path}: no plan.json there (write it with data_tools.pack --shards {path})")
+            hint = (" (it is a tokenized dataset: plan and pack it first)"
+                    if os.path.isfile(os.path.join(path, "report.json")) else "")
+            raise ValueError(f"data.shards={path}: no plan.json there{hint}; write packed shards with "
+                             f"data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and pass that OUT_DIR")
         try:
             with open(plan_path) as f:
                 self.plan = json.load(f)
@@ -241,8 +244,12 @@ class PackedData:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_steps)
         return int(self._orders[epoch][index])
 
-    def step_batch(self, step: int, rank: int, pad_token_id: int = 0) -> StepBatch:
-        """This rank's micro-batches for global step ``step`` and the step's global counts."""
+    def step_batch(self, step: int, rank: int, pad_token_id: int = 0, equal_counts: bool = True) -> StepBatch:
+        """This rank's micro-batches for global step ``step`` and the step's global counts.
+
+        ``equal_counts``: give every replica the step's largest micro-batch count, padding with empty micro-batches
+        (ZeRO-2/3 meet in a collective after every micro-batch). False: only this replica's own packs, for plans
+        with unequal counts (bytescale) under ZeRO-1, where ranks meet once per step."""
         plan_step = self.plan_step(step)
         entry = self.steps[plan_step]
         group = int(entry["group"])
@@ -254,8 +261,8 @@ class PackedData:
         if dp_size != self.world_size // sp:
             raise ValueError(f"{self.path}/plan.json: step {plan_step} has {dp_size} replicas, expected "
                              f"world_size/sp = {self.world_size}//{sp}")
-        # m is the same for all replicas (the plan pads with empty packs); be robust to ragged lists anyway.
-        num_micro = max(len(r) for r in rows)
+        # m is the same for all replicas except in bytescale plans, whose JSON omits a replica's trailing empty packs
+        num_micro = max(len(r) for r in rows) if equal_counts else max(1, len(rows[replica]))
         global_loss_tokens = sum(self.pack_loss_tokens(group, row) for r in rows for row in r)
         global_num_samples = sum(len(p) for r in packs for p in r)
         ds = self.dataset(group)

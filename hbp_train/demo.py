@@ -68,21 +68,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=2000, help="synthetic chats to generate (default 2000)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU training processes (default 2)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the plan in training (default 3)")
-    parser.add_argument("--only", default=None, help="comma-separated stage numbers to run (default: all)")
+    names = [name for name, _ in stages(Path("OUT"), 0, 0, 0)]
+    parser.add_argument("--only", default=None,
+                        help="comma-separated stage numbers to run (default: all): "
+                             + ", ".join(f"{i} {name}" for i, name in enumerate(names, 1)))
     args = parser.parse_args(argv)
+    try:
+        only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(names) + 1))
+    except ValueError:
+        parser.error(f"--only {args.only}: expected stage numbers such as 1,2 (see --help)")
+    if not only <= set(range(1, len(names) + 1)):
+        parser.error(f"--only {args.only}: stages are numbered 1-{len(names)} (see --help)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     todo = stages(out, args.num_samples, args.nproc, args.epochs)
-    only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(todo) + 1))
     t_start = time.time()
     for i, (name, cmd) in enumerate(todo, 1):
         if i not in only:
             continue
+        # The demo owns OUT, so a re-run replaces its run and its export: training refuses a run directory that
+        # holds another run's checkpoints, and hbp_train.export folders it did not write.
+        if "hbp_train.train" in cmd:
+            shutil.rmtree(out / "train", ignore_errors=True)
         if "hbp_train.export" in cmd:
-            # The demo owns OUT, so a re-run replaces its export (hbp_train.export refuses folders it did not
-            # write, and exports made before its marker file existed look like that).
             shutil.rmtree(out / "export", ignore_errors=True)
         print(f"\n=== [{i}/{len(todo)}] {name}\n$ {shlex.join(cmd)}", flush=True)
         t0 = time.time()

@@ -2,7 +2,7 @@
 
 ``python -m hbp_train.export --checkpoint RUN_DIR[/checkpoints[/step_N]] --out HF_DIR [--dtype bf16]``
 
-The weights are consolidated from the DeepSpeed ZeRO-2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
+The weights are consolidated from the DeepSpeed ZeRO-1/2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
 checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
 the standard attention (training used use_cache=False and the packed attention). ``--out`` must be new, empty or
@@ -92,7 +92,7 @@ def _is_tied(model, key: str) -> bool:
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m hbp_train.export",
-        description="Export an hbp-train checkpoint (DeepSpeed ZeRO-2/3) to an HF safetensors model directory "
+        description="Export an hbp-train checkpoint (DeepSpeed ZeRO-1/2/3) to an HF safetensors model directory "
                     "with its tokenizer.")
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint: RUN_DIR or RUN_DIR/checkpoints (its 'latest' is used), or "

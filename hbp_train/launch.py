@@ -12,6 +12,7 @@ exit code, and exits with the worker's code (so scripts still see 2 for bad inpu
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -31,8 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\ntorchrun's options:\n", flush=True)
+    args = parse_args(argv)
     os.environ["HBP_LAUNCHER"] = "1"  # workers leave their one-line error to us (train._fail)
+    if not os.environ.get("HBP_DEBUG"):
+        # torchrun logs "failed (exitcode: 2) ..." and "Sending process ... closing signal" before our one line,
+        # which says the same; HBP_DEBUG=1 keeps them.
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as e:

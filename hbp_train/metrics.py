@@ -110,11 +110,13 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         if cfg.jsonl:
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            # A resumed run continues the file; a fresh one replaces what an earlier, unsaved attempt left.
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step > 0 else "w")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            # purge_step hides events an earlier attempt logged from start_step on (they are re-run now)
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
         if cfg.progress_bar:
             from tqdm import tqdm
 

@@ -99,7 +99,7 @@ def _task(dict_cfg) -> None:
 def main() -> None:
     import hydra
 
-    from hbp_train.config import CONF_DIR, ConfigError, load, user_overrides
+    from hbp_train.config import CONF_DIR, ConfigError, check_command_line, load, user_overrides
 
     argv = _strip_local_rank(sys.argv[1:])
     sys.argv = [sys.argv[0]] + argv
@@ -108,11 +108,12 @@ def main() -> None:
 
         print(help_text())
         sys.exit(0)
-    if not any(a.startswith("-") for a in argv):  # --help, --cfg, --info ... are Hydra's business
-        try:
+    try:
+        check_command_line(argv)
+        if not any(a.startswith("-") for a in argv):  # --cfg, --info ... are Hydra's business
             load(user_overrides(argv))  # fail fast, one line, before any rank builds anything
-        except ConfigError as e:
-            _fail(f"config error: {e}", 2)
+    except ConfigError as e:
+        _fail(f"config error: {e}", 2)
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
 

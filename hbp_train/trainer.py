@@ -118,7 +118,9 @@ class DeepSpeedConfig:
     """How DeepSpeed shards and places the model state (precision follows model.dtype)."""
 
     zero_stage: int = 2
-    """ZeRO stage: 2 (shard optimizer state and gradients) or 3 (also parameters)."""
+    """ZeRO stage: 1 (shard optimizer state; gradients reduced once per step, which plans with unequal micro-batch
+    counts per replica, strategy bytescale, need), 2 (also gradients, reduced every micro-batch) or 3 (also
+    parameters)."""
     offload_optimizer: bool = False
     """Keep optimizer state on the CPU (ZeRO-Offload); the optimizer step runs there (torch AdamW)."""
     offload_param: bool = False
@@ -131,8 +133,8 @@ class DeepSpeedConfig:
     """Raw DeepSpeed config entries merged last (advanced; e.g. {"zero_optimization": {"stage3_max_live_parameters": 1e9}})."""
 
     def __post_init__(self):
-        if self.zero_stage not in (2, 3):
-            raise ValueError(f"deepspeed.zero_stage={self.zero_stage}: must be 2 or 3")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage={self.zero_stage}: must be 1, 2 or 3")
         if self.offload_param and self.zero_stage != 3:
             raise ValueError("deepspeed.offload_param: needs deepspeed.zero_stage=3")
         if self.reduce_bucket_size < 1:
@@ -376,8 +378,12 @@ def build(cfg, config_yaml: str = "") -> Run:
             continue
         if packed.world_size != world_size:
             raise ValueError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
-                             f"{world_size} ranks: re-plan with data_tools.pack --world-size {world_size}")
-        check_zero_stage(packed.plan, cfg.deepspeed.zero_stage)  # bytescale plans (unequal micro-batches): ZeRO 0/1
+                             f"{world_size} ranks: launch {packed.world_size} processes (NPROC={packed.world_size} "
+                             f"./launch.sh train ...), or re-plan with data_tools.pack --world-size {world_size}")
+        try:  # bytescale plans (unequal micro-batch counts per replica) need ZeRO-1
+            check_zero_stage(packed.plan, cfg.deepspeed.zero_stage)
+        except ValueError as e:
+            raise ValueError(f"{shards}/plan.json: {e} (deepspeed.zero_stage=1)") from None
     if cfg.train.ckpt_layers is not None and len(cfg.train.ckpt_layers) not in (1, len(data.groups)):
         raise ValueError(f"train.ckpt_layers has {len(cfg.train.ckpt_layers)} values but the plan has "
                          f"{len(data.groups)} groups: give one per group or a single one")
@@ -446,6 +452,7 @@ def train(cfg, config_yaml: str = "") -> dict:
             ckpt.check_resumable(*resume, dist.get_world_size() if dist.is_initialized() else 1, cfg.data.shards)
     except ValueError as e:
         raise ValueError(f"train.resume={cfg.train.resume}: {e}") from None
+    ckpt.check_fresh_root(ckpt_root, resume)
     run = build(cfg, config_yaml)
     rank = dist.get_rank() if dist.is_initialized() else 0
     start_step, num_skipped, sp_totals = 0, 0, None
@@ -483,7 +490,8 @@ def train(cfg, config_yaml: str = "") -> dict:
     try:
         while step < run.total_steps:
             t0 = time.perf_counter()
-            step_batch = run.data.step_batch(step, rank, run.pad_token_id)
+            # Below ZeRO-2 ranks meet only at the step's end: a replica with fewer packs runs only those.
+            step_batch = run.data.step_batch(step, rank, run.pad_token_id, equal_counts=cfg.deepspeed.zero_stage >= 2)
             data_time = time.perf_counter() - t0
             gathered, skipped, lr = train_step(run, step_batch, lambda: stop.requested)
             num_skipped += int(skipped)

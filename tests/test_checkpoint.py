@@ -120,3 +120,19 @@ def test_load_restores_the_rng_state_save_stored(tmp_path):
     resumed = ckpt.load(engine, str(tmp_path), ckpt.tag_for(2))
     assert resumed.next_step == 2
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_prune_never_deletes_the_checkpoint_just_saved_when_later_tags_exist(tmp_path):
+    # A run resumed from step 4 while step 10 exists: saving step 6 must keep 6 (the newest of this timeline).
+    root = str(tmp_path)
+    _make(root, [2, 4, 6, 10])
+    ckpt.prune(root, 2, upto_step=6)
+    assert ckpt.list_tags(root) == [ckpt.tag_for(s) for s in (4, 6, 10)]
+
+
+def test_latest_naming_a_missing_checkpoint_is_one_line_naming_what_is_there(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    _make(root, [2, 4], latest=8)
+    with pytest.raises(ValueError, match=r"latest names step_00000008, which is not there \(checkpoints there: "
+                                         r"step_00000002, step_00000004\); pass one explicitly"):
+        ckpt.find_resume("auto", root)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_every_preset_and_group_option_composes(tmp_path, fake_hf_model):
     ("train.betas=[0.9]", "train.betas"),
     ("train.bogus=1", "train.bogus"),
     ("loss.normalizer=mean", "loss.normalizer"),
-    ("deepspeed.zero_stage=1", "deepspeed.zero_stage"),
+    ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
     ("deepspeed.offload_param=true", "deepspeed.offload_param"),
     ("data=custom", "data.shards"),
     ("logging.log_every=0", "logging.log_every"),
@@ -116,6 +117,17 @@ def test_entry_point_rejects_bad_value_with_exit_2():
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
     assert lines == ["config error: train.warmup_steps=-3: must be >= 0"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-steps", "3"], "--max-steps: training takes Hydra overrides KEY=VALUE, not options (e.g. train.max_steps=VALUE)"),
+    (["train.lr=1e-3", "max_steps"], "max_steps: training takes Hydra overrides KEY=VALUE"),
+    (["--bogus"], "--bogus: training takes Hydra overrides KEY=VALUE, not options (e.g. train.max_steps=3)"),
+])
+def test_options_that_are_not_overrides_are_refused_naming_the_override(argv, message):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.check_command_line(argv)
+    config.check_command_line(["--cfg", "job", "train.lr=1e-3", "~train.betas", "-m", "--config-name=config"])
 
 
 def test_deepspeed_launcher_local_rank_is_stripped(monkeypatch):

@@ -102,6 +102,11 @@ def test_split_for_sp_is_identity_at_sp1_and_slices_beyond():
 def test_bad_shards_fail_with_a_message(tmp_path, shards):
     with pytest.raises(ValueError, match="no plan.json"):
         PackedData(str(tmp_path))
+    tokenized = tmp_path / "tok"  # a preprocess output (report.json) given where packed shards belong
+    tokenized.mkdir()
+    (tokenized / "report.json").write_text("{}")
+    with pytest.raises(ValueError, match="it is a tokenized dataset: plan and pack it first"):
+        PackedData(str(tokenized))
     plan = json.loads(open(f"{shards}/plan.json").read())
     for step in plan["steps"]:
         del step["rows"]

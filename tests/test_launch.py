@@ -27,6 +27,8 @@ def test_failed_worker_gives_its_exit_code_and_one_line_without_traceback():
     assert "error: data.shards=x: no plan.json there" in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("[launch] sh failed: rank ") and "exit code 3" in last
+    # torchrun's own failure log lines are quieted: the workers' lines and ours are all there is
+    assert all(line.startswith(("error: ", "[launch] ")) for line in proc.stderr.strip().splitlines()), proc.stderr
 
 
 def test_the_worker_error_file_message_becomes_the_last_line():

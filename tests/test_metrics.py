@@ -81,3 +81,17 @@ def test_all_gather_without_process_group_is_local():
     assert all_gather_floats([1.0, 2.0], torch.device("cpu")).tolist() == [[1.0, 2.0]]
     with pytest.raises(ValueError, match="logging.log_every"):
         LoggingConfig(log_every=0)
+
+
+def test_a_fresh_run_replaces_metrics_jsonl_and_a_resumed_one_continues_it(tmp_path):
+    cfg = LoggingConfig(tensorboard=False, progress_bar=False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "from": "an earlier attempt"}\n')
+    for start_step, expected_rows in ((3, 2), (0, 1)):
+        logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=10, start_step=start_step)
+        row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=10, flops=1e9, nonfinite=0, stop=0)
+        logger.log(logger.step_metrics(step=start_step, total_steps=10, gathered=_gathered([row]), columns=STAT_COLUMNS,
+                                       lr=1e-4, grad_norm=0.5, step_time=1.0, data_time=0.0, group=0, sp=1,
+                                       num_micro_batches=1, plan_metrics={}, skipped=False, num_skipped=0))
+        logger.close()
+        rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == expected_rows, (start_step, rows)

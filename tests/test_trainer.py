@@ -284,6 +284,32 @@ def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
         trainer.train(cfg)
 
 
+def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_checkpoints(shards, tmp_path, monkeypatch):
+    # Its saves would mix with the earlier run's: pruning would rank them by step and delete the new ones.
+    from hbp_train import checkpoint as ckpt
+    from hbp_train import config, trainer
+
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.out_dir"))
+    (tmp_path / "run" / "checkpoints" / ckpt.tag_for(40)).mkdir(parents=True)
+    cfg = config.load(overrides(shards, str(tmp_path / "run")))
+    with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(newest step_00000040\): "
+                                         r"continue it with train.resume=auto"):
+        trainer.train(cfg)
+
+
+def test_a_bytescale_plan_needs_zero_stage_1_and_says_so(tmp_path):
+    from hbp_train import config, trainer
+
+    shards = write_packed(str(tmp_path / "bs"), synthetic_samples(4, VOCAB, seed=1),
+                          [{"group": 0, "replicas": [[[0, 1], [2, 3]]]}], world_size=1,
+                          plan_extra={"strategy": "bytescale", "unequal_micro_batches": True,
+                                      "requires_zero_stage": [0, 1]})
+    cfg = config.load(overrides(shards, str(tmp_path / "run"), "deepspeed.zero_stage=2"))
+    with pytest.raises(ValueError, match=r"bs/plan.json: .*needs ZeRO stage 0 or 1.*\(deepspeed.zero_stage=1\)"):
+        trainer.build(cfg)
+    assert config.load(overrides(shards, str(tmp_path / "run"), "deepspeed.zero_stage=1")).deepspeed.zero_stage == 1
+
+
 def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, capsys):
     """On a GPU the trainer warns, before allocating the engine, about groups the memory model says cannot fit
     (CUDA faked here: the check itself is arithmetic)."""

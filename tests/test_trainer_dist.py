@@ -4,7 +4,8 @@ every sample on its own (no packing) through the plain HF model.
 
 One spawn serves every case: each rank builds an engine per (ZeRO stage, normalizer), runs the fixture's 3 plan
 steps (m = 2, 1, 2), and returns, per step, the full parameters before the step and the full gradient DeepSpeed
-hands the optimizer. The last (ZeRO-3) engine also saves a sharded checkpoint for the export round trip. The
+hands the optimizer. First, a ZeRO-1 engine runs a bytescale-shaped plan whose ranks run different numbers of
+micro-batches (each only its own packs): its gradients must equal the same reference. The last (ZeRO-3) engine also saves a sharded checkpoint for the export round trip. The
 ZeRO-3 builds (from a config and from_pretrained) are checked to be partitioned before deepspeed.initialize.
 """
 
@@ -15,8 +16,8 @@ import json
 import pytest
 import torch
 
-from tests.assets.packed_fixture import (TINY_LLAMA, TWO_RANK_STEPS, reference_normalized_loss, synthetic_samples,
-                                        write_packed)
+from tests.assets.packed_fixture import (BYTESCALE_PLAN, BYTESCALE_STEPS, TINY_LLAMA, TWO_RANK_STEPS,
+                                        reference_normalized_loss, synthetic_samples, write_packed)
 from tests.distributed import run_distributed
 
 VOCAB = 4096  # the shipped tokenizer's
@@ -30,9 +31,26 @@ def overrides(shards: str, out: str, zero_stage: int, normalizer: str) -> list:
             "train.warmup_steps=0", "train.lr=1e-2", "train.grad_clip=0"]
 
 
-def _worker(rank, world_size, shards, out):
-    import deepspeed
+def _steps_with_grads(run, rank, equal_counts=True) -> list:
+    """Run every plan step; per step: full params before it, the full gradient it produced, its micro-batch count."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from hbp_train import trainer
+
+    named = list(run.engine.module.named_parameters())
+    per_step = []
+    for step in range(run.data.num_steps):
+        params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
+        step_batch = run.data.step_batch(step, rank, equal_counts=equal_counts)
+        trainer.forward_backward(run, step_batch)
+        grads = {n: safe_get_full_grad(p).clone() for n, p in named}
+        run.engine.step()
+        per_step.append({"params": params, "grads": grads, "m": len(step_batch.micro_batches)})
+    return per_step
+
+
+def _worker(rank, world_size, shards, out, bytescale_shards):
+    import deepspeed
 
     from hbp_train import config, trainer
     from hbp_train.parallel import init_distributed
@@ -51,21 +69,18 @@ def _worker(rank, world_size, shards, out):
                                        for p in model.parameters())
         return plain_build_engine(cfg, model, *args)
 
+    # ZeRO-1 on a bytescale plan: each rank runs only its own packs (1 vs 3, then 2 vs 1), meeting once per step.
+    cfg = config.load(overrides(bytescale_shards, f"{out}/bytescale", 1, "ave_token"))
+    bytescale = _steps_with_grads(trainer.build(cfg), rank, equal_counts=False)
+    m_all = [None] * world_size
+    torch.distributed.all_gather_object(m_all, [s["m"] for s in bytescale])
+    results["bytescale"] = bytescale, m_all
     trainer.build_engine = build_engine
     for zero_stage, normalizer in CASES:
         cfg = config.load(overrides(shards, f"{out}/{zero_stage}_{normalizer}", zero_stage, normalizer))
         run = trainer.build(cfg)
         results[(zero_stage, normalizer, "at_engine")] = dict(at_engine)
-        named = list(run.engine.module.named_parameters())
-        per_step = []
-        for step in range(run.data.num_steps):
-            params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
-            step_batch = run.data.step_batch(step, rank)
-            trainer.forward_backward(run, step_batch)
-            grads = {n: safe_get_full_grad(p).clone() for n, p in named}
-            run.engine.step()
-            per_step.append({"params": params, "grads": grads, "m": len(step_batch.micro_batches)})
-        results[(zero_stage, normalizer)] = per_step
+        results[(zero_stage, normalizer)] = _steps_with_grads(run, rank)
     # The last engine is ZeRO-3: save its sharded checkpoint and the trained model's logits for the export check.
     from hbp_train import checkpoint
 
@@ -97,8 +112,12 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
     torch.set_num_threads(1)  # the reference is tiny; more threads only contend with other work on 2 cores
     samples = synthetic_samples(14, VOCAB, seed=3)
     shards = write_packed(str(tmp_path / "packed"), samples, TWO_RANK_STEPS, world_size=2)
-    results = run_distributed(_worker, 2, shards, str(tmp_path / "runs"))[0]
+    bytescale_samples = synthetic_samples(14, VOCAB, seed=5)
+    bytescale_shards = write_packed(str(tmp_path / "bytescale"), bytescale_samples, BYTESCALE_STEPS, world_size=2,
+                                    plan_extra=BYTESCALE_PLAN)
+    results = run_distributed(_worker, 2, shards, str(tmp_path / "runs"), bytescale_shards)[0]
     at_engine = {key[:2]: results.pop(key) for key in list(results) if key[-1] == "at_engine"}
+    bytescale, m_per_rank = results.pop("bytescale")
     pretrained = {key[1]: results.pop(key) for key in list(results) if key[0] == "z3_pretrained"}
 
     model = AutoModelForCausalLM.from_config(
@@ -113,12 +132,16 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
         assert built["local_numel"] == (total if zero_stage == 2 else pytest.approx(total / 2, rel=0.01))
         first = results[zero_stage, normalizer][0]["params"]
         assert all(torch.equal(first[k], v) for k, v in results[2, "ave_token"][0]["params"].items()), zero_stage
-    for (zero_stage, normalizer), per_step in results.items():
-        assert [s["m"] for s in per_step] == [2, 1, 2]  # m varies by step; step 2 holds an empty pack
+    cases = [(case, per_step, samples, TWO_RANK_STEPS) for case, per_step in results.items()]
+    cases.append(((1, "ave_token"), bytescale, bytescale_samples, BYTESCALE_STEPS))
+    assert m_per_rank == [[1, 2], [3, 1]]  # ZeRO-1: each rank ran only its own packs, no padding
+    for (zero_stage, normalizer), per_step, step_samples, steps in cases:
+        if zero_stage > 1:
+            assert [s["m"] for s in per_step] == [2, 1, 2]  # m varies by step; step 2 holds an empty pack
         for step_index, got in enumerate(per_step):
             model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
             model.zero_grad()
-            reference_normalized_loss(model, samples, TWO_RANK_STEPS[step_index], normalizer).backward()
+            reference_normalized_loss(model, step_samples, steps[step_index], normalizer).backward()
             ref = {"model." + k: p.grad for k, p in model.named_parameters()}
             scale = max(float(g.abs().max()) for g in ref.values())
             err = max(float((got["grads"][k] - ref[k]).abs().max()) for k in ref)

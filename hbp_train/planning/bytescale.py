@@ -13,7 +13,8 @@ micro-batch ends in a gradient reduce-scatter (and stage 3 gathers parameters in
 every rank must join the same number of times. ``ZERO_STAGES`` lists the stages where gradients are reduced only
 at the gradient-accumulation boundary (DeepSpeed: engine.py ``DeepSpeedEngine.allreduce_gradients``;
 docs/simulator.md has the details), and the plan records it as ``"requires_zero_stage"``; ``check_zero_stage``
-is what the pack CLI and the trainer call to refuse other stages.
+is what the pack CLI and the trainer call to refuse other stages. The trainer runs such plans with
+``deepspeed.zero_stage=1``, each rank running only its own packs.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ def loss_tokens(labels: list) -> int:
     return int(sum(1 for x in labels[1:] if x != -100))
 
 
-def write_packed(out: str, samples: list, steps: list, world_size: int) -> str:
+def write_packed(out: str, samples: list, steps: list, world_size: int, plan_extra: dict | None = None) -> str:
+    """Write the shards and plan.json; ``plan_extra`` overrides or adds plan keys (e.g. a bytescale plan's)."""
     from datasets import Dataset
 
     num_groups = 1 + max(s["group"] for s in steps)
@@ -69,6 +70,7 @@ def write_packed(out: str, samples: list, steps: list, world_size: int) -> str:
         "groups": [{"pack_len": pack_len[g], "sp": 1, "ckpt_layers": None} for g in range(num_groups)],
         "steps": plan_steps, "dropped": [], "deferred": [], "num_samples": len(samples), "metrics": {},
         "step_metrics": [{"ABR": 1.0, "DBR": 1.0, "tokens": 0, "group": s["group"]} for s in steps],
+        **(plan_extra or {}),
     }
     with open(os.path.join(out, "plan.json"), "w") as f:
         json.dump(plan, f)
@@ -81,6 +83,13 @@ TWO_RANK_STEPS = [
     {"group": 1, "replicas": [[[7, 8]], [[9]]]},
     {"group": 0, "replicas": [[[10], [11]], [[12, 13], []]]},
 ]
+
+# bytescale-shaped (ZeRO-1 only): replicas run different numbers of micro-batches, 1 vs 3 and 2 vs 1.
+BYTESCALE_STEPS = [
+    {"group": 0, "replicas": [[[0, 1, 2, 3]], [[4], [5, 6], [7]]]},
+    {"group": 0, "replicas": [[[8], [9, 10]], [[11, 12, 13]]]},
+]
+BYTESCALE_PLAN = {"strategy": "bytescale", "unequal_micro_batches": True, "requires_zero_stage": [0, 1]}
 
 # One replica: 6 steps with m = 2, 1, 2, 1, 2, 1.
 ONE_RANK_STEPS = [{"group": s % 2, "replicas": [[[2 * s], [2 * s + 1]] if s % 2 == 0 else [[2 * s, 2 * s + 1]]]}

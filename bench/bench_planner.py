@@ -45,14 +45,19 @@ def best_of(fn, repeats):
     return best, out
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=1_000_000, help="number of samples in the mix")
-    ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the mix and the planners")
+    ap.add_argument("--samples", type=int, default=1_000_000, help="number of samples in the mix (default 1000000)")
+    ap.add_argument("--repeats", type=int, default=3, help="timing repeats, the best is reported (default 3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the mix and the planners (default 0)")
     ap.add_argument("--world-size", type=int, default=32, help="GPUs (W) the plan is made for (default 32)")
     ap.add_argument("--global-tokens", type=int, default=None,
                     help="tokens per optimizer step (default W x 131072: one 128K pack's worth per GPU)")
+    return ap
+
+
+def main():
+    ap = build_parser()
     args = ap.parse_args()
     if args.world_size < 8 or args.world_size % 8:
         ap.error("--world-size must be a multiple of 8 (the 131072:8 group needs W/8 replicas)")

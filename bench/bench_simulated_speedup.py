@@ -1,6 +1,6 @@
 """SIMULATED speed-up of every planning strategy over isf on a 1M-sample long-tailed mix (cost model, no GPU).
 
-    python bench/bench_simulated_speedup.py [--num-samples 1000000] [--plot bench_simulated_speedup.png]
+    python bench/bench_simulated_speedup.py [--num-samples 1000000] [--plot bench/out/simulated_speedup.png]
 
 The mix is bench/bench_planner.py's ``long_tailed_lengths``: 95% chat-like samples (lognormal, median 600, clipped
 to [16, 32768]) and 5% long documents (log-uniform 8K-128K), seeded. Planned at max_len 128K, W=32, groups 16384:1,131072:8 (hbp; the single-group strategies use 131072:8),
@@ -34,7 +34,11 @@ from hbp_train.planning import GroupSpec  # noqa: E402
 from hbp_train.planning.simulate import SimConfig, plot_comparison  # noqa: E402
 
 
-def main() -> int:
+# Plots go under bench/out/ (ignored by git) wherever the script is run from, not into the current folder.
+DEFAULT_PLOT = Path(__file__).resolve().parent / "out" / "simulated_speedup.png"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-samples", type=int, default=1_000_000, help="samples in the mix (default 1000000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the mix and of planning (default 0)")
@@ -42,11 +46,17 @@ def main() -> int:
                    help="checkpointed layers in both groups (default 0; the plan's groups get this value)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2,
                    help="ZeRO stage of the second (with collectives) simulation (default 2)")
-    p.add_argument("--comm-overlap", type=float, default=0.0,
+    p.add_argument("--comm-overlap", type=float, default=0.0, metavar="F",
                    help="share of per-micro-batch collectives hidden behind compute in the second simulation "
                         "(default 0: all exposed, the pessimistic bound)")
-    p.add_argument("--plot", default="bench_simulated_speedup.png",
-                   help="output PNG (compute only); the with-collectives plot gets a _zero<stage> suffix")
+    p.add_argument("--plot", default=str(DEFAULT_PLOT), metavar="PNG",
+                   help="output PNG (compute only); the with-collectives plot gets a _zero<stage> suffix (default "
+                        "bench/out/simulated_speedup.png, ignored by git)")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     sim = SimConfig(ckpt_layers=args.ckpt_layers)
     try:

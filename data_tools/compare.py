@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hbp_train.outputs import check_output_file, write_output
+from hbp_train.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
 
@@ -110,16 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data_tools.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", metavar="FILE", help="one token length per line (or a .npy array)")
-    src.add_argument("--dataset", metavar="DIR", help="tokenized dataset (data_tools.preprocess); its 'length' column")
+    src.add_argument("--lengths", metavar="FILE", help="one token length per line (or a .npy array) (this or --dataset "
+                     "is required)")
+    src.add_argument("--dataset", metavar="DIR", help="tokenized dataset (data_tools.preprocess); its 'length' column "
+                     "(this or --lengths is required)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sample length (default: the largest pack_len); longer samples are dropped")
-    p.add_argument("--world-size", type=int, required=True, help="number of GPUs W")
+    p.add_argument("--world-size", type=int, required=True, help="number of GPUs W (required)")
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
-                        "use the last group")
+                        "use the last group; 'auto' reads them from --profile (required)")
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="with --groups auto: the profiler's JSON (python -m hbp_train.profile)")
+                   help="with --groups auto: the profiler's JSON (python -m hbp_train.profile) (default: none; "
+                        "--groups auto needs it)")
     p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024, help="target tokens per optimizer step "
                    "(default 4194304)")
     p.add_argument("--seed", type=int, default=0, help="planning seed (default 0)")
@@ -128,13 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_model_args(p)
     add_link_args(p)
     add_comm_args(p)
-    p.add_argument("--plot", default=None, metavar="PNG", help="write the comparison plot (PNG)")
-    p.add_argument("--out", default=None, metavar="JSON", help="write the table (and settings) as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write the comparison plot (PNG; an existing image is replaced) (default: no plot)")
+    p.add_argument("--out", default=None, metavar="JSON",
+                   help="write the table (and settings) as JSON; an existing file is replaced only if it is such a "
+                        "report (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except KeyboardInterrupt:  # outputs are written to a temporary name and moved into place when complete
+        return interrupted("compare", "outputs not yet complete (--out, --plot) were left as they were")
+
+
+def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from data_tools.pack import CliError, parse_groups, read_dataset_lengths, read_lengths
     from hbp_train.planning.simulate import plot_comparison
@@ -155,7 +168,7 @@ def main(argv=None) -> int:
         from hbp_train.planning import PlanConfig
 
         PlanConfig(**plan_kwargs)  # validate the settings before the long part
-        check_output_file("--out", args.out)
+        check_output_file("--out", args.out, json_key="simulated", kind="comparison report")
         check_output_file("--plot", args.plot, image=True)
     except (ValueError, CliError) as exc:
         print(f"compare: error: {exc}", file=sys.stderr)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hbp_train.outputs import atomic_write, interrupted
+
 # Tokens per pseudo-word (word + its leading space) under the shipped tokenizer, slightly above the real ~1.0
 # (demo words are mostly single tokens), so planned lengths err short; tests check none passes --max-tokens.
 TOKENS_PER_WORD = 1.05
@@ -143,29 +145,48 @@ def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0) -> 
     return records
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m data_tools.make_demo_data",
-        description="Write a deterministic, long-tailed synthetic chat SFT dataset (OpenAI 'messages' JSONL).",
+        description="Write a deterministic, long-tailed synthetic chat SFT dataset (OpenAI 'messages' JSONL). The "
+                    "file is written to a temporary name and moved over --out when complete: Ctrl-C (exit code 130) "
+                    "leaves an earlier --out as it was.",
     )
-    parser.add_argument("--out", required=True, help="output JSONL file (parent folders are created)")
+    parser.add_argument("--out", required=True,
+                        help="output JSONL file (parent folders are created; an existing file is replaced) (required)")
     parser.add_argument("--num-samples", type=int, default=2000, help="number of conversations (default 2000)")
     parser.add_argument("--max-tokens", type=int, default=2048,
                         help="longest sample, in tokens of the shipped tokenizer with its chat template; the long "
                              "tail reaches almost this (default 2048, sized for the CPU demo)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same file (default 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return write(args)
+    except KeyboardInterrupt:  # the file is written to a temporary name and moved into place when complete
+        return interrupted("make_demo_data", f"--out {args.out} was left as it was")
+
+
+def write(args: argparse.Namespace) -> int:
+    """Generate and write the file the parsed arguments ask for; exit code 2 with one line on bad input."""
     try:
         records = generate(args.num_samples, args.max_tokens, args.seed)
     except ValueError as e:  # name the flag, not the function argument
         print(f"error: --{str(e).replace('_', '-', 1)}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as f:
+
+    def write_lines(path: Path) -> None:
+        with open(path, "w", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, write_lines)
     except OSError as e:
         print(f"error: cannot write {out}: {e.strerror}; pass a writable --out path", file=sys.stderr)
         return 2

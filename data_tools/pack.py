@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hbp_train.outputs import check_output_file
+from hbp_train.outputs import check_output_file, interrupted, write_output
 
 
 MAX_PACK_LEN = 2**31 - 1
@@ -39,55 +38,63 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m data_tools.pack",
         description="Plan hierarchical balance packing (hbp) or the naive isf baseline: which samples go into which "
-        "pack, which packs each replica runs in each optimizer step. Writes plan.json (docs/architecture.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "pack, which packs each replica runs in each optimizer step. Writes plan.json (docs/architecture.md). "
+        "Outputs are written only when complete: Ctrl-C (exit code 130) leaves earlier ones as they were.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", metavar="FILE",
                      help="token length of every sample: a text file with one positive integer per line, or a .npy "
-                     "array; sample i is line i")
+                     "array; sample i is line i (this or --dataset is required)")
     src.add_argument("--dataset", metavar="DIR",
-                     help="tokenized dataset from data_tools.preprocess (HF save_to_disk); its 'length' column is used")
+                     help="tokenized dataset from data_tools.preprocess (HF save_to_disk); its 'length' column is used "
+                     "(this or --lengths is required)")
     p.add_argument("--shards", metavar="OUT",
                    help="with --dataset: also write packed shards to OUT (OUT/plan.json with per-step rows, "
-                   "OUT/group_<g>/ one row per pack)")
+                   "OUT/group_<g>/ one row per pack). OUT must be new, empty or an earlier --shards output, which "
+                   "is replaced as a whole once the new set is complete (default: no shards)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest sample length the data may have (the preprocess max_len); must not exceed the "
-                   "largest group's pack_len. Default: the largest pack_len")
-    p.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks) W")
+                   "largest group's pack_len (default: the largest pack_len)")
+    p.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks) W (required)")
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] pairs, comma separated, e.g. 16384:1,131072:8; sp is a "
                    "power of two dividing W; samples longer than the last pack_len are dropped. 'auto' reads them "
-                   "from --profile")
+                   "from --profile (required)")
     p.add_argument("--profile", metavar="FILE",
-                   help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]}")
+                   help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
+                   "(default: none; --groups auto needs it)")
     p.add_argument("--strategy", choices=["hbp", "isf", "sorted", "wlb", "bytescale"], default="hbp",
                    help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; sorted = "
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
-                   "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage)")
+                   "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
     p.add_argument("--calibration", metavar="FILE", default=None,
                    help="balance predicted pack time from this cost-model calibration (hbp_train.calibrate JSON) "
-                   "instead of sum of len^2; wlb/bytescale use the shipped calibration when not given")
+                   "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
-                   help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON; default: the "
-                   "calibration's own shape")
+                   help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: the "
+                   "calibration's own shape)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
-                   "reduce gradients every micro-batch, docs/simulator.md)")
+                   "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
     p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024,
                    help="target tokens per optimizer step; micro-batches per replica m = max(1, round(G / (pack_len "
-                   "* W/sp)))")
+                   "* W/sp))) (default 4194304)")
     p.add_argument("--curriculum-steps", type=int, default=0,
-                   help="the first K steps use only the shortest group (isf: only packs of short samples)")
-    p.add_argument("--seed", type=int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same plan")
+                   help="the first K steps use only the shortest group (isf: only packs of short samples) (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same "
+                   "plan (default 0)")
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
-                   "move samples between the packs of a slot to even their cost")
-    p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers")
+                   "move samples between the packs of a slot to even their cost (default refine)")
+    p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers "
+                   "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,
-                   help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens. Default pack_len // 64")
-    p.add_argument("--out", metavar="FILE", help="where to write plan.json (required unless --shards is given)")
-    p.add_argument("--plot", metavar="PNG", help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR")
+                   help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens (default: pack_len // 64)")
+    p.add_argument("--out", metavar="FILE",
+                   help="where to write plan.json (required unless --shards is given); an existing file is replaced "
+                   "only if it is a plan (JSON starting with \"version\"), never other data")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR (default: no plot)")
     p.add_argument("--no-baseline", action="store_true", help="hbp: skip planning the isf baseline for comparison")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -96,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 def read_lengths(path: str) -> np.ndarray:
     """Lengths from a text file (one integer per line) or a .npy file; CliError naming FILE:line on bad input."""
     f = Path(path)
+    if f.is_dir():
+        raise CliError(f"--lengths {path}: is a directory; pass a lengths file, or a tokenized dataset with --dataset")
     if not f.is_file():
         raise CliError(f"--lengths {path}: no such file")
     if f.suffix == ".npy":
@@ -207,13 +216,22 @@ def parse_groups(text: str, profile: str | None, world_size: int):
 
 
 def check_shards_dir(path: str) -> None:
-    """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files."""
+    """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files.
+
+    A re-pack replaces the whole folder, so an earlier output holding anything besides plan.json and group_*
+    (say notes someone added) is refused rather than deleted."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise CliError(f"--shards {path}: exists and is not a directory; pass a new or empty directory")
-    if p.is_dir() and any(p.iterdir()) and not (p / "plan.json").is_file():
+    if not p.is_dir() or not any(p.iterdir()):
+        return
+    if not (p / "plan.json").is_file():
         raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json); "
                        "choose a new or empty --shards directory")
+    other = sorted(x.name for x in p.iterdir() if x.name != "plan.json" and not x.name.startswith("group_"))
+    if other:
+        raise CliError(f"--shards {path}: holds {other[0]}, which is not part of the packed shards a re-pack "
+                       "replaces; move it out or choose another --shards directory")
 
 
 METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"),
@@ -241,7 +259,7 @@ def run(argv=None) -> int:
         raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
-    check_output_file("--out", args.out)
+    check_output_file("--out", args.out, json_key="version", kind="plan")
     check_output_file("--plot", args.plot, image=True)
     if args.shards:
         check_shards_dir(args.shards)
@@ -311,9 +329,6 @@ def run(argv=None) -> int:
         finally:
             if silence:
                 datasets.enable_progress_bars()
-        for stale in Path(args.shards).glob("group_*"):  # an earlier plan's groups that this plan does not have
-            if stale.is_dir() and stale.name not in {f"group_{g}" for g in rows}:
-                shutil.rmtree(stale)
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
     if plan.metrics["num_dropped"]:
@@ -331,7 +346,7 @@ def run(argv=None) -> int:
     elif args.plot:
         from hbp_train.planning.plot import plot_plans
 
-        plot_plans(plans.get("isf"), plans.get("hbp"), args.plot)
+        write_output("--plot", args.plot, lambda path: plot_plans(plans.get("isf"), plans.get("hbp"), path))
         print(f"wrote {args.plot}")
     return 0
 
@@ -348,6 +363,8 @@ def main(argv=None) -> int:
     except OSError as e:  # an output (or input) path the OS refuses: a directory, no permission, a full disk
         print(f"pack: error: {e.filename or ''}: {e.strerror or e}; check the path and its permissions", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every output is written to a temporary name and moved into place when complete
+        return interrupted("pack", "outputs not yet complete (--out, --shards, --plot) were left as they were")
 
 
 if __name__ == "__main__":

@@ -44,14 +44,15 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from data_tools.sft_formats import FORMATS, REASONS, FormatError, to_turns
+from hbp_train.outputs import interrupted, replace_dir, staging_dir
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
@@ -316,6 +317,13 @@ def _init_worker(tokenizer_dir: str, max_len: int | None, overlong: str, encoder
     _LIMITS = (max_len, overlong)
 
 
+def _init_pool_worker(*args):
+    """_init_worker for a pool process, which leaves Ctrl-C to the parent: the terminal sends SIGINT to every
+    process of the job, and each worker would print its own KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(*args)
+
+
 def _start_pool(num_proc: int, tokenizer_dir: str, max_len: int | None, overlong: str, encoder: ChatEncoder):
     """Worker pool. Fork where available (as datasets.map does): workers start in milliseconds with the parent's
     tokenizer instead of re-importing transformers/torch for seconds each. It is created before this process opens
@@ -323,9 +331,9 @@ def _start_pool(num_proc: int, tokenizer_dir: str, max_len: int | None, overlong
     encoded yet, so the tokenizers library has no thread pool to warn about. Spawn elsewhere."""
     if "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork").Pool(
-            num_proc, initializer=_init_worker, initargs=(tokenizer_dir, max_len, overlong, encoder))
+            num_proc, initializer=_init_pool_worker, initargs=(tokenizer_dir, max_len, overlong, encoder))
     return multiprocessing.get_context("spawn").Pool(
-        num_proc, initializer=_init_worker, initargs=(tokenizer_dir, max_len, overlong))
+        num_proc, initializer=_init_pool_worker, initargs=(tokenizer_dir, max_len, overlong))
 
 
 def _encode_chunk(chunk: list[tuple[str, list[dict]]]) -> list[tuple]:
@@ -432,8 +440,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
     encoder = ChatEncoder(str(tokenizer))
     features = _features()
     try:
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.staging-", dir=output_dir.parent))
+        work = staging_dir(output_dir)
     except OSError as e:
         raise PreprocessError(f"{output_dir}: cannot create the output directory ({e.strerror}); pass a writable "
                               f"--output path") from None
@@ -529,9 +536,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
         del dataset
         (staged / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         shutil.move(str(work / "dropped.jsonl"), str(staged / "dropped.jsonl"))
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(staged, output_dir)
+        replace_dir(staged, output_dir)
         return report
     finally:
         if pool is not None:
@@ -606,13 +611,15 @@ def build_parser() -> argparse.ArgumentParser:
                "Policy drops (always counted): overlong, no_loss_tokens, no_loss_tokens_after_truncation.\n"
                f"Bad-input reasons (fail or skip per --on-error):{reasons}\n"
                "Exit codes: 0 ok; 2 bad input, tokenizer or output (one line on stderr) or bad arguments\n"
-               "(argparse usage).",
+               "(argparse usage); 130 interrupted (Ctrl-C; an existing DIR is left as it was).",
     )
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="input files (.jsonl, .json array, .parquet) or saved HF dataset directories")
-    parser.add_argument("--output", required=True, metavar="DIR", help="output dataset directory")
+                        help="input files (.jsonl, .json array, .parquet) or saved HF dataset directories (required)")
+    parser.add_argument("--output", required=True, metavar="DIR", help="output dataset directory, built beside DIR and moved into "
+                        "place when complete (required)")
     parser.add_argument("--tokenizer", required=True, metavar="DIR",
-                        help="local HF tokenizer directory (loaded offline), e.g. data_tools/assets/tokenizer")
+                        help="local HF tokenizer directory (loaded offline), e.g. data_tools/assets/tokenizer "
+                             "(required)")
     parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
                         help="record shape; auto detects it per record: 'messages' -> OpenAI, 'conversations' -> "
                              "ShareGPT, 'instruction'/'output' -> Alpaca (default auto)")
@@ -642,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the staging folder is removed; the swap into --output happens only at the end
+        return interrupted("preprocess", f"--output {args.output} was left as it was")
     print(format_report(report))
     return 0
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hbp_train.outputs import check_output_file, write_output
+from hbp_train.outputs import check_output_file, interrupted, write_output
 from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
 from hbp_train.planning.simulate import DEFAULT_HBM_GBPS, SimConfig
 
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m data_tools.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", action="append", required=True, metavar="PLAN_JSON",
-                   help="a plan.json (from data_tools.pack); repeat to compare, the first is the baseline")
+                   help="a plan.json (from data_tools.pack), or a --shards folder holding one; repeat to compare, "
+                        "the first is the baseline (required)")
     p.add_argument("--name", action="append", default=None,
                    help="label for each --plan, in order (default: the plan's strategy and file name)")
     add_cost_model_args(p)
@@ -117,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "plans with unequal micro-batch counts (bytescale), micro otherwise")
     add_comm_args(p)
     p.add_argument("--out", default=None, metavar="REPORT_JSON",
-                   help="write the report (summary per plan, and every slot's replica times) to this JSON file")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a comparison plot (PNG)")
+                   help="write the report (summary per plan, and every slot's replica times) to this JSON file; an "
+                        "existing file is replaced only if it is such a report (default: no report)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a comparison plot (PNG; an existing image is replaced) (default: no plot)")
     p.add_argument("--show-slots", type=int, default=3, metavar="N",
                    help="print each replica's time for the first N slots of every plan (default 3)")
     return p
@@ -129,6 +132,11 @@ def load_plan(path: str):
     from hbp_train.planning.plan import Plan
 
     p = Path(path)
+    if p.is_dir():  # a --shards folder: use its plan
+        if not (p / "plan.json").is_file():
+            raise ValueError(f"{path}: is a folder with no plan.json; pass a plan file from python -m data_tools.pack")
+        p = p / "plan.json"
+        path = str(p)
     if not p.is_file():
         raise ValueError(f"{path}: no such plan file")
     try:
@@ -167,6 +175,13 @@ SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps
 
 
 def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except KeyboardInterrupt:  # outputs are written to a temporary name and moved into place when complete
+        return interrupted("simulate", "outputs not yet complete (--out, --plot) were left as they were")
+
+
+def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from hbp_train.planning.bytescale import check_zero_stage
     from hbp_train.planning.simulate import plot_comparison, simulate, speedup
@@ -183,7 +198,7 @@ def main(argv=None) -> int:
                     check_zero_stage(plan, sim_cfg.zero_stage)
                 except ValueError as exc:
                     raise ValueError(f"{path}: {exc}") from None
-        check_output_file("--out", args.out)
+        check_output_file("--out", args.out, json_key="simulated", kind="simulation report")
         check_output_file("--plot", args.plot, image=True)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

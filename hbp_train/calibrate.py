@@ -38,6 +38,8 @@ NOOP_ATTENTION = "hbp_calibrate_noop"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hbp_train.attention import BACKENDS  # imports torch: not at module level, like main's own torch import
+
     p = argparse.ArgumentParser(prog="python -m hbp_train.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", default="llama3.2-1b",
@@ -46,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=TABLE_TOKENS,
                    help="tokens per timed pack (default 32768; results are written per 32768 tokens)")
     p.add_argument("--doc-lens", default=",".join(map(str, DEFAULT_DOC_LENS)),
-                   help="document lengths of the attention table, comma separated (each <= --tokens)")
+                   help="document lengths of the attention table, comma separated (each <= --tokens) (default "
+                        f"{','.join(map(str, DEFAULT_DOC_LENS))})")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per point; the median is kept (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations per point (default 3)")
-    p.add_argument("--backend", default="auto", help="attention backend (hbp_train.attention; default auto)")
-    p.add_argument("--out", default=None, metavar="JSON", help="calibrate: where to write the calibration JSON")
+    p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
+                   help="attention backend (hbp_train.attention); auto picks the best one available here (default "
+                        "auto)")
+    p.add_argument("--out", default=None, metavar="JSON",
+                   help="calibrate: where to write the calibration JSON (required unless --validate)")
     p.add_argument("--validate", action="store_true",
                    help="measure whole-pack times of the full model for packs of 1..--max-samples samples and "
                         "report the cost model's prediction error")
@@ -58,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate: the calibration to test (default: the shipped one, scaled to the shape)")
     p.add_argument("--max-samples", type=int, default=100, help="validate: most samples in a pack (default 100)")
     p.add_argument("--num-packs", type=int, default=12, help="validate: packs to time (default 12)")
-    p.add_argument("--validate-out", default=None, metavar="JSON", help="validate: where to write the report")
+    p.add_argument("--validate-out", default=None, metavar="JSON",
+                   help="validate: where to write the report (default: printed only)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and pack splits (default 0)")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on the CPU (float32) as a smoke test; the timings are not a calibration")

@@ -86,3 +86,23 @@ def test_bad_arguments(tmp_path, capsys):
     assert "seed must be >= 0" in capsys.readouterr().err
     assert main(["--out", str(tmp_path), "--num-samples", "1"]) == 2  # a directory, not a file
     assert f"cannot write {tmp_path}" in capsys.readouterr().err
+
+
+def test_interrupt_while_writing_keeps_the_earlier_file(tmp_path, capsys, monkeypatch):
+    """Ctrl-C half-way through the file: one line, exit code 130, the earlier file whole, no temporary file."""
+    out = tmp_path / "demo.jsonl"
+    assert main(["--out", str(out), "--num-samples", "5", "--max-tokens", "512"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    dumps, calls = json.dumps, []
+
+    def dumps_then_interrupt(obj, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return dumps(obj, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", dumps_then_interrupt)
+    assert main(["--out", str(out), "--num-samples", "5", "--max-tokens", "512", "--seed", "1"]) == 130
+    assert capsys.readouterr().err == f"make_demo_data: interrupted; --out {out} was left as it was\n"
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["demo.jsonl"]

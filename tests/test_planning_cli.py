@@ -187,3 +187,91 @@ def test_plan_of_another_version_is_refused(tmp_path, lengths_file):
     Plan.from_dict(d)  # its own version reads back
     with pytest.raises(ValueError, match="plan version 0 is not the version 1 this code reads; re-run"):
         Plan.from_dict({**d, "version": 0})
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_interrupt_while_writing_keeps_the_earlier_plan(tmp_path, lengths_file, capsys, monkeypatch):
+    """Ctrl-C while a plan is serialised: one line, exit code 130, and the earlier plan.json whole (it used to be
+    opened for writing first and left at 0 bytes)."""
+    path, _ = lengths_file
+    out = tmp_path / "plan.json"
+    assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline"]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(Plan, "to_dict", _interrupt)
+    assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline", "--seed", "1"]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and err.startswith("pack: interrupted; ") and "left as they were" in err
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.txt", "plan.json"]  # no temporary file left
+
+
+def test_sigint_subprocess_one_line_no_traceback(tmp_path):
+    """A real Ctrl-C (SIGINT) while a 1M-sample plan is being made: no traceback, exit code 130, --out untouched."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(map(str, np.random.default_rng(0).integers(16, 32768, 1_000_000))) + "\n")
+    out = tmp_path / "plan.json"
+    out.write_text('{"version": 1, "earlier": true}')  # an earlier plan: it may be replaced, never cut short
+    proc = subprocess.Popen([sys.executable, "-m", "data_tools.pack", "--lengths", str(lengths), "--world-size", "8",
+                             "--groups", "4096:1,32768:8", "--out", str(out)], cwd=Path(__file__).parent.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err, deadline = b"", time.monotonic() + 60
+    while b"planning" not in err and time.monotonic() < deadline:  # the first progress bar: planning is under way
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        if not chunk:
+            break
+        err += chunk
+    time.sleep(0.2)  # not inside the bar's first draw (a bar interrupted there cannot be closed); ~1 s of work is left
+    proc.send_signal(signal.SIGINT)
+    err += proc.stderr.read()
+    proc.wait(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text, text
+    assert text.replace("\r", "\n").strip().splitlines()[-1].startswith("pack: interrupted; ")
+    assert out.read_text() == '{"version": 1, "earlier": true}'
+
+
+def test_out_never_replaces_a_file_that_is_not_a_plan(tmp_path, lengths_file, capsys):
+    path, _ = lengths_file
+    raw = tmp_path / "train.jsonl"
+    raw.write_text('{"messages": []}\n')
+    _error(capsys, ["--lengths", str(path), *BASE, "--out", str(raw)],
+           f"--out {raw}: exists and is not a plan written by hbp-train")
+    assert raw.read_text() == '{"messages": []}\n'
+    out = tmp_path / "plan.json"
+    for seed in ("0", "1"):  # an earlier plan is replaced
+        assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline", "--seed", seed]) == 0
+        assert json.loads(out.read_text())["seed"] == int(seed)
+    _error(capsys, ["--lengths", str(tmp_path), *BASE, "--out", str(out)], f"--lengths {tmp_path}: is a directory")
+
+
+@pytest.mark.parametrize("module", ["data_tools.pack", "data_tools.compare", "data_tools.simulate",
+                                    "data_tools.preprocess", "data_tools.make_demo_data", "hbp_train.calibrate",
+                                    "bench.bench_planner", "bench.bench_simulated_speedup"])
+def test_every_option_of_every_planning_cli_says_its_default(module):
+    """--help of each CLI: every option explained; every option that takes a value says its default or that it is
+    required, once (no argparse '(default: None)' next to a hand-written default)."""
+    import argparse
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    assert "(default: None)" not in parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = (action.help or "").lower()
+        assert text.strip(), action.option_strings
+        if action.nargs != 0:  # flags (store_true) are off unless given
+            assert "default" in text or "required" in text, (action.option_strings, text)
+        assert text.count("default") <= 1, (action.option_strings, text)

@@ -89,3 +89,42 @@ def test_shards_refuse_a_foreign_folder_and_replace_an_earlier_output(tmp_path, 
     captured = capsys.readouterr()
     assert "Saving the dataset" not in captured.err  # --quiet also silences datasets' bars
     assert sorted(p.name for p in out.iterdir()) == ["group_0", "plan.json"]  # the old group_1 is gone
+    (out / "notes.txt").write_text("keep me")  # a re-pack replaces the whole folder: refused, not deleted
+    assert main(common + ["--groups", "512:1", "--shards", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--shards {out}: holds notes.txt, which is not part of the packed shards" in err
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def _tree(folder):
+    """{relative path: bytes} of every file below ``folder``."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_interrupted_repack_keeps_the_earlier_shards_whole(tmp_path, tokenized, capsys, monkeypatch):
+    """Ctrl-C after the first group of a re-pack was saved: exit 130 with one line, and OUT is still exactly the
+    earlier set (it used to hold the new group_0 beside the old plan.json, which the trainer read as one set)."""
+    src, _ = tokenized
+    out = tmp_path / "packed"
+    common = ["--dataset", str(src), "--world-size", "2", "--global-tokens", "512", "--quiet", "--shards", str(out)]
+    assert main(common + ["--groups", "64:1,512:2"]) == 0
+    before = _tree(out)
+    capsys.readouterr()
+    save = datasets.Dataset.save_to_disk
+    calls = []
+
+    def save_then_interrupt(self, path, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return save(self, path, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save_then_interrupt)
+    assert main(common + ["--groups", "64:1,512:2", "--seed", "1"]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and err.startswith("pack: interrupted; ")
+    assert len(calls) == 2 and _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["packed", "tok"]  # no staging folder left beside it
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
+    assert main(common + ["--groups", "64:1,512:2", "--seed", "1"]) == 0  # a complete re-pack replaces it
+    assert json.loads((out / "plan.json").read_text())["seed"] == 1 and _tree(out) != before

@@ -446,3 +446,42 @@ def test_json_array_errors_name_the_line(tmp_path):
     single.write_text(json.dumps(GOOD))
     report, _ = run(tmp_path, [single, ASSETS / "alpaca.json"], on_error="skip")
     assert report["dropped"] == {"malformed_json": 1} and report["kept"] == 3
+
+
+def test_interrupt_exits_130_and_keeps_the_earlier_output(tmp_path, capsys, monkeypatch):
+    """Ctrl-C as the new dataset is being saved: one line, exit code 130, the earlier output as it was and no
+    staging folder left beside it."""
+    import datasets
+
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD])
+    argv = ["--input", str(path), "--output", str(tmp_path / "out"), "--tokenizer", TOKENIZER]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    capsys.readouterr()
+    write_jsonl(path, [GOOD, GOOD, GOOD])
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", interrupt)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"preprocess: interrupted; --output {tmp_path / 'out'} was left as it was"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]
+
+
+def test_pool_workers_leave_ctrl_c_to_the_parent(encoder):
+    """Ctrl-C reaches every process of the job: workers ignore it (else each prints a traceback); the parent
+    stops them."""
+    import signal
+
+    from data_tools.preprocess import _start_pool
+
+    pool = _start_pool(1, TOKENIZER, None, "drop", encoder)
+    try:
+        assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
+    finally:
+        pool.terminate()
+        pool.join()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process still stops on Ctrl-C

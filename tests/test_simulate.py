@@ -338,3 +338,60 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "auto"]) == 2
     assert "--profile" in capsys.readouterr().err
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:1", "--strategies", "x"]) == 2
+
+
+def test_cli_plan_folder_and_outputs_it_may_replace(tmp_path, capsys):
+    """--plan accepts a --shards folder (its plan.json); --out replaces only an earlier report, never other data."""
+    from data_tools import simulate as cli
+
+    folder = tmp_path / "packed"
+    plan_a().to_json(folder / "plan.json")
+    out = tmp_path / "r.json"
+    for _ in range(2):  # the second run replaces the first run's report
+        assert cli.main(["--plan", str(folder), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["plans"][0]["num_steps"] == plan_a().num_steps
+    capsys.readouterr()
+    raw = tmp_path / "train.jsonl"
+    raw.write_text('{"messages": []}\n')
+    assert cli.main(["--plan", str(folder), "--out", str(raw)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: --out {raw}: exists and is not a simulation report written by hbp-train (JSON "
+                           'starting with "simulated"); choose another --out or delete the file')
+    assert raw.read_text() == '{"messages": []}\n'
+    assert cli.main(["--plan", str(tmp_path)]) == 2  # a folder without plan.json
+    assert f"{tmp_path}: is a folder with no plan.json" in capsys.readouterr().err
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in simulate or compare: one line naming what was left as it was, exit code 130, earlier --out kept."""
+    from data_tools import compare
+    from data_tools import simulate as cli
+    import hbp_train.planning.simulate as sim
+
+    path, out = tmp_path / "plan.json", tmp_path / "r.json"
+    plan_a().to_json(path)
+    assert cli.main(["--plan", str(path), "--out", str(out)]) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(sim, "simulate", _interrupt)
+    assert cli.main(["--plan", str(path), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and err.startswith("simulate: interrupted; ")
+    assert out.read_bytes() == before
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("100\n200\n")
+    monkeypatch.setattr(compare, "compare_strategies", _interrupt)
+    assert compare.main(["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1", "--quiet",
+                         "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and err.startswith("compare: interrupted; ")
+    assert out.read_bytes() == before
+    raw = tmp_path / "train.jsonl"
+    raw.write_text("{}\n")
+    assert compare.main(["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1", "--quiet",
+                         "--out", str(raw)]) == 2  # checked before the (interrupted) work
+    assert "exists and is not a comparison report" in capsys.readouterr().err and raw.read_text() == "{}\n"

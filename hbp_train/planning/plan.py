@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hbp_train.outputs import atomic_write
+
 PLAN_VERSION = 1
 MAX_WORLD_SIZE = 1 << 20
 MAX_ISF_ROUNDS = 1000
@@ -355,11 +357,14 @@ class Plan:
         return out
 
     def to_json(self, path: str | Path, step_rows: list | None = None) -> None:
-        """Write the plan as compact JSON to ``path`` (creating its folder)."""
+        """Write the plan as compact JSON to ``path`` (creating its folder).
+
+        Written to a temporary file beside ``path`` and moved over it: an interrupt while serialising a large plan
+        leaves the earlier plan.json whole, never empty."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            # dumps + write: json.dump streams through the pure-Python iterencode, several times slower.
-            f.write(json.dumps(self.to_dict(step_rows), separators=(",", ":")))
+        # dumps + write: json.dump streams through the pure-Python iterencode, several times slower.
+        text = json.dumps(self.to_dict(step_rows), separators=(",", ":"))
+        atomic_write(path, lambda tmp: tmp.write_text(text))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":

@@ -9,7 +9,9 @@ micro-batch by micro-batch), so a step reads contiguous rows; each step of OUT/p
 
 The work is vectorised over chunks of packs (a few million tokens each): token gathers are numpy fancy
 indexing over the dataset's Arrow buffers, and each chunk becomes one Arrow record batch streamed to a cache
-file with datasets' ArrowWriter, then saved with ``save_to_disk`` (memory-mapped, never all in RAM).
+file with datasets' ArrowWriter, then saved with ``save_to_disk`` (memory-mapped, never all in RAM). Everything
+is written into a staging folder beside OUT that replaces OUT only when complete, so an interrupted re-pack
+leaves the earlier shards whole.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from hbp_train.outputs import replace_dir, staging_dir
 from hbp_train.planning.plan import Plan, gather_ranges
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
@@ -103,6 +106,8 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
                  num_shards: int | None = None) -> dict[int, int]:
     """Write OUT/plan.json (with per-step "rows") and OUT/group_<g>/ for every group that has steps.
 
+    The set is built in a staging folder beside OUT and replaces an earlier OUT as a whole only once complete
+    (hbp_train.outputs.replace_dir); the caller checks that OUT is new, empty or an earlier output.
     Raises ValueError if the dataset's ``length`` column does not match the plan's lengths. Returns
     {group: number of rows}."""
     import datasets
@@ -121,7 +126,6 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
     lab_off, lab_val = _list_column(ds, "labels")
     if np.any(np.diff(ids_off) != ds_len) or np.any(np.diff(lab_off) != ds_len):
         raise ValueError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
-    out_dir.mkdir(parents=True, exist_ok=True)
     packs_by_group, step_rows = group_row_order(plan)
     tokens = plan.pack_tokens
     features = datasets.Features({
@@ -136,27 +140,31 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
 
     rows_written = {}
     bar = tqdm(total=int(tokens.sum()), unit="tok", unit_scale=True, desc="packed shards", disable=not progress)
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".tmp_") as tmp:
-        for g, packs in sorted(packs_by_group.items()):
-            cache = Path(tmp) / f"group_{g}.arrow"
-            writer = ArrowWriter(features=features, path=str(cache))
-            ctok = np.cumsum(tokens[packs])
-            start = 0
-            while start < len(packs):
-                stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
-                batch = _pack_batch(plan, packs[start:stop], ids_off, ids_val, lab_off, lab_val)
-                writer.write_table(pa.Table.from_batches([batch]))
-                bar.update(int(tokens[packs[start:stop]].sum()))
-                start = stop
-            writer.finalize()
-            part = datasets.Dataset.from_file(str(cache))
-            target = out_dir / f"group_{g}"
-            if target.exists():
-                shutil.rmtree(target)
-            shards = num_shards or max(1, int(tokens[packs].sum() // (256 << 20)) + 1)
-            part.save_to_disk(str(target), num_shards=min(shards, max(1, len(packs))))
-            rows_written[g] = len(packs)
-            del part
-    bar.close()
-    plan.to_json(out_dir / "plan.json", step_rows=step_rows)
+    # The whole new set is built beside OUT and swapped in at the end: an interrupt or error never leaves new
+    # groups next to an earlier plan.json (a mix the trainer would read without complaint).
+    staged = staging_dir(out_dir)
+    try:
+        with tempfile.TemporaryDirectory(dir=staged, prefix=".tmp_") as tmp:
+            for g, packs in sorted(packs_by_group.items()):
+                cache = Path(tmp) / f"group_{g}.arrow"
+                writer = ArrowWriter(features=features, path=str(cache))
+                ctok = np.cumsum(tokens[packs])
+                start = 0
+                while start < len(packs):
+                    stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
+                    batch = _pack_batch(plan, packs[start:stop], ids_off, ids_val, lab_off, lab_val)
+                    writer.write_table(pa.Table.from_batches([batch]))
+                    bar.update(int(tokens[packs[start:stop]].sum()))
+                    start = stop
+                writer.finalize()
+                part = datasets.Dataset.from_file(str(cache))
+                shards = num_shards or max(1, int(tokens[packs].sum() // (256 << 20)) + 1)
+                part.save_to_disk(str(staged / f"group_{g}"), num_shards=min(shards, max(1, len(packs))))
+                rows_written[g] = len(packs)
+                del part
+        plan.to_json(staged / "plan.json", step_rows=step_rows)
+        replace_dir(staged, out_dir)
+    finally:
+        bar.close()
+        shutil.rmtree(staged, ignore_errors=True)  # gone after replace_dir; what an error or interrupt left
     return rows_written

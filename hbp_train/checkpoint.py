@@ -178,9 +178,10 @@ def resolve(path: str) -> tuple:
         with open(latest) as f:
             tag = f.read().strip()
         if not os.path.isdir(os.path.join(path, tag)):
-            have = ", ".join(list_tags(path)) or "none"
-            raise ValueError(f"{latest} names {tag}, which is not there (checkpoints there: {have}); pass one "
-                             f"explicitly, e.g. train.resume={os.path.join(path, list_tags(path)[-1]) if have != 'none' else path}")
+            tags = list_tags(path)
+            fix = f"pass one explicitly, e.g. {os.path.join(path, tags[-1])}" if tags else "start fresh"
+            raise ValueError(f"{latest} names {tag}, which is not there (checkpoints there: "
+                             f"{', '.join(tags) or 'none'}); {fix}")
         return path, tag
     if os.path.isdir(path) and TAG_RE.match(os.path.basename(path)):
         return os.path.dirname(path), os.path.basename(path)

@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dataset", metavar="DIR", help="tokenized dataset (data_tools.preprocess); its 'length' column "
                      "(this or --lengths is required)")
     p.add_argument("--max-len", type=int, default=None,
-                   help="longest sample length (default: the largest pack_len); longer samples are dropped")
+                   help="longest sample length the data may have, as in data_tools.pack (default: the largest "
+                        "pack_len); samples beyond it are warned about, and only those longer than the largest "
+                        "pack_len are dropped")
     p.add_argument("--world-size", type=int, required=True, help="number of GPUs W (required)")
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
@@ -149,7 +151,8 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from data_tools.pack import CliError, parse_groups, read_dataset_lengths, read_lengths
+    from data_tools.pack import (CliError, parse_groups, read_dataset_lengths, read_lengths,
+                                 warn_if_longer_than_max_len)
     from hbp_train.planning.simulate import plot_comparison
 
     try:
@@ -163,6 +166,7 @@ def run(argv=None) -> int:
         lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
         if len(lengths) == 0:
             raise ValueError(f"{args.lengths or args.dataset}: no samples")
+        warn_if_longer_than_max_len(lengths, args.max_len)
         plan_kwargs = dict(world_size=args.world_size, groups=groups, global_tokens=args.global_tokens,
                            max_len=args.max_len, seed=args.seed)
         from hbp_train.planning import PlanConfig

@@ -215,6 +215,15 @@ def parse_groups(text: str, profile: str | None, world_size: int):
     return groups
 
 
+def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None) -> None:
+    """--max-len states what preprocessing guaranteed; samples beyond it mean the two disagree. They are not dropped
+    (only samples longer than the largest pack_len are), so say so on stderr."""
+    if max_len is not None and int(lengths.max()) > max_len:
+        print(f"warning: {int(np.count_nonzero(lengths > max_len))} samples are longer than --max-len {max_len} "
+              f"(longest {int(lengths.max())}); they are planned like the others (only samples longer than the "
+              f"largest pack_len are dropped): check --max-len against the preprocess max_len", file=sys.stderr)
+
+
 def check_shards_dir(path: str) -> None:
     """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files.
 
@@ -289,11 +298,7 @@ def run(argv=None) -> int:
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
     if len(lengths) == 0:
         raise CliError(f"{args.lengths or args.dataset}: no samples")
-    if args.max_len is not None and int(lengths.max()) > args.max_len:
-        print(f"warning: {int(np.count_nonzero(lengths > args.max_len))} samples are longer than --max-len "
-              f"{args.max_len} (longest {int(lengths.max())}); they are planned like the others (only samples "
-              f"longer than the largest pack_len are dropped): check --max-len against the preprocess max_len",
-              file=sys.stderr)
+    warn_if_longer_than_max_len(lengths, args.max_len)
 
     def plan_with(strategy):
         cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,

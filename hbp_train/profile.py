@@ -614,7 +614,9 @@ def synthetic_docs(pack_len: int, pool: Optional[np.ndarray], seed: int = 0) -> 
 def slice_docs(docs: list[int], sp: int) -> list[int]:
     """Documents of a pack shrunk by sp (each at least 1 token) summing to sum(docs)//sp: the per-rank stand-in
     used to estimate an SP degree that cannot be measured."""
-    target = sum(docs) // sp
+    target = max(1, sum(docs) // sp)
+    if target < len(docs):  # more documents than the slice has tokens: as many 1-token documents as it has
+        return [1] * target
     out = [max(1, d // sp) for d in docs]
     # Fix the rounding on the longest documents so the slice has exactly `target` tokens.
     order = np.argsort(out)[::-1]

@@ -66,6 +66,16 @@ def test_every_preset_and_group_option_composes(tmp_path, fake_hf_model):
     ("data=custom", "data.shards"),
     ("logging.log_every=0", "logging.log_every"),
     ("model.dtype=fp8", "model.dtype"),
+    ("train.max_steps=0", "train.max_steps"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio"),
+    ("train.weight_decay=-0.1", "train.weight_decay"),
+    ("train.eps=0", "train.eps"),
+    ("train.grad_clip=-1", "train.grad_clip"),
+    ("train.ckpt_layers=[2,-1]", "train.ckpt_layers"),
+    ("train.save_every=-1", "train.save_every"),
+    ("train.exit_after_steps=0", "train.exit_after_steps"),
+    ("train.eval_every=-1", "train.eval_every"),
+    ("deepspeed.reduce_bucket_size=0", "deepspeed.reduce_bucket_size"),
 ])
 def test_bad_value_names_the_field(override, field):
     with pytest.raises(ConfigError) as info:

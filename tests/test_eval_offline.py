@@ -221,3 +221,34 @@ def test_demo_command_shape_runs(checkpoint, dataset_dir, tmp_path):
     assert result["needle"]["lengths"] == [256, 512, 1024] and len(result["needle"]["cells"]) == 15
     assert result["perplexity"]["num_samples"] == 5
     assert (out / "needle_heatmap.png").is_file()
+
+
+def test_needle_cells_aggregate_each_score_per_length_and_depth(monkeypatch):
+    """run_needle's cells: per (length, depth), the share of loglik-correct and of greedy-correct samples, counted
+    separately (a fake scorer makes the two differ by construction)."""
+    from types import SimpleNamespace
+
+    import eval.needle as needle
+    from eval.needle import NeedleSample, run_needle
+
+    config = NeedleConfig(lengths=[100, 200], depths=[0.0, 1.0], trials=3, num_distractors=4)
+    samples = [NeedleSample(list(range(length - t)), str(t), [], length, depth)
+               for length in config.lengths for depth in config.depths for t in range(config.trials)]
+
+    def fake_score(model, tokenizer, sample, max_new_tokens, stop_ids):
+        t = int(sample.value)
+        return {"loglik_correct": t < (2 if sample.depth == 0.0 else 1), "greedy_correct": sample.length == 200 and t == 0,
+                "greedy_text": "", "logliks": []}
+    monkeypatch.setattr(needle, "score_sample", fake_score)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))
+    out = run_needle(model, None, config, set(), progress=False, samples=samples)
+    for cell in out["cells"]:
+        picked = [s for s in samples if (s.length, s.depth) == (cell["length"], cell["depth"])]
+        scores = [fake_score(None, None, s, 0, None) for s in picked]
+        assert cell["trials"] == len(picked) == 3
+        assert cell["loglik_acc"] == pytest.approx(sum(r["loglik_correct"] for r in scores) / 3)
+        assert cell["greedy_acc"] == pytest.approx(sum(r["greedy_correct"] for r in scores) / 3)
+        assert cell["mean_tokens"] == pytest.approx(sum(len(s.prompt_ids) for s in picked) / 3)
+    every = [fake_score(None, None, s, 0, None) for s in samples]
+    assert out["loglik_acc"] == pytest.approx(sum(r["loglik_correct"] for r in every) / len(samples))
+    assert out["greedy_acc"] == pytest.approx(sum(r["greedy_correct"] for r in every) / len(samples))

@@ -33,6 +33,7 @@ def test_step_metrics_and_outputs(tmp_path):
     assert m["balance/imbalance"] == pytest.approx(2.0 / 1.5)
     assert m["balance/live_BR"] == pytest.approx(((2.0 - 2.0) + (2.0 - 1.0)) / (2.0 * 2))  # the plan's ABR formula
     assert m["perf/mfu"] == pytest.approx(4e12 / (2 * 1e12 * 2.0))
+    assert m["perf/tflops_per_device"] == pytest.approx(4e12 / 2 / 2.0 / 1e12)  # FLOPs of all ranks / ranks / s
     assert m["memory/peak_gib"] == 2.5 and m["perf/data_wait_pct"] == pytest.approx(25.0)
     assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan", "tokens"}
     assert m["tokens/ave_t"] == 150 / 2 and m["tokens/pad_ratio"] == pytest.approx(1 - 150 / (64 * 3))  # live Ave-T, PR
@@ -95,3 +96,16 @@ def test_a_fresh_run_replaces_metrics_jsonl_and_a_resumed_one_continues_it(tmp_p
         logger.close()
         rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == expected_rows, (start_step, rows)
+
+
+def test_last_step_line_is_printed_whatever_log_every(tmp_path, capsys):
+    cfg = LoggingConfig(log_every=5, jsonl=False, tensorboard=False, progress_bar=False)
+    logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=8)
+    row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=1, flops=1.0, nonfinite=0, stop=0,
+               peak_mem_gib=0.1)
+    for step in range(8):
+        logger.log(logger.step_metrics(step=step, total_steps=8, gathered=_gathered([row]), columns=STAT_COLUMNS,
+                                       lr=0.1, grad_norm=1.0, step_time=1.0, data_time=0.0, group=0, sp=1,
+                                       num_micro_batches=1, plan_metrics={}, skipped=False, num_skipped=0))
+    printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert printed == ["step 1/8", "step 6/8", "step 8/8"]  # steps 0 and 5 (every 5th) and the last one

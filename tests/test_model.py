@@ -215,3 +215,22 @@ def test_token_losses_through_the_head_module_work_under_zero3():
         assert rank_loss == pytest.approx(loss.item(), abs=1e-6)
         torch.testing.assert_close(head_grad, model.lm_head.weight.grad, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(embed_grad, model.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_flops_use_the_query_width_not_hidden():
+    """Models whose heads * head_dim differs from hidden (e.g. Qwen3: hidden 1024, 16 x 128): attention FLOPs follow
+    the width of q (the q_proj output), 6 x layers x width x sum L^2."""
+    model = _tiny(head_dim=32)  # 4 heads x 32 = 128 != hidden 64
+    width = decoder_layers(model)[0].self_attn.q_proj.out_features
+    assert width != TINY["hidden_size"]
+    assert attention_flops(model.config, [100, 28]) == 6 * TINY["num_hidden_layers"] * width * (100**2 + 28**2)
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert flops_per_token(model.config) == 6 * matmul_weights
+
+
+def test_pretrained_vocabulary_is_never_shrunk_to_the_tokenizer(tmp_path):
+    big = _tiny(vocab_size=VOCAB * 2)
+    big.save_pretrained(tmp_path)
+    loaded = build_model(ModelConfig(name_or_path=str(tmp_path)), vocab_size=VOCAB)
+    assert loaded.get_input_embeddings().weight.shape[0] == VOCAB * 2
+    assert loaded.get_output_embeddings().weight.shape[0] == VOCAB * 2

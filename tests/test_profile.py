@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
+import numpy as np
 import pytest
 
 from hbp_train import profile as prof
@@ -320,6 +322,9 @@ def test_measurement_code_path_on_a_tiny_cpu_model():
     b = prof.GpuBackend(model_cfg, c, CostModel.from_calibration(model_shape=shape), prof.JobSettings(),
                         device="cpu")
     assert num_params(b.model) == shape.num_params, "the analytic parameter count must match the model"
+    # The measured GPU holds the params and their grads in full, in the model's dtype; the job holds its ZeRO shards.
+    held = 2 * sum(p.numel() * p.element_size() for p in b.model.parameters())
+    assert b.state_correction == prof.model_state_bytes(shape.num_params, 2, prof.JobSettings()) - held
     assert b.num_layers == 2
     plain = b.measure(128, 1, 0, 1)
     ckpt = b.measure(128, 1, 2, 1)
@@ -524,3 +529,171 @@ def test_model_shape_follows_build_model_vocabulary_rule():
     assert model_shape_of(ModelConfig(config=tiny), 4096).vocab == 4096  # the tokenizer's, as build_model
     assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 128256}), 4096).vocab == 128256  # the larger
     assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 100}), 4096).vocab == 4096
+
+
+# ---------------------------------------- choices and memory accounting against brute force and the ZeRO paper
+@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_model_state_bytes_follow_the_zero_papers_accounting(stage, offload):
+    """Per GPU, bf16 mixed precision (ZeRO paper Fig. 1, plus DeepSpeed's fp32 gradient partition): params 2 B
+    (sharded from stage 3), grads 2 B (from stage 2), fp32 master + Adam m, v + fp32 grads 16 B (from stage 1;
+    none on the GPU with optimizer offload)."""
+    params, world = 1_000_000, 8
+    shard = {k: (world if stage >= k else 1) for k in (1, 2, 3)}
+    want = 2 * params / shard[3] + 2 * params / shard[2] + (0 if offload else 4 * 4 * params / shard[1])
+    got = prof.model_state_bytes(params, world, prof.JobSettings(zero_stage=stage, offload_optimizer=offload))
+    assert got == int(want)
+
+
+def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():
+    """Checkpointing the first layer swaps its full activations for its input (2h B/token) but adds the one layer
+    rebuilt in backward (full activations); each further checkpointed layer only saves full - 2h."""
+    shape = prof.parse_model_shape("llama3-8b")
+    job, tokens = prof.JobSettings(zero_stage=2), 8192
+    kv = shape.num_kv_heads * shape.head_dim
+    full = 2 * (4 * shape.hidden + 3 * shape.num_heads * shape.head_dim + 3 * kv + 4 * shape.ffn)  # the docstring's list
+    kept = 2 * shape.hidden
+    mem = [prof.analytic_memory_bytes(shape, tokens, 1, c, 8, job) for c in range(4)]
+    assert mem[1] - mem[0] == tokens * kept
+    assert mem[2] - mem[1] == mem[3] - mem[2] == tokens * (kept - full)
+
+
+def test_fits_is_inclusive_of_the_budget():
+    p = Profiler(backend(), cfg())
+    at = prof.Measurement(8192, 1, 0, 1.0, p.budget_bytes, None)
+    over = prof.Measurement(8192, 1, 0, 1.0, p.budget_bytes + 1, None)
+    assert p.fits(at) and not p.fits(over)
+
+
+def test_oom_probe_moves_halfway_towards_all_layers():
+    """Alg. 4's probe at half the layers runs out of memory: the next probe is halfway between it and all layers."""
+    mem = linear_mem()
+    device = 60 * GB
+    p = Profiler(backend(mem_fn=mem, device=device), cfg())
+    p.greedy_profile_ckpt(32768, 1)
+    probes = [m.ckpt_layers for m in p.measurements if m.purpose == "ckpt-probe"]
+    want, c = [], LAYERS // 2
+    while True:
+        want.append(c)
+        if mem(32768, 1, c) <= device:
+            break
+        c = math.ceil((c + LAYERS) / 2)
+    assert len(want) >= 3, "the curve must make more than one probe run out of memory"
+    assert probes == want
+
+
+def test_no_time_to_verify_falls_back_to_the_fewest_measured_layers_that_fit():
+    """Budget spent after the all-layers point and the probe: the choice is the smallest measured count that fits
+    (here the probe at half the layers), not all layers."""
+    clock = FakeClock()
+    b = backend()
+    inner = b.measure
+
+    def measure(*args):
+        clock.advance(1.0)
+        return inner(*args)
+    b.measure = measure
+    mem = linear_mem()
+    p = Profiler(b, cfg(max_len=16384, lengths=[16384], sp_degrees=[1], time_budget_s=2.0), clock=clock)
+    out = p.run()
+    measured = [m.ckpt_layers for m in p.measurements]
+    assert measured == [LAYERS, LAYERS // 2] and out["skipped"]
+    fitting = [c for c in measured if mem(16384, 1, c) <= p.budget_bytes]
+    assert out["groups"][-1]["ckpt_layers"] == min(fitting) < LAYERS
+    assert brute_min_ckpt(mem, 16384, 1, p.budget_bytes) < min(fitting), "the unverified guess was lower"
+    assert any("no time to verify" in w for w in out["warnings"])
+
+
+def test_prune_stops_at_the_first_sp_without_checkpointing():
+    mem = linear_mem()
+    p = Profiler(backend(mem_fn=mem), cfg(prune=True))
+    p.find_best_sp_ckpt(16384)
+    first_free = next(sp for sp in [1, 2, 4, 8] if brute_min_ckpt(mem, 16384, sp, p.budget_bytes) == 0)
+    assert first_free < 8, "the curve must leave larger degrees to prune"
+    assert {m.sp for m in p.measurements} == {sp for sp in [1, 2, 4, 8] if sp <= first_free}
+
+
+def test_sp_degrees_that_do_not_divide_the_pack_are_not_measured():
+    p = Profiler(backend(), cfg(prune=False))
+    length = 2 * 6145  # divisible by 2, not by 4 or 8
+    p.find_best_sp_ckpt(length)
+    assert {m.sp for m in p.measurements} == {1, 2}
+
+
+def test_l_best_ties_go_to_the_longer_length():
+    p = Profiler(backend(), cfg())
+    groups = p.select_groups(strategies({16384: (1, 0, 1000.0), 32768: (1, 0, 1000.0), 131072: (8, 4, 500.0)}))
+    assert [g["pack_len"] for g in groups if "l_best" in g["role"]] == [32768]
+
+
+@pytest.mark.parametrize("docs,sp", [([100], 4), ([7, 300, 1, 45], 4), ([5, 5, 5, 30], 4), ([1000, 3, 2, 1], 2)])
+def test_slice_docs_is_the_pack_shrunk_by_sp(docs, sp):
+    part = prof.slice_docs(docs, sp)
+    assert sum(part) == sum(docs) // sp and all(d >= 1 for d in part)
+    assert len(part) == len(docs)
+    assert all(abs(p - d / sp) <= 1 + 1e-9 or d < sp for p, d in zip(part, docs))
+
+
+def test_slice_docs_of_more_documents_than_slice_tokens_ends():
+    # 3 documents, 15 tokens, sp 8: the slice has 1 token, so it cannot keep one token per document
+    assert prof.slice_docs([5, 5, 5], 8) == [1]
+    assert prof.slice_docs([1] * 10, 4) == [1, 1]
+
+
+def test_docs_file_draws_documents_from_the_dataset_lengths(tmp_path):
+    pool = [3000, 500, 7000, 120]
+    for path in (tmp_path / "l.npy", tmp_path / "l.json", tmp_path / "l.txt"):
+        if path.suffix == ".npy":
+            np.save(path, np.array(pool))
+        elif path.suffix == ".json":
+            path.write_text(json.dumps({"lengths": pool}))
+        else:
+            path.write_text("\n".join(map(str, pool)))
+        assert prof.load_doc_lengths(str(path)).tolist() == pool
+    docs = prof.synthetic_docs(32768, prof.load_doc_lengths(str(tmp_path / "l.txt")), seed=1)
+    assert sum(docs) == 32768 and len(docs) > 1
+    assert all(d in pool for d in docs[:-1]) and docs[-1] <= max(pool)
+    assert prof.synthetic_docs(32768, None) == [32768]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("12\n0\n")
+    with pytest.raises(ValueError, match="profile.docs"):
+        prof.load_doc_lengths(str(bad))
+
+
+def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_path, monkeypatch):
+    """The synthetic pack of a docs file: position_ids restart at every document and each document's last token
+    has no target (labels shifted within the document)."""
+    from hbp_train import model as model_mod
+    from hbp_train.cost_model import CostModel
+    from hbp_train.model import ModelConfig
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("40\n25\n70\n")
+    model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
+    shape = prof.model_shape_of(model_cfg, None)
+    c = cfg(max_len=512, min_len=128, world_size=2, warmup_iters=0, iters=1, docs=str(lengths))
+    b = prof.GpuBackend(model_cfg, c, CostModel.from_calibration(model_shape=shape), prof.JobSettings(),
+                        device="cpu")
+    seen = {}
+    real_forward = model_mod.forward_hidden
+
+    def spy(model, input_ids, position_ids, **kw):
+        seen["input_ids"], seen["position_ids"] = input_ids.clone(), position_ids.clone()
+        return real_forward(model, input_ids, position_ids, **kw)
+    from hbp_train import loss as loss_mod
+    real_chunked = loss_mod.chunked_token_losses
+
+    def loss_spy(hidden, weight, labels, chunk):
+        seen["labels"] = labels.clone()
+        return real_chunked(hidden, weight, labels, chunk)
+    monkeypatch.setattr(model_mod, "forward_hidden", spy)
+    monkeypatch.setattr(loss_mod, "chunked_token_losses", loss_spy)
+    b.measure(256, 1, 0, 1)
+    docs = prof.synthetic_docs(256, prof.load_doc_lengths(str(lengths)), c.seed)
+    want_pos = np.concatenate([np.arange(d) for d in docs])
+    assert seen["position_ids"][0].tolist() == want_pos.tolist()
+    ids, labels = seen["input_ids"][0], seen["labels"][0]
+    start = 0
+    for d in docs:
+        assert labels[start:start + d - 1].tolist() == ids[start + 1:start + d].tolist()
+        assert int(labels[start + d - 1]) == -100
+        start += d

@@ -285,6 +285,11 @@ def test_compare_cli_zero_stage(tmp_path, capsys):
         assert added > 0 and r["simulated_seconds"] == pytest.approx(upper[name]["simulated_seconds"] + added)
     # Stage 2 adds a reduce-scatter per slot: hbp (more, smaller micro-batches) gains less than compute-only says.
     assert rows["hbp"]["speedup"] < upper["hbp"]["speedup"]
+    # --max-len below some samples: said on stderr, as pack does (they are planned, not dropped)
+    assert compare.main(base + ["--max-len", "8000"]) == 0
+    longer = int((lengths > 8000).sum())
+    assert longer and f"{longer} samples are longer than --max-len 8000" in capsys.readouterr().err
+    assert all(r["num_dropped"] == 0 for r in json.loads(out.read_text())["rows"])
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
@@ -395,3 +400,23 @@ def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
     assert compare.main(["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1", "--quiet",
                          "--out", str(raw)]) == 2  # checked before the (interrupted) work
     assert "exists and is not a comparison report" in capsys.readouterr().err and raw.read_text() == "{}\n"
+
+
+def test_compare_cost_balancing_strategies_plan_with_the_cost_model():
+    """hbp-cost (like wlb and bytescale) plans with the simulator's cost model as pack cost; hbp with sum of len^2."""
+    from data_tools import compare
+    from hbp_train.cost_model import pack_cost_fn
+    from hbp_train.planning import make_plan
+
+    rng = np.random.default_rng(4)
+    lengths = np.minimum(rng.lognormal(6, 1.3, 800).astype(int) + 1, 16000)
+    model = CostModel.from_calibration()
+    sim = SimConfig()
+    kwargs = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 4)
+    plans = compare.plan_strategies(lengths, kwargs, model, sim, ("hbp", "hbp-cost"), progress=False)
+    cost = pack_cost_fn(model, sim.ckpt_layers, sim.intra_node_gbps, sim.inter_node_gbps, sim.gpus_per_node)
+    want = make_plan(lengths, PlanConfig(strategy="hbp", pack_cost=cost, **kwargs))
+    plain = make_plan(lengths, PlanConfig(strategy="hbp", **kwargs))
+    assert np.array_equal(plans["hbp-cost"][0].pack_samples, want.pack_samples)
+    assert np.array_equal(plans["hbp"][0].pack_samples, plain.pack_samples)
+    assert not np.array_equal(want.pack_samples, plain.pack_samples), "the two costs must plan differently here"

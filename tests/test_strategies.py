@@ -156,3 +156,121 @@ def test_pack_cli_strategies_and_zero_stage(tmp_path, capsys):
                              "--out", str(out)]) == 0
     assert pack.main(base + ["--strategy", "wlb", "--calibration", str(tmp_path / "none.json"),
                              "--out", str(out)]) == 2
+
+
+# ------------------------------------------------- strategy choices against brute force and direct rebuilds
+def _brute_makespan(costs, machines):
+    """Optimal makespan of `costs` on `machines` by trying every assignment (small inputs only)."""
+    import itertools
+
+    best = float("inf")
+    for assign in itertools.product(range(machines), repeat=len(costs)):
+        loads = [0.0] * machines
+        for c, m in zip(costs, assign):
+            loads[m] += c
+        best = min(best, max(loads))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(costs=st.lists(st.integers(1, 50), min_size=1, max_size=7), machines=st.sampled_from([2, 3]))
+def test_heaviest_first_greedy_meets_grahams_lpt_bound(costs, machines):
+    """bytescale's deal and wlb's pack greedy are LPT (heaviest first, least loaded): makespan <= (4/3 - 1/(3m)) OPT
+    (Graham 1969). Greedy in any other order only guarantees 2 - 1/m."""
+    from hbp_train.planning.bytescale import deal_to_replicas
+    from hbp_train.planning.wlb import balance_into_packs
+
+    cost = np.asarray(costs, np.float64)
+    items = np.arange(len(costs))
+    bound = (4 / 3 - 1 / (3 * machines)) * _brute_makespan(costs, machines) + 1e-9
+    dealt = deal_to_replicas(items, cost, machines)
+    assert sorted(i for r in dealt for i in r) == items.tolist()
+    assert max(cost[r].sum() if r else 0.0 for r in dealt) <= bound
+    packs, work, left = balance_into_packs(items.tolist(), cost, np.ones(len(costs), np.int64), machines, 10 ** 6)
+    assert not left and max(work) <= bound
+
+
+WLB_CFG = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 2 * 4)  # N = 8
+
+
+def test_wlb_outlier_threshold_is_inclusive():
+    """A sample of exactly L_1 = pack_len/4 tokens is an outlier (len >= L_1): it waits in its queue, here until the
+    flush (fewer than N of them); one token shorter is packed in the step it is drawn in."""
+    cap = 16384
+    lengths = np.array([100] * 20 + [cap // 4] * 3 + [cap // 4 - 1] * 2, np.int64)
+    plan = make_plan(lengths, PlanConfig(strategy="wlb", **WLB_CFG))
+    check_conservation_and_capacity(plan, lengths)
+    assert plan.extra["wlb"]["outlier_thresholds"][0] == cap // 4
+    assert sorted(d["index"] for d in plan.deferred) == np.flatnonzero(lengths >= cap // 4).tolist()
+
+
+def _sample_steps(plan):
+    step_of_pack = np.repeat(np.arange(plan.num_steps), np.diff(plan.step_ptr))[np.argsort(plan.step_packs)]
+    out = np.full(len(plan.lengths), -1)
+    out[plan.pack_samples] = np.repeat(step_of_pack, np.diff(plan.pack_ptr))
+    return out
+
+
+def test_wlb_full_queue_pops_together_one_per_pack():
+    """Exactly N outliers of one queue: when the queue holds N they pop together at the next step, one per pack,
+    in a regular (not a flush) step."""
+    rng = np.random.default_rng(0)
+    n = 8
+    lengths = np.concatenate([rng.integers(50, 400, 6000), np.full(n, 5000)]).astype(np.int64)
+    plan = make_plan(lengths, PlanConfig(strategy="wlb", **WLB_CFG))
+    outliers = np.flatnonzero(lengths == 5000)
+    steps = _sample_steps(plan)[outliers]
+    num_main = plan.num_steps - plan.extra["wlb"]["flush_steps"]
+    assert len(set(steps.tolist())) == 1 and steps[0] < num_main
+    pack_of = np.repeat(np.arange(plan.num_packs), np.diff(plan.pack_ptr))[np.argsort(plan.pack_samples)]
+    assert len(set(pack_of[outliers].tolist())) == n
+
+
+def test_wlb_step_packs_are_ordered_by_workload():
+    """The N packs of a step are sorted by workload (heaviest first) before they are cut into slots of R."""
+    def cost(lengths, ptr, group):
+        return np.add.reduceat(np.r_[lengths.astype(np.float64) ** 2, 0], ptr[:-1])[: len(ptr) - 1] * (np.diff(ptr) > 0)
+    lengths = long_tailed(3000)
+    plan = make_plan(lengths, PlanConfig(strategy="wlb", pack_cost=cost, **WLB_CFG))
+    num_main = plan.num_steps - plan.extra["wlb"]["flush_steps"]
+    assert num_main > 3
+    for s in range(num_main):
+        packs = plan.step_packs[plan.step_ptr[s]:plan.step_ptr[s + 1]]
+        work = [float((lengths[plan.pack(p)].astype(np.float64) ** 2).sum()) for p in packs]
+        assert work == sorted(work, reverse=True), s
+
+
+def test_sorted_steps_are_shuffled_after_the_curriculum():
+    """LongAlign shuffles its batches: steps are not in length order; the first K come from the lowest level."""
+    from hbp_train.planning.curriculum import sample_levels
+
+    lengths = long_tailed()
+    plan = make_plan(lengths, PlanConfig(strategy="sorted", curriculum_steps=3, **CFG))
+    step_max = np.array([lengths[np.concatenate([plan.pack(p) for p in plan.step_matrix(s).ravel()])].max()
+                         for s in range(plan.num_steps)])
+    assert plan.num_steps > 10 and not np.all(np.diff(step_max) >= 0)
+    level = sample_levels(step_max, [g.pack_len for g in CFG["groups"]])
+    assert np.all(level[:3] == level.min())
+
+
+def test_isf_curriculum_moves_only_the_first_k_short_steps():
+    """isf: the first K steps whose longest sample fits the smallest group move to the front, in packed order;
+    every other step keeps its packed order."""
+    from hbp_train.planning.curriculum import sample_levels
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(50, 2000, 3000)
+    lengths[rng.random(3000) < 0.004] = 12000  # a long sample in about every other step
+    base = make_plan(lengths, PlanConfig(strategy="isf", **CFG))
+    k = 3
+    cur = make_plan(lengths, PlanConfig(strategy="isf", curriculum_steps=k, **CFG))
+
+    def step_key(plan, s):
+        return tuple(tuple(plan.pack(p).tolist()) for p in plan.step_matrix(s).ravel())
+    old = [step_key(base, s) for s in range(base.num_steps)]
+    step_max = [lengths[np.concatenate([np.asarray(p, np.int64) for p in st_ if p] or [[0]])].max() for st_ in old]
+    level = sample_levels(np.asarray(step_max), [g.pack_len for g in CFG["groups"]])
+    first = [s for s in range(len(old)) if level[s] == level.min()][:k]
+    assert len(first) == k and first != list(range(k)), "the data must make the curriculum move steps"
+    want = [old[s] for s in first] + [old[s] for s in range(len(old)) if s not in first]
+    assert [step_key(cur, s) for s in range(cur.num_steps)] == want

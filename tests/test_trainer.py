@@ -332,3 +332,19 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
     assert len(out) == 1 and out[0].startswith("[train] warning: group 1 (131072 tokens, sp=8, 0 checkpointed")
     trainer._warn_if_groups_may_not_fit(cfg, data, model, 32, [32])  # one value for all groups: both fit
     assert capsys.readouterr().out == ""
+
+
+def test_build_refuses_ckpt_layers_that_do_not_match_the_plan_or_model(shards, tmp_path):
+    """Checked before DeepSpeed starts (no process spawned): one value per plan group (or one for all), and never
+    more checkpointed layers than the model has."""
+    from hbp_train import config, trainer
+    from hbp_train.data import PackedData
+
+    num_groups = len(PackedData(shards).groups)
+    bad = ",".join(["0"] * (num_groups + 1))
+    with pytest.raises(ValueError, match=f"train.ckpt_layers has {num_groups + 1} values but the plan has "
+                                         f"{num_groups} groups"):
+        trainer.build(config.load(overrides(shards, str(tmp_path / "a"), f"train.ckpt_layers=[{bad}]")))
+    too_many = TINY_LLAMA["num_hidden_layers"] + 1
+    with pytest.raises(ValueError, match=f"the model has only {TINY_LLAMA['num_hidden_layers']} decoder layers"):
+        trainer.build(config.load(overrides(shards, str(tmp_path / "b"), f"train.ckpt_layers=[{too_many}]")))

@@ -268,3 +268,69 @@ def test_calibrate_checks_flags_before_asking_for_a_gpu(tmp_path, capsys):
     assert calibrate.main(["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
     assert "--doc-lens" in err and "no CUDA GPU" not in err
+
+
+def _fake_timer(ms_of):
+    """A calibrate._timer stand-in: the 'median' of fn is ms_of(fn) (fn is not run: no timing noise)."""
+    return lambda device: (lambda fn, iters, warmup: ms_of(fn))
+
+
+def test_calibrate_scales_every_timing_to_32768_tokens(tmp_path, monkeypatch):
+    """Each table entry is its own pack's time scaled by 32768 / (tokens in that pack): a doc length that does not
+    divide --tokens times fewer tokens. fwd and fwd+bwd land under their own keys; the linear part is per token."""
+    from hbp_train import calibrate
+    from hbp_train.cost_model import TABLE_TOKENS
+
+    ms = {"forward": 1.0, "forward_backward": 3.0, "layer_step": 5.0}
+    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: ms[fn.__name__]))
+    out = tmp_path / "c.json"
+    tokens, doc_lens = 100, [16, 64, 100]
+    assert calibrate.main(["--allow-cpu", "--model-shape", TINY, "--tokens", str(tokens), "--iters", "1",
+                           "--warmup", "0", "--doc-lens", ",".join(map(str, doc_lens)), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for length in doc_lens:
+        packed = (tokens // length) * length  # whole documents only
+        assert data["attention_fwd_ms_32768_tokens_by_doc_len"][str(length)] == \
+            pytest.approx(ms["forward"] * TABLE_TOKENS / packed, abs=1e-3)
+        assert data["attention_fwdbwd_ms_32768_tokens_by_doc_len"][str(length)] == \
+            pytest.approx(ms["forward_backward"] * TABLE_TOKENS / packed, abs=1e-3)
+    assert data["linear_fwdbwd_ms_per_32768_tokens"] == pytest.approx(ms["layer_step"] * TABLE_TOKENS / tokens,
+                                                                       abs=1e-3)
+
+
+@pytest.mark.parametrize("errors", [(0.05, -0.2, 0.0), (0.05, -0.08, 0.09), (-0.11, 0.0, 0.0)])
+def test_validate_reports_absolute_errors_and_the_10_percent_verdict_of_the_worst_pack(monkeypatch, errors):
+    """error = predicted / measured - 1 per pack; mean and max of |error|; within 10% only if every pack is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hbp_train import calibrate
+
+    predicted_s = 0.5
+    measured_ms = iter([1e3 * predicted_s / (1 + e) for e in errors])
+    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: next(measured_ms)))
+    model = SimpleNamespace(pack_time=lambda lengths: predicted_s, describe=lambda: "fixed")
+    args = SimpleNamespace(seed=0, backend="auto", max_samples=8, num_packs=3, tokens=64, iters=1, warmup=0)
+    report = calibrate.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
+    assert [p["num_samples"] for p in report["packs"]] == [1, 3, 8]
+    got = [p["error"] for p in report["packs"]]
+    assert got == pytest.approx([p["predicted_s"] / p["measured_s"] - 1 for p in report["packs"]])
+    assert got == pytest.approx(list(errors), abs=1e-9)
+    assert report["mean_abs_error"] == pytest.approx(np.mean(np.abs(errors)))
+    assert report["max_abs_error"] == pytest.approx(np.max(np.abs(errors)))
+    assert report["within_10_percent"] == all(abs(e) <= 0.10 for e in errors)
+
+
+def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkeypatch, capsys):
+    """--max-samples may equal --tokens (every sample one token long); one more cannot be split and is refused."""
+    from hbp_train import calibrate
+
+    assert calibrate.random_pack(np.random.default_rng(0), 16, 16) == [1] * 16  # the edge is a valid pack
+    seen = []
+    monkeypatch.setattr(calibrate, "validate", lambda shape, model, args, device, dtype: seen.append(
+        args.max_samples) or {"mean_abs_error": 0.0, "max_abs_error": 0.0})
+    common = ["--allow-cpu", "--validate", "--model-shape", TINY, "--tokens", "16"]
+    assert calibrate.main(common + ["--max-samples", "16"]) == 0 and seen == [16]
+    assert calibrate.main(common + ["--max-samples", "17"]) == 2 and seen == [16]
+    assert "--max-samples (17) cannot exceed --tokens (16)" in capsys.readouterr().err

@@ -3,6 +3,8 @@ the trained model's, runs where the checkpoints are made: tests/test_trainer.py 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hbp_train.export import main
@@ -53,3 +55,68 @@ def test_out_holding_another_model_is_refused(tmp_path, capsys):
     (base / "hbp_export.json").write_text("{}")  # an earlier export may be replaced: the checkpoint is checked next
     assert main(["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
+    """A checkpoint tag folder holding only its hf/ part (config with use_cache=False as training saves it, and the
+    tokenizer), plus the reference model whose weights the stand-in consolidation returns."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.assets.packed_fixture import TINY_LLAMA
+
+    tag = tmp_path / "checkpoints" / "step_00000003"
+    shutil.copytree(tokenizer_dir, tag / "hf")
+    config = LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tied}, vocab_size=4096, use_cache=False)
+    config.save_pretrained(tag / "hf")
+    torch.manual_seed(0)
+    return tag, AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _consolidated(monkeypatch, reference, drop=()):
+    """Stand in for DeepSpeed's ZeRO consolidation: the engine's names (``model.`` + HF name), fp32, as it would
+    return them (a tied LM head is not stored separately)."""
+    import deepspeed.utils.zero_to_fp32 as z2f
+
+    state = {"model." + k: v.detach().clone().float() for k, v in reference.state_dict().items() if k not in drop}
+    monkeypatch.setattr(z2f, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag=None: state)
+
+
+def test_export_of_a_tied_model_enables_the_cache_and_reloads_the_same_weights(tmp_path, tokenizer_dir, monkeypatch):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hbp_train.export import MARKER, export
+
+    tag, reference = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=True)
+    _consolidated(monkeypatch, reference, drop=("lm_head.weight",))
+    out = tmp_path / "hf_out"
+    out.mkdir()  # an empty folder is as good as a new one
+    export(str(tag), str(out))
+    saved = json.loads((out / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert saved["use_cache"] is True
+    assert (saved["eos_token_id"], saved["pad_token_id"]) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert json.loads((out / MARKER).read_text()) == {"checkpoint": str(tag), "dtype": "fp32"}
+    loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits)
+    assert torch.equal(loaded.lm_head.weight, reference.model.embed_tokens.weight)
+    export(str(tag), str(out), dtype="bf16")  # an earlier export may be replaced
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((out / MARKER).read_text())["dtype"] == "bf16"
+
+
+def test_export_of_an_untied_model_missing_its_head_is_refused(tmp_path, tokenizer_dir, monkeypatch):
+    from hbp_train.export import export
+
+    tag, reference = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=False)
+    _consolidated(monkeypatch, reference, drop=("lm_head.weight",))
+    with pytest.raises(ValueError, match=r"weights do not match the model config \(missing \['lm_head.weight'\]"):
+        export(str(tag), str(tmp_path / "hf_out"))
+    assert not (tmp_path / "hf_out" / "model.safetensors").exists()

@@ -109,3 +109,16 @@ def test_last_step_line_is_printed_whatever_log_every(tmp_path, capsys):
                                        num_micro_batches=1, plan_metrics={}, skipped=False, num_skipped=0))
     printed = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert printed == ["step 1/8", "step 6/8", "step 8/8"]  # steps 0 and 5 (every 5th) and the last one
+
+
+def test_read_metrics_skips_blank_lines_and_orders_steps(tmp_path):
+    """Blank lines (an editor, a cut-short append) are not records; steps come back in step order, each once with
+    its last row, whatever order the file holds them in."""
+    from hbp_train.run_plot import read_metrics
+
+    rows = [{"plan/step": 2, "loss/train": 1.0}, {"plan/step": 0, "loss/train": 3.0},
+            {"plan/step": 2, "loss/train": 0.5}, {"plan/step": 1, "loss/train": 2.0}]
+    text = "\n".join(json.dumps(r) for r in rows[:2]) + "\n\n   \n" + "\n".join(json.dumps(r) for r in rows[2:]) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text)
+    last = {r["plan/step"]: r for r in rows}  # later rows of a step win
+    assert read_metrics(tmp_path / "metrics.jsonl") == [last[s] for s in sorted(last)]

@@ -116,6 +116,13 @@ def _section_fields() -> dict:
     return out
 
 
+def _field_named_like(name: str) -> str | None:
+    """The dotted field whose own name is ``name`` or closest to it (max_steps, maxsteps -> train.max_steps)."""
+    by_field = {f: f"{s}.{f}" for s, names in _section_fields().items() for f in names}
+    close = difflib.get_close_matches(name, list(by_field), n=1)
+    return by_field[close[0]] if close else None
+
+
 def check_override_key(override: str) -> None:
     """ConfigError naming a misspelt key and the closest real one ("did you mean train.out_dir?").
 
@@ -131,9 +138,8 @@ def check_override_key(override: str) -> None:
         if not rest and head in groups:
             return  # a config group choice such as experiment=cpu_demo
         dotted = [f"{s}.{f}" for s, names in sections.items() for f in names]
-        by_field = {f: d for d in dotted for f in [d.split(".", 1)[1]]}
         close = difflib.get_close_matches(key, dotted + sorted(set(sections) | set(groups)), n=1)
-        close = close or [by_field[m] for m in difflib.get_close_matches(key, list(by_field), n=1)]
+        close = close or [field for field in [_field_named_like(key)] if field]
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(sections)}; groups: {', '.join(groups)}"
         raise ConfigError(f"{key}: no such config section, group or field; {hint} "
                           f"(python -m hbp_train.train --help lists every field)")
@@ -181,10 +187,8 @@ def check_command_line(argv: list) -> None:
             expect_value = flag in HYDRA_VALUE_FLAGS and "=" not in arg
             continue
         if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
-            name = flag.lstrip("-").replace("-", "_")
-            dotted = [f"{sec}.{f}" for sec, names in _section_fields().items() for f in names]
-            close = [d for d in dotted if d.split(".", 1)[1] == name] or difflib.get_close_matches(name, dotted, n=1)
-            example = f"{close[0]}=VALUE" if close else "train.max_steps=3"
+            field = _field_named_like(flag.lstrip("-").replace("-", "_"))
+            example = f"{field}=VALUE" if field else "train.max_steps=3"
             raise ConfigError(f"{arg}: training takes Hydra overrides KEY=VALUE, not options (e.g. {example}); "
                               "python -m hbp_train.train --help lists every field")
 

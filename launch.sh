@@ -101,6 +101,8 @@ case "$cmd" in
   train) setup; train "$@" ;;
   eval) setup; exec "$PY" -m eval.run "$@" ;;
   preprocess|pack|simulate|compare) setup; exec "$PY" -m "data_tools.$cmd" "$@" ;;
-  profile|export|calibrate) setup; exec "$PY" -m "hbp_train.$cmd" "$@" ;;
+  profile) setup; exec "$PY" -m hbp_train.profiler "$@" ;;
+  calibrate) setup; exec "$PY" -m hbp_train.perf.calibrate "$@" ;;
+  export) setup; exec "$PY" -m hbp_train.export "$@" ;;
   *) echo "launch.sh: unknown command '$cmd' (try ./launch.sh help)" >&2; exit 2 ;;
 esac

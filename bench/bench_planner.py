@@ -95,7 +95,7 @@ def main():
     print(f"\nhbp CR {hbp['CR']:.4f} vs tokens that must use SP {hbp['sp_required_share']:.4f} "
           f"(extra {hbp['CR'] - hbp['sp_required_share']:+.4f}: GreedyFill's short fillers in SP packs)")
     # The balancer equalises a per-pack cost; with the cost model it balances predicted time instead of sum len^2.
-    from hbp_train.cost_model import CostModel, pack_cost_fn
+    from hbp_train.perf.cost_model import CostModel, pack_cost_fn
     from hbp_train.planning.metrics import cost_balance_ratio
 
     cost_fn = pack_cost_fn(CostModel.from_calibration())

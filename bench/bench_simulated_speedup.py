@@ -4,7 +4,7 @@
 
 The mix is bench/bench_planner.py's ``long_tailed_lengths``: 95% chat-like samples (lognormal, median 600, clipped
 to [16, 32768]) and 5% long documents (log-uniform 8K-128K), seeded. Planned at max_len 128K, W=32, groups 16384:1,131072:8 (hbp; the single-group strategies use 131072:8),
-4M tokens per step, and simulated with the shipped H100 Llama-3-8B calibration (hbp_train/cost_model.py,
+4M tokens per step, and simulated with the shipped H100 Llama-3-8B calibration (hbp_train/perf/cost_model.py,
 docs/simulator.md). Prints one row per strategy and the speed-up over isf measured in this same run, twice, from
 the same plans: compute only (no optimizer step, no ZeRO collectives: the UPPER bound) and with ZeRO-2's
 collectives fully exposed plus the optimizer step (--zero-stage 2 --comm-overlap 0: the PESSIMISTIC bound;
@@ -29,9 +29,9 @@ from dataclasses import replace  # noqa: E402
 
 from data_tools.compare import STRATEGIES, compare_strategies, simulate_strategies, table_columns  # noqa: E402
 from data_tools.simulate import format_table  # noqa: E402
-from hbp_train.cost_model import CostModel  # noqa: E402
+from hbp_train.perf.cost_model import CostModel  # noqa: E402
 from hbp_train.planning import GroupSpec  # noqa: E402
-from hbp_train.planning.simulate import SimConfig, plot_comparison  # noqa: E402
+from hbp_train.planning.simulator import SimConfig, plot_comparison  # noqa: E402
 
 
 # Plots go under bench/out/ (ignored by git) wherever the script is run from, not into the current folder.

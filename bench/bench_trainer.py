@@ -273,7 +273,7 @@ def peak_gib(device) -> float:
     """CUDA max allocated since the last reset; on a CPU the process's peak RSS (never resets)."""
     import torch
 
-    from hbp_train.metrics import peak_memory_gib
+    from hbp_train.telemetry import peak_memory_gib
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -326,10 +326,11 @@ def build_ours(args, architecture: str, hf_config: dict, device):
     1), minus shards, tokenizer and Hydra: the engine comes from trainer.build_engine itself."""
     import torch
 
-    from hbp_train import attention, ulysses
+    from hbp_train import attention
+    from hbp_train.distributed import ulysses
     from hbp_train.loss import LossConfig
     from hbp_train.model import ModelConfig, build_model
-    from hbp_train.parallel import build_parallel_state
+    from hbp_train.distributed.groups import build_parallel_state
     from hbp_train.trainer import DeepSpeedConfig, Run, TrainConfig, build_engine
 
     model_cfg = ModelConfig(config=hf_config, architecture=architecture, dtype=args.dtype,
@@ -355,7 +356,7 @@ def build_ours(args, architecture: str, hf_config: dict, device):
 def destroy_ours(run) -> None:
     if run is None:
         return
-    from hbp_train.ulysses import teardown_sequence_parallel
+    from hbp_train.distributed.ulysses import teardown_sequence_parallel
 
     teardown_sequence_parallel()
     run.engine.destroy()
@@ -406,10 +407,10 @@ def measure_ours(run, batches: list, args, model_config, desc: str) -> Measured:
 def sp1_check(run, batches: list, args) -> dict:
     """Issue #6: an sp=1 step of a run that also has SP groups goes through the Ulysses dispatcher; time it against
     the packed attention called directly (what an sp=1-only run uses), same engine, alternating steps."""
-    from hbp_train import ulysses
+    from hbp_train.distributed import ulysses
     from hbp_train.attention import ATTN_IMPLEMENTATION as DIRECT
     from hbp_train.attention import use_attention
-    from hbp_train.ulysses import ATTN_IMPLEMENTATION as DISPATCH
+    from hbp_train.distributed.ulysses import ATTN_IMPLEMENTATION as DISPATCH
 
     def use(name):
         use_attention(run.model, name)
@@ -584,7 +585,7 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     from tqdm import tqdm
 
     from hbp_train.data import collate_pack
-    from hbp_train.metrics import is_oom
+    from hbp_train.telemetry import is_oom
     from hbp_train.model import pack_flops
 
     num_layers = run.model.config.num_hidden_layers
@@ -739,9 +740,9 @@ def run_bench(args) -> dict:
     import torch
 
     from hbp_train.data import collate_pack
-    from hbp_train.metrics import is_oom, resolve_peak_flops
+    from hbp_train.telemetry import is_oom, resolve_peak_flops
     from hbp_train.model import num_params
-    from hbp_train.parallel import init_distributed
+    from hbp_train.distributed.groups import init_distributed
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here; use --device cpu --model-shape tiny for a smoke run")

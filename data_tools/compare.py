@@ -53,7 +53,7 @@ def plan_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, s
     the cost model with ``sim_config``'s links and checkpoint default (not its communication model)."""
     from tqdm import tqdm
 
-    from hbp_train.cost_model import pack_cost_fn
+    from hbp_train.perf.cost_model import pack_cost_fn
     from hbp_train.planning import PlanConfig, make_plan
 
     cost = pack_cost_fn(model, sim_config.ckpt_layers, sim_config.intra_node_gbps, sim_config.inter_node_gbps,
@@ -77,7 +77,7 @@ def simulate_strategies(plans: dict, model, sim_config) -> tuple[list[dict], dic
     With stage 2 or 3, bytescale plans (which may only run with ZeRO 0/1) are simulated at stage 1 and their row
     says so (``zero_stage``).
     """
-    from hbp_train.planning.simulate import simulate, speedup
+    from hbp_train.planning.simulator import simulate, speedup
 
     out, stages = {}, {}
     for name, (plan, planning) in plans.items():
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
                         "use the last group; 'auto' reads them from --profile (required)")
     p.add_argument("--profile", default=None, metavar="FILE",
-                   help="with --groups auto: the profiler's JSON (python -m hbp_train.profile) (default: none; "
+                   help="with --groups auto: the profiler's JSON (python -m hbp_train.profiler) (default: none; "
                         "--groups auto needs it)")
     p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024, help="target tokens per optimizer step "
                    "(default 4194304)")
@@ -153,7 +153,7 @@ def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from data_tools.pack import (CliError, parse_groups, read_dataset_lengths, read_lengths,
                                  warn_if_longer_than_max_len)
-    from hbp_train.planning.simulate import plot_comparison
+    from hbp_train.planning.simulator import plot_comparison
 
     try:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]

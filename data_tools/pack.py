@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
                    "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
     p.add_argument("--calibration", metavar="FILE", default=None,
-                   help="balance predicted pack time from this cost-model calibration (hbp_train.calibrate JSON) "
+                   help="balance predicted pack time from this cost-model calibration (hbp_train.perf.calibrate JSON) "
                    "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
                    help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: the "
@@ -284,7 +284,7 @@ def run(argv=None) -> int:
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
                        f"with pack_len >= {args.max_len} or lower --max-len")
     if args.strategy == "bytescale" and args.zero_stage is not None:
-        from hbp_train.planning.bytescale import check_zero_stage
+        from hbp_train.planning.baselines.bytescale import check_zero_stage
 
         try:
             check_zero_stage({"requires_zero_stage": [0, 1]}, args.zero_stage)
@@ -292,7 +292,7 @@ def run(argv=None) -> int:
             raise CliError(f"--zero-stage {args.zero_stage}: {e}") from None
     pack_cost = None
     if args.calibration or args.model_shape:
-        from hbp_train.cost_model import CostModel, pack_cost_fn
+        from hbp_train.perf.cost_model import CostModel, pack_cost_fn
 
         pack_cost = pack_cost_fn(CostModel.from_calibration(args.calibration, args.model_shape))
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)

@@ -4,7 +4,7 @@
         [--intra-node-gbps 200] [--inter-node-gbps 40] [--gpus-per-node 8] [--zero-stage 2 --comm-overlap 0]
         [--out report.json] [--plot sim.png]
 
-For every plan: every pack's predicted time (hbp_train.cost_model), per micro-batch slot each replica's time and
+For every plan: every pack's predicted time (hbp_train.perf.cost_model), per micro-batch slot each replica's time and
 the slot time (the slowest replica: ZeRO-2/3 synchronise every micro-batch), the idle fraction, the total time
 and the speed-up over the first plan. By default compute only (an upper bound of the speed-up); --zero-stage adds
 ZeRO's collectives and the optimizer step (--comm-overlap 0: all exposed, the pessimistic bound). Nothing runs on
@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 
 from hbp_train.outputs import check_output_file, interrupted, write_output
-from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
-from hbp_train.planning.simulate import DEFAULT_HBM_GBPS, SimConfig
+from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
+from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig
 
 
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
     """The cost-model options shared by simulate, compare and pack."""
     parser.add_argument("--calibration", default=None, metavar="FILE",
-                        help="calibration JSON (hbp_train.calibrate format); default: the shipped H100 Llama-3-8B "
-                             "layer, hbp_train/calibration/h100_llama3_8b_layer.json")
+                        help="calibration JSON (hbp_train.perf.calibrate format); default: the shipped H100 Llama-3-8B "
+                             "layer, hbp_train/perf/calibration/h100_llama3_8b_layer.json")
     parser.add_argument("--model-shape", default=None, metavar="SHAPE",
                         help=f"model shape: a preset ({', '.join(MODEL_SHAPES)}), a JSON object, or a JSON file "
                              "(HF config.json keys work); default: the calibration's own shape. Another shape "
@@ -58,7 +58,7 @@ def add_link_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_comm_args(parser: argparse.ArgumentParser) -> None:
-    """The optional ZeRO communication model (hbp_train.planning.simulate's docstring has the formulas)."""
+    """The optional ZeRO communication model (hbp_train.planning.simulator's docstring has the formulas)."""
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                         help="add DeepSpeed ZeRO's own collectives for this stage (ring over all W ranks at the "
                              "intra-node bandwidth if W <= --gpus-per-node, else inter-node; 0: gradient all-reduce "
@@ -183,8 +183,8 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from hbp_train.planning.bytescale import check_zero_stage
-    from hbp_train.planning.simulate import plot_comparison, simulate, speedup
+    from hbp_train.planning.baselines.bytescale import check_zero_stage
+    from hbp_train.planning.simulator import plot_comparison, simulate, speedup
 
     try:
         if args.name and len(args.name) != len(args.plan):

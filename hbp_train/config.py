@@ -26,9 +26,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hbp_train.data import DataConfig
 from hbp_train.loss import LossConfig
-from hbp_train.metrics import LoggingConfig
+from hbp_train.telemetry import LoggingConfig
 from hbp_train.model import ModelConfig
-from hbp_train.profile import ProfileConfig
+from hbp_train.profiler.search import ProfileConfig
 from hbp_train.trainer import DeepSpeedConfig, TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -51,7 +51,7 @@ class HBPConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics outputs and MFU peak (conf/logging/)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    """Auto group selection profiler (python -m hbp_train.profile; profile.* overrides; unused by training)."""
+    """Auto group selection profiler (python -m hbp_train.profiler; profile.* overrides; unused by training)."""
 
 
 class ConfigError(ValueError):

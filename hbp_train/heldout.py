@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hbp_train import ulysses
+from hbp_train.distributed import ulysses
 from hbp_train.data import PackedData, to_device
 
 

@@ -55,7 +55,7 @@ def run(cfg, config_yaml: str) -> dict:
     import torch.distributed as dist
 
     from hbp_train import trainer
-    from hbp_train.parallel import init_distributed
+    from hbp_train.distributed.groups import init_distributed
 
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)

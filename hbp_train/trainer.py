@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from hbp_train import checkpoint as ckpt
-from hbp_train import heldout, ulysses
+from hbp_train import heldout
+from hbp_train.distributed import ulysses
 from hbp_train.data import PackedData, StepBatch, to_device
 from hbp_train.loss import chunked_token_losses, normalize_loss
-from hbp_train.metrics import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
+from hbp_train.telemetry import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
@@ -366,9 +367,9 @@ def build(cfg, config_yaml: str = "") -> Run:
     from transformers import AutoTokenizer
 
     from hbp_train.model import build_model
-    from hbp_train.parallel import build_parallel_state
+    from hbp_train.distributed.groups import build_parallel_state
 
-    from hbp_train.planning.bytescale import check_zero_stage
+    from hbp_train.planning.baselines.bytescale import check_zero_stage
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     data = PackedData(cfg.data.shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
@@ -426,8 +427,8 @@ def _warn_if_groups_may_not_fit(cfg, data: PackedData, model, world_size: int, c
     engine allocates anything). Advice only; models whose config is not Llama-like are not checked."""
     if not torch.cuda.is_available():
         return
-    from hbp_train.cost_model import parse_model_shape
-    from hbp_train.profile import JobSettings, memory_preflight
+    from hbp_train.perf.cost_model import parse_model_shape
+    from hbp_train.profiler.search import JobSettings, memory_preflight
 
     try:
         shape = parse_model_shape(model.config.to_dict())

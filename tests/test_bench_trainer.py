@@ -118,7 +118,7 @@ def test_pack_search_holds_the_only_reference_to_the_engine(monkeypatch):
     import gc
     import weakref
 
-    import hbp_train.parallel
+    import hbp_train.distributed.groups
 
     class FakeRun:
         def __init__(self):
@@ -134,7 +134,7 @@ def test_pack_search_holds_the_only_reference_to_the_engine(monkeypatch):
         freed.append(gone() is None)
         return {"goal_met": False}, None
 
-    monkeypatch.setattr(hbp_train.parallel, "init_distributed", lambda backend=None: None)
+    monkeypatch.setattr(hbp_train.distributed.groups, "init_distributed", lambda backend=None: None)
     monkeypatch.setattr(bench, "device_info", lambda device, peak_flops: {"name": "cpu", "type": "cpu"})
     monkeypatch.setattr(bench, "build_ours", lambda *args: (FakeRun(), "sdpa_block"))
     monkeypatch.setattr(bench, "measure_ours", lambda *args: bench.Measured([0.1], 64, 1e6, [1.0], 0.1))

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from hbp_train.cost_model import (
+from hbp_train.perf.cost_model import (
     DEFAULT_CALIBRATION,
     TABLE_TOKENS,
     CostModel,
@@ -181,14 +181,14 @@ def test_calibrate_without_gpu_exits_2(capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     assert calibrate.main(["--out", "unused.json"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
 def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path):
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     out = tmp_path / "tiny.json"
     common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128", "--iters", "1", "--warmup", "0"]
@@ -213,7 +213,7 @@ def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path)
 def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
     """The planner hook: a group's sp and ckpt_layers (null -> the default), and hbp balancing with it evens the
     predicted slot times at least as well as the default sum of len^2 does."""
-    from hbp_train.cost_model import pack_cost_fn
+    from hbp_train.perf.cost_model import pack_cost_fn
     from hbp_train.planning import GroupSpec, PlanConfig, make_plan
     from hbp_train.planning.metrics import cost_balance_ratio
 
@@ -234,7 +234,7 @@ def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
 
 
 def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128"]
     assert calibrate.main(common + ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
@@ -263,7 +263,7 @@ def test_calibrate_checks_flags_before_asking_for_a_gpu(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     assert calibrate.main(["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
@@ -278,8 +278,8 @@ def _fake_timer(ms_of):
 def test_calibrate_scales_every_timing_to_32768_tokens(tmp_path, monkeypatch):
     """Each table entry is its own pack's time scaled by 32768 / (tokens in that pack): a doc length that does not
     divide --tokens times fewer tokens. fwd and fwd+bwd land under their own keys; the linear part is per token."""
-    from hbp_train import calibrate
-    from hbp_train.cost_model import TABLE_TOKENS
+    from hbp_train.perf import calibrate
+    from hbp_train.perf.cost_model import TABLE_TOKENS
 
     ms = {"forward": 1.0, "forward_backward": 3.0, "layer_step": 5.0}
     monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: ms[fn.__name__]))
@@ -305,7 +305,7 @@ def test_validate_reports_absolute_errors_and_the_10_percent_verdict_of_the_wors
 
     import torch
 
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     predicted_s = 0.5
     measured_ms = iter([1e3 * predicted_s / (1 + e) for e in errors])
@@ -324,7 +324,7 @@ def test_validate_reports_absolute_errors_and_the_10_percent_verdict_of_the_wors
 
 def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkeypatch, capsys):
     """--max-samples may equal --tokens (every sample one token long); one more cannot be split and is refused."""
-    from hbp_train import calibrate
+    from hbp_train.perf import calibrate
 
     assert calibrate.random_pack(np.random.default_rng(0), 16, 16) == [1] * 16  # the edge is a valid pack
     seen = []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hbp_train.data import IGNORE_INDEX, DataConfig, PackedData, collate_pack, empty_micro_batch
-from hbp_train.ulysses import split_for_sp
+from hbp_train.distributed.ulysses import split_for_sp
 from tests.assets.packed_fixture import TWO_RANK_STEPS, loss_tokens, synthetic_samples, write_packed
 
 SAMPLES = synthetic_samples(14, 100, seed=5)

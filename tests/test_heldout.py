@@ -58,8 +58,9 @@ class _Engine:
 def _eval_worker(rank, world_size):
     import torch.distributed as dist
 
-    from hbp_train import heldout, ulysses
-    from hbp_train.parallel import build_parallel_state
+    from hbp_train import heldout
+    from hbp_train.distributed import ulysses
+    from hbp_train.distributed.groups import build_parallel_state
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ulysses.set_active_sp = lambda sp: None  # no attention here to switch

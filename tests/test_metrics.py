@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hbp_train.metrics import LoggingConfig, MetricsLogger, all_gather_floats, format_line
+from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
 from hbp_train.trainer import STAT_COLUMNS
 
 

@@ -1,11 +1,11 @@
-"""Tests for hbp_train/parallel.py: SP degree validation and the SP / data-parallel groups (4 gloo processes)."""
+"""Tests for hbp_train/distributed/groups.py: SP degree validation and the SP / data-parallel groups (4 gloo processes)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hbp_train.parallel import build_parallel_state, check_sp_degrees, sp_group_ranks, valid_sp_degrees
+from hbp_train.distributed.groups import build_parallel_state, check_sp_degrees, sp_group_ranks, valid_sp_degrees
 from tests.distributed import run_distributed
 
 

@@ -35,7 +35,7 @@ def test_fill_bins_respects_capacity_and_fills_tightly():
     used = np.bincount(item_bin, weights=lengths, minlength=len(gaps))
     assert np.all(used <= 1024) and np.array_equal(1024 - used, gaps)
     # First-fit decreasing wastes far less than next-fit in random order (what one isf round does).
-    from hbp_train.planning.isf import next_fit
+    from hbp_train.planning.baselines.isf import next_fit
 
     num_next_fit = len(next_fit(lengths[rng.permutation(len(lengths))], 1024))
     waste_nf = num_next_fit * 1024 - lengths.sum()
@@ -65,7 +65,7 @@ def test_refine_slot_lowers_max_keeps_samples_and_capacity():
 
 
 def test_custom_pack_cost_is_balanced():
-    """With a pack_cost (as hbp_train.cost_model supplies) the plan stays valid and evens that cost."""
+    """With a pack_cost (as hbp_train.perf.cost_model supplies) the plan stays valid and evens that cost."""
     calls = []
 
     def cost(pack_lengths, pack_ptr, group):

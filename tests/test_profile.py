@@ -1,4 +1,4 @@
-"""Tests for hbp_train/profile.py: Alg. 4 / 3 / 1 on injected curves, OOM and time-budget handling, the NVML
+"""Tests for hbp_train/profiler/search.py: Alg. 4 / 3 / 1 on injected curves, OOM and time-budget handling, the NVML
 fallback, the real measurement code path on a tiny CPU model, and the CLI (--dry-run, no GPU)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from hbp_train import profile as prof
-from hbp_train.profile import CurveBackend, ProfileConfig, Profiler
+from hbp_train.profiler import search as prof
+from hbp_train.profiler.search import CurveBackend, ProfileConfig, Profiler
 
 GB = 10 ** 9
 LAYERS = 16
@@ -286,7 +286,7 @@ def test_no_nvml_degrades_with_one_log_line(monkeypatch, caplog):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
     monkeypatch.setattr(pynvml, "nvmlInit", fail)
     monkeypatch.setitem(prof._nvml, "state", None)
-    with caplog.at_level(logging.WARNING, logger="hbp_train.profile"):
+    with caplog.at_level(logging.WARNING, logger="hbp_train.profiler.search"):
         assert prof.nvml_used_bytes(0) is None
         assert prof.nvml_used_bytes(0) is None
         assert prof.nvml_hardware() is None
@@ -313,7 +313,7 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
 
 def test_measurement_code_path_on_a_tiny_cpu_model():
     """GpuBackend's real fwd+bwd path (model.py, loss.py, checkpointing, SP estimate) on the CPU: times only."""
-    from hbp_train.cost_model import CostModel
+    from hbp_train.perf.cost_model import CostModel
     from hbp_train.model import ModelConfig, num_params
 
     model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
@@ -358,7 +358,7 @@ def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch
     import torch
 
     from hbp_train import loss
-    from hbp_train.cost_model import CostModel
+    from hbp_train.perf.cost_model import CostModel
     from hbp_train.model import ModelConfig
 
     model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
@@ -390,7 +390,7 @@ def test_nvml_reading_failure_degrades_to_torch_counters(monkeypatch, caplog):
     monkeypatch.setitem(prof._nvml, "state", True)  # NVML initialised, but this GPU hides its memory reading
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: object())
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", fail)
-    with caplog.at_level(logging.WARNING, logger="hbp_train.profile"):
+    with caplog.at_level(logging.WARNING, logger="hbp_train.profiler.search"):
         assert prof.nvml_used_bytes(0) is None
         assert prof.nvml_used_bytes(0) is None and prof.nvml_hardware() is None
     assert len([r for r in caplog.records if "NVML" in r.getMessage()]) == 1
@@ -506,8 +506,8 @@ def test_gpu_run_needs_a_tokenizer(tmp_path):
 
 
 def test_memory_preflight_names_the_groups_that_will_not_fit():
-    from hbp_train.cost_model import MODEL_SHAPES
-    from hbp_train.profile import JobSettings, analytic_memory_bytes, memory_preflight
+    from hbp_train.perf.cost_model import MODEL_SHAPES
+    from hbp_train.profiler.search import JobSettings, analytic_memory_bytes, memory_preflight
 
     shape, job, gpu = MODEL_SHAPES["llama3-8b"], JobSettings(zero_stage=2), 80 * 2**30
     groups = [{"pack_len": 16384, "sp": 1, "ckpt_layers": 32}, {"pack_len": 131072, "sp": 8, "ckpt_layers": None},
@@ -522,7 +522,7 @@ def test_memory_preflight_names_the_groups_that_will_not_fit():
 
 def test_model_shape_follows_build_model_vocabulary_rule():
     from hbp_train.model import ModelConfig
-    from hbp_train.profile import model_shape_of
+    from hbp_train.profiler.search import model_shape_of
 
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2}
@@ -663,7 +663,7 @@ def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_p
     """The synthetic pack of a docs file: position_ids restart at every document and each document's last token
     has no target (labels shifted within the document)."""
     from hbp_train import model as model_mod
-    from hbp_train.cost_model import CostModel
+    from hbp_train.perf.cost_model import CostModel
     from hbp_train.model import ModelConfig
 
     lengths = tmp_path / "lengths.txt"

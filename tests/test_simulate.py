@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hbp_train.cost_model import CostModel
+from hbp_train.perf.cost_model import CostModel
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig, pack_csr
-from hbp_train.planning.simulate import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
+from hbp_train.planning.simulator import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
 
 
 class SquareCost:
@@ -375,7 +375,7 @@ def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
     """Ctrl-C in simulate or compare: one line naming what was left as it was, exit code 130, earlier --out kept."""
     from data_tools import compare
     from data_tools import simulate as cli
-    import hbp_train.planning.simulate as sim
+    import hbp_train.planning.simulator as sim
 
     path, out = tmp_path / "plan.json", tmp_path / "r.json"
     plan_a().to_json(path)
@@ -405,7 +405,7 @@ def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
 def test_compare_cost_balancing_strategies_plan_with_the_cost_model():
     """hbp-cost (like wlb and bytescale) plans with the simulator's cost model as pack cost; hbp with sum of len^2."""
     from data_tools import compare
-    from hbp_train.cost_model import pack_cost_fn
+    from hbp_train.perf.cost_model import pack_cost_fn
     from hbp_train.planning import make_plan
 
     rng = np.random.default_rng(4)

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hbp_train.cost_model import DEFAULT_CALIBRATION, CostModel
+from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, CostModel
 from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
-from hbp_train.planning.bytescale import check_zero_stage
-from hbp_train.planning.simulate import simulate
+from hbp_train.planning.baselines.bytescale import check_zero_stage
+from hbp_train.planning.simulator import simulate
 
 EXTRA = ("sorted", "wlb", "bytescale")
 
@@ -177,8 +177,8 @@ def _brute_makespan(costs, machines):
 def test_heaviest_first_greedy_meets_grahams_lpt_bound(costs, machines):
     """bytescale's deal and wlb's pack greedy are LPT (heaviest first, least loaded): makespan <= (4/3 - 1/(3m)) OPT
     (Graham 1969). Greedy in any other order only guarantees 2 - 1/m."""
-    from hbp_train.planning.bytescale import deal_to_replicas
-    from hbp_train.planning.wlb import balance_into_packs
+    from hbp_train.planning.baselines.bytescale import deal_to_replicas
+    from hbp_train.planning.baselines.wlb import balance_into_packs
 
     cost = np.asarray(costs, np.float64)
     items = np.arange(len(costs))

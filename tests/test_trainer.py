@@ -37,7 +37,7 @@ def _single_process_checks(rank, world_size, shards, out):
     from hbp_train import checkpoint as ckpt
     from hbp_train import config, trainer
     from hbp_train.export import export
-    from hbp_train.parallel import init_distributed
+    from hbp_train.distributed.groups import init_distributed
 
     init_distributed()
     result = {}
@@ -45,7 +45,7 @@ def _single_process_checks(rank, world_size, shards, out):
     full = trainer.train(config.load(overrides(shards, f"{out}/full", "train.save_final=false",
                                                "train.save_every=2", "train.keep_last=3")))
     result["full_tags"] = ckpt.list_tags(f"{out}/full/checkpoints")
-    from hbp_train import ulysses
+    from hbp_train.distributed import ulysses
 
     result["token_totals"] = [ulysses.stats().totals()]
     first = trainer.train(config.load(overrides(shards, f"{out}/split", "train.exit_after_steps=3")))

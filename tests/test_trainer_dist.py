@@ -53,7 +53,7 @@ def _worker(rank, world_size, shards, out, bytescale_shards):
     import deepspeed
 
     from hbp_train import config, trainer
-    from hbp_train.parallel import init_distributed
+    from hbp_train.distributed.groups import init_distributed
 
     init_distributed()
     results = {}

@@ -1,4 +1,4 @@
-"""Tests for hbp_train/ulysses.py: the SP collate split, the head limits, Ulysses with SP sizes switched per step
+"""Tests for hbp_train/distributed/ulysses.py: the SP collate split, the head limits, Ulysses with SP sizes switched per step
 inside one DeepSpeed engine (4 gloo processes, ZeRO-2 and ZeRO-3) against a single-process reference, and the same
 through the trainer (2 processes, a plan with groups at sp=1 and sp=2, every loss normalizer's gradient)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hbp_train.attention import cu_seqlens_from_position_ids
-from hbp_train.ulysses import IGNORE_INDEX, check_sp_heads, split_for_sp
+from hbp_train.distributed.ulysses import IGNORE_INDEX, check_sp_heads, split_for_sp
 from tests.distributed import run_distributed
 
 VOCAB = 64
@@ -127,11 +127,11 @@ def _switching_worker(rank, world_size, zero_stages):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from hbp_train import ulysses
+    from hbp_train.distributed import ulysses
     from hbp_train.attention import register_packed_attention
     from hbp_train.loss import normalize_loss
-    from hbp_train.metrics import all_gather_floats
-    from hbp_train.parallel import build_parallel_state, init_distributed
+    from hbp_train.telemetry import all_gather_floats
+    from hbp_train.distributed.groups import build_parallel_state, init_distributed
 
     init_distributed()
     pstate = build_parallel_state(sorted(set(SP_SCHEDULE)))
@@ -242,7 +242,7 @@ def _trainer_worker(rank, world_size, shards, out):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from hbp_train import config, trainer
-    from hbp_train.parallel import init_distributed
+    from hbp_train.distributed.groups import init_distributed
     from tests.assets.packed_fixture import TINY_LLAMA
 
     init_distributed()
@@ -284,7 +284,7 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from hbp_train.metrics import format_line
+    from hbp_train.telemetry import format_line
     from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss, synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)

@@ -43,19 +43,19 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
 
         plan = plan_hbp(lengths, config)
     elif config.strategy == "isf":
-        from hbp_train.planning.isf import plan_isf
+        from hbp_train.planning.baselines.isf import plan_isf
 
         plan = plan_isf(lengths, config)
     elif config.strategy == "sorted":
-        from hbp_train.planning.sorted_batching import plan_sorted
+        from hbp_train.planning.baselines.sorted import plan_sorted
 
         plan = plan_sorted(lengths, config)
     elif config.strategy == "wlb":
-        from hbp_train.planning.wlb import plan_wlb
+        from hbp_train.planning.baselines.wlb import plan_wlb
 
         plan = plan_wlb(lengths, config)
     elif config.strategy == "bytescale":
-        from hbp_train.planning.bytescale import plan_bytescale
+        from hbp_train.planning.baselines.bytescale import plan_bytescale
 
         plan = plan_bytescale(lengths, config)
     else:

@@ -108,7 +108,7 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
 
 def cost_balance_ratio(plan: Plan, pack_cost) -> float:
     """Mean over slots of sum_r (C_max - C_r) / (C_max * N) for a per-pack cost (e.g. predicted seconds from
-    hbp_train.cost_model): the ABR formula applied to the cost a cost model balances instead of sum len^2."""
+    hbp_train.perf.cost_model): the ABR formula applied to the cost a cost model balances instead of sum len^2."""
     cost = pack_costs(plan.lengths, plan.pack_ptr, plan.pack_samples, plan.pack_group,
                       replace(plan.config, pack_cost=pack_cost))
     sizes = np.diff(plan.step_ptr)

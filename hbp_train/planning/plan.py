@@ -104,7 +104,7 @@ class PlanConfig:
     balance: str = "refine"
     """hbp step building: "sort" (paper: sort packs by cost, chunk) or "refine" (sort, then a swap pass)."""
     pack_cost: PackCostFn | None = None
-    """Per-pack cost the balancer equalises across replicas (e.g. from hbp_train.cost_model); None = sum len^2."""
+    """Per-pack cost the balancer equalises across replicas (e.g. from hbp_train.perf.cost_model); None = sum len^2."""
     progress: bool = False
     """Show tqdm progress bars for the long phases."""
 

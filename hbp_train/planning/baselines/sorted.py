@@ -17,7 +17,7 @@ import numpy as np
 
 from hbp_train.planning.balance import build_steps, reorder_steps
 from hbp_train.planning.curriculum import order_steps, sample_levels
-from hbp_train.planning.isf import next_fit
+from hbp_train.planning.baselines.isf import next_fit
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 
 

@@ -1,7 +1,7 @@
 """Live step metrics: one namespaced dict per step, one rank-0 line, a JSON-lines file, TensorBoard, a tqdm bar.
 
 Keys are namespaced (``loss/…``, ``optim/…``, ``perf/…``, ``balance/…``, ``memory/…``, ``plan/…``, ``tokens/…``;
-the trainer adds ``sp/…`` and ``time/…`` from hbp_train/ulysses.py and ``loss/eval`` from heldout.py). The balance
+the trainer adds ``sp/…`` and ``time/…`` from hbp_train/distributed/ulysses.py and ``loss/eval`` from heldout.py). The balance
 figures compare what the plan predicted (its step ABR/DBR) with what the ranks measured: every rank's compute time
 for the step is all-gathered (one small vector per rank, also carrying the flags the ranks must agree on) and the
 live imbalance is max/mean over ranks; ``balance/live_BR`` applies the plan's ABR formula (1 - mean/max) to the

@@ -1,7 +1,7 @@
 """Cost-model calibration on a GPU: time one decoder layer's attention by document length and its linear part.
 
-    python -m hbp_train.calibrate --model-shape llama3.2-1b --out calib_1b.json
-    python -m hbp_train.calibrate --model-shape llama3.2-1b --calibration calib_1b.json --validate \\
+    python -m hbp_train.perf.calibrate --model-shape llama3.2-1b --out calib_1b.json
+    python -m hbp_train.perf.calibrate --model-shape llama3.2-1b --calibration calib_1b.json --validate \\
         --validate-out validate_1b.json
 
 Calibrate (default): one decoder layer built with transformers from the shape's config (Llama architecture,
@@ -9,7 +9,7 @@ random weights, bf16). Attention: packs of ``--tokens`` tokens made of documents
 varlen causal attention from hbp_train.attention (best backend available), timed forward and forward+backward.
 Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the attention core
 replaced by a cheap elementwise stand-in. Times are medians over ``--iters`` after ``--warmup`` and are written
-per 32768 tokens, the format of hbp_train/calibration/h100_llama3_8b_layer.json (plus "model_shape").
+per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus "model_shape").
 
 Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
 1 to ``--max-samples`` samples (random split of ``--tokens``), compares with CostModel.pack_time from the
@@ -30,7 +30,7 @@ from datetime import date
 
 import numpy as np
 
-from hbp_train.cost_model import TABLE_TOKENS, CostModel, ModelShape, parse_model_shape
+from hbp_train.perf.cost_model import TABLE_TOKENS, CostModel, ModelShape, parse_model_shape
 from hbp_train.outputs import check_output_file, write_output
 
 DEFAULT_DOC_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -40,7 +40,7 @@ NOOP_ATTENTION = "hbp_calibrate_noop"
 def build_parser() -> argparse.ArgumentParser:
     from hbp_train.attention import BACKENDS  # imports torch: not at module level, like main's own torch import
 
-    p = argparse.ArgumentParser(prog="python -m hbp_train.calibrate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m hbp_train.perf.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", default="llama3.2-1b",
                    help="preset (llama3-8b, llama3.2-1b, ...), JSON object or JSON/HF config.json file (default "

@@ -26,7 +26,7 @@ import numpy as np
 
 from hbp_train.planning.curriculum import order_steps, sample_levels
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
-from hbp_train.planning.wlb import first_fit_decreasing, sample_costs
+from hbp_train.planning.baselines.wlb import first_fit_decreasing, sample_costs
 
 # ZeRO stages that reduce gradients only at the gradient-accumulation boundary (0: plain data parallel, 1).
 ZERO_STAGES = (0, 1)

@@ -22,10 +22,10 @@ Backends (one small interface, `MeasureBackend.measure(pack_len, sp, ckpt_layers
                    synthetic pack; torch peak-allocated and NVML used memory; an OOM is caught and recorded.
                    SP degrees above the GPUs present are *estimated* from the per-rank slice (pack_len/sp on one
                    GPU) plus the cost model's attention and all-to-all terms (docs/profiler.md states the model).
-  AnalyticBackend  no GPU (--dry-run): hbp_train.cost_model for time, an analytic memory model for memory.
+  AnalyticBackend  no GPU (--dry-run): hbp_train.perf.cost_model for time, an analytic memory model for memory.
   CurveBackend     injected time/memory curves, for tests and what-if studies.
 
-Entry point: ``python -m hbp_train.profile [model=...] profile.max_len=131072 profile.dry_run=true ...`` writes
+Entry point: ``python -m hbp_train.profiler [model=...] profile.max_len=131072 profile.dry_run=true ...`` writes
 profile.json (read by ``data_tools.pack --groups auto --profile profile.json``) and prints every measurement.
 """
 
@@ -44,9 +44,9 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from hbp_train.cost_model import CostModel, ModelShape, parse_model_shape
+from hbp_train.perf.cost_model import CostModel, ModelShape, parse_model_shape
 
-log = logging.getLogger("hbp_train.profile")
+log = logging.getLogger("hbp_train.profiler.search")
 
 GIB = 1024 ** 3
 PROFILE_VERSION = 1
@@ -686,7 +686,7 @@ def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job
             warnings.append(
                 f"group {g} ({pack_len} tokens, sp={sp}, {ckpt} checkpointed layers) is predicted to need "
                 f"{need / 2**30:.1f} GiB of the GPU's {device_bytes / 2**30:.1f} GiB: raise its ckpt_layers "
-                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profile choose")
+                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
     return warnings
 
 
@@ -724,7 +724,7 @@ class CurveBackend:
 
 
 class AnalyticBackend:
-    """--dry-run: time from hbp_train.cost_model (calibrated and scaled, or analytic), memory from
+    """--dry-run: time from hbp_train.perf.cost_model (calibrated and scaled, or analytic), memory from
     `analytic_memory_bytes`. Nothing runs; every number is labelled "analytic"."""
 
     name = "analytic"
@@ -868,7 +868,7 @@ class GpuBackend:
             if self.on_gpu:
                 torch.cuda.synchronize(self.device)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; metrics.is_oom knows the others
-            from hbp_train.metrics import is_oom
+            from hbp_train.telemetry import is_oom
 
             if not is_oom(exc):
                 raise
@@ -952,7 +952,7 @@ def _fmt(value, scale, spec) -> str:
 
 
 # ============================================================================================ entry point
-HELP = """usage: python -m hbp_train.profile [OVERRIDES...]
+HELP = """usage: python -m hbp_train.profiler [OVERRIDES...]
 
 Auto group selection (HBP Alg. 1/3/4): profile (SP degree, checkpointed layers) for each candidate pack length and
 write the packing groups to profile.json for `python -m data_tools.pack --groups auto --profile profile.json`.
@@ -983,7 +983,7 @@ profile.* options (defaults in brackets):
 Without a GPU and without profile.dry_run=true: one line and exit code 2. Bad values: one line naming the field,
 exit code 2. A dry run needs only the model's config.json (model.name_or_path=DIR holding it; without a tokenizer
 the config's vocab_size is used) and no data.shards, e.g.
-  python -m hbp_train.profile experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
+  python -m hbp_train.profiler experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
 See docs/profiler.md.
 """
 
@@ -1031,7 +1031,7 @@ def tokenizer_vocab(tokenizer_dir: str, dry_run: bool) -> Optional[int]:
 
 def usable_sp_degrees(candidates: list[int], shape: ModelShape) -> list[int]:
     """The SP degrees Ulysses can run for this model's heads (ulysses.check_sp_heads); says which were dropped."""
-    from hbp_train.ulysses import check_sp_heads
+    from hbp_train.distributed.ulysses import check_sp_heads
 
     usable = []
     for sp in candidates:

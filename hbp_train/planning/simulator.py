@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hbp_train.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
+from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
 from hbp_train.planning.plan import Plan
 
 SYNC_MODES = ("micro", "step")
@@ -231,7 +231,7 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
     config = config or SimConfig()
     unequal = bool(plan.extra.get("unequal_micro_batches", False))
     if config.zero_stage is not None:
-        from hbp_train.planning.bytescale import check_zero_stage
+        from hbp_train.planning.baselines.bytescale import check_zero_stage
 
         check_zero_stage(plan, config.zero_stage)  # unequal micro-batch counts need ZeRO 0/1
         sync = config.sync or stage_sync(config.zero_stage)

@@ -14,7 +14,7 @@ log-log: one document of length l costs t(l)·l/32768), C_fb is the linear fwd+b
 head (2·hidden·vocab FLOPs per token forward, scaled from C_fb by FLOPs), and the four all-to-alls per layer
 forward move q, k, v (before attention) and the attention output (after), four more in backward, four more for
 each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap; the optimizer
-step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_train.planning.simulate adds them).
+step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_train.planning.simulator adds them).
 
 ``source`` says where the numbers come from: "measured" (the calibration's own shape), "scaled" (a calibration
 measured on another shape, scaled by FLOPs), "analytic" (FLOPs at a stated efficiency of peak, no measurement).
@@ -181,7 +181,7 @@ class CostModel:
     def from_calibration(cls, path=None, model_shape=None) -> "CostModel":
         """Load a calibration JSON (the shipped H100 Llama-3-8B layer by default), optionally scaled to a shape.
 
-        The file's own shape is its "model_shape" entry (written by ``hbp_train.calibrate``); the shipped file
+        The file's own shape is its "model_shape" entry (written by ``hbp_train.perf.calibrate``); the shipped file
         has none and was measured on a Llama-3-8B layer. Another ``model_shape`` scales the linear part by the
         ratio of linear FLOPs and attention by heads·head_dim, and the result is labelled "scaled".
         """

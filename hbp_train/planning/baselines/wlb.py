@@ -46,7 +46,7 @@ def sample_costs(lengths: np.ndarray, items: np.ndarray, config: PlanConfig, gro
     """Workload of every sample in ``items`` run alone in ``group`` (config.pack_cost, default the cost model)."""
     cost_fn = config.pack_cost
     if cost_fn is None:
-        from hbp_train.cost_model import CostModel, pack_cost_fn
+        from hbp_train.perf.cost_model import CostModel, pack_cost_fn
 
         cost_fn = pack_cost_fn(CostModel.from_calibration())
     ptr = np.arange(len(items) + 1, dtype=np.int64)

@@ -1,0 +1,1 @@
+"""hbp_train/profiler"""

@@ -6,12 +6,15 @@
 #   ./launch.sh train [OVERRIDES]   train with Hydra overrides (torchrun, or the deepspeed launcher with HOSTFILE)
 #   ./launch.sh eval [ARGS]         evaluation (python -m eval.run); --setup-opencompass builds its own venv
 #   ./launch.sh preprocess|pack|simulate|compare [ARGS]  python -m data_tools.<command> ARGS
-#   ./launch.sh profile|export|calibrate [ARGS]          python -m hbp_train.<command> ARGS
+#   ./launch.sh profile|calibrate|export [ARGS]          python -m hbp_train.profiler | .perf.calibrate | .export
+#   (the same commands are in the venv as hbp-train, hbp-preprocess, hbp-pack, ..., hbp-eval, hbp-demo)
 #   ./launch.sh setup               only the set-up
 #   ./launch.sh help                this text (every command also takes --help)
 #
 # Set-up: HBP_VENV (default .venv), HBP_PYTHON (interpreter that creates the venv, default python3),
-# HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine.
+# HBP_TORCH_INDEX (a pip index for torch, e.g. https://download.pytorch.org/whl/cpu for the CPU build),
+# HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine. The repo is installed in editable mode
+# (pip install -e .), which also puts the hbp-* commands into the venv's bin/.
 # train: NPROC (processes on this node; default: its GPUs, or 1 on a CPU), NNODES, NODE_RANK, MASTER_ADDR,
 # MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead).
 set -euo pipefail
@@ -21,41 +24,38 @@ VENV=${HBP_VENV:-$ROOT/.venv}
 PY=$VENV/bin/python
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
 export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 have_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 # Without a GPU, name DeepSpeed's accelerator: it would pick the CPU anyway, after a warning per process.
 have_cuda || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 
 setup() {
-  # The stamp holds the hash of the requirements: a changed file re-runs the install, an unchanged one is instant.
+  # The stamp holds a hash of the requirements, pyproject.toml and the repo's path: a change re-runs the install,
+  # no change makes this instant.
   local stamp=$VENV/.hbp-installed want
-  want=$(sha256sum < "$ROOT/requirements.txt" | cut -c1-16)
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then link_repo; return 0; fi
+  want=$( (cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
   echo "[launch] setting up $VENV (first run: about two minutes)"
   [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   if ! "$PY" -c "import torch" 2>/dev/null; then
+    # torch first, the build for this machine: an open range would pull the multi-GB CUDA build from PyPI.
+    local index=()
+    [ -n "${HBP_TORCH_INDEX:-}" ] && index=(--index-url "$HBP_TORCH_INDEX")
     if have_cuda; then
-      "$PY" -m pip install -q "torch>=2.4"            # the CUDA build
+      "$PY" -m pip install -q ${index[@]+"${index[@]}"} "torch>=2.11"     # the CUDA build
     else
-      "$PY" -m pip install -q "torch==2.13.0"         # the CPU build; see ../shared/TECH-NOTES.md
+      "$PY" -m pip install -q ${index[@]+"${index[@]}"} "torch==2.13.0"   # the version the CPU tests run on
     fi
   fi
   "$PY" -m pip install -q -r "$ROOT/requirements.txt"
+  PYTHONWARNINGS=ignore::UserWarning "$PY" -m pip install -q --no-deps -e "$ROOT"   # (no editable-mode banner)
+  # Venvs set up before the editable install held a .pth file pointing at the repo: no longer needed.
+  rm -f "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hbp_train_repo.pth"
   if have_cuda && [ "${HBP_INSTALL_FLASH_ATTN:-0}" = 1 ]; then
     "$PY" -m pip install -q --no-build-isolation -r "$ROOT/requirements-flash.txt" || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
   fi
-  link_repo
   echo "$want" > "$stamp"
-}
-
-link_repo() {
-  # A .pth file puts the repo on the venv's path, so `python -m data_tools.pack ...` works from any folder once
-  # the venv is active (the repo is not pip-installed).
-  local pth
-  pth=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hbp_train_repo.pth
-  [ "$(cat "$pth" 2>/dev/null)" = "$ROOT" ] || echo "$ROOT" > "$pth"
 }
 
 demo() {

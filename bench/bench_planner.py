@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan  # noqa: E402
 
 
@@ -61,6 +62,8 @@ def main():
     args = ap.parse_args()
     if args.world_size < 8 or args.world_size % 8:
         ap.error("--world-size must be a multiple of 8 (the 131072:8 group needs W/8 replicas)")
+    if args.samples < 1 or args.repeats < 1 or args.seed < 0:
+        ap.error("--samples and --repeats must be >= 1, --seed >= 0")
     global_tokens = args.global_tokens or args.world_size * 131072
     lengths = long_tailed_lengths(args.samples, args.seed)
     groups = [GroupSpec(16384, 1), GroupSpec(131072, 8)]
@@ -110,4 +113,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # a setting the planner refuses, named in one line
+        print(f"bench_planner: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)

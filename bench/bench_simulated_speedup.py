@@ -29,6 +29,7 @@ from dataclasses import replace  # noqa: E402
 
 from data_tools.compare import STRATEGIES, compare_strategies, simulate_strategies, table_columns  # noqa: E402
 from data_tools.simulate import format_table  # noqa: E402
+from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.perf.cost_model import CostModel  # noqa: E402
 from hbp_train.planning import GroupSpec  # noqa: E402
 from hbp_train.planning.simulator import SimConfig, plot_comparison  # noqa: E402
@@ -61,7 +62,7 @@ def main() -> int:
     sim = SimConfig(ckpt_layers=args.ckpt_layers)
     try:
         comm_sim = replace(sim, zero_stage=args.zero_stage, comm_overlap=args.comm_overlap)
-    except ValueError as exc:
+    except UserError as exc:
         p.error(str(exc))
     t0 = time.perf_counter()
     lengths = long_tailed_lengths(args.num_samples, args.seed)
@@ -111,4 +112,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as exc:  # a flag the planner or simulator refuses, named in one line
+        print(f"bench_simulated_speedup: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)

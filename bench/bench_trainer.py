@@ -8,9 +8,9 @@ Paths, each trained for --warmup untimed and --steps timed steps of one pack per
 same order, from the same initial weights):
   ours      hbp_train's real step, ``trainer.train_step``: a DeepSpeed engine at world size 1 (ZeRO-2, bf16 with fp32
             master weights, torch AdamW, gradient clipping 1.0), our packed varlen attention (best backend of
-            hbp_train.attention), the chunked LM-head loss, --ckpt-layers checkpointed layers. The engine is built
-            from the trainer's public pieces the way ``trainer.build`` does it, without packed shards on disk
-            (no ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
+            hbp_train.attention), the chunked LM-head loss, --ckpt-layers checkpointed layers. The run is built by
+            the trainer's own ``build.build_run`` (one sp=1 packing group), without packed shards on disk (no
+            ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
   hf_sdpa   a plain transformers model, ``attn_implementation="sdpa"``, batches from transformers'
             ``DataCollatorWithFlattening`` (position_ids restart per sample, each sample's first label masked; HF
             then builds the block-diagonal mask from the position_ids), HF's own loss (full logits), a plain
@@ -24,60 +24,41 @@ Then the longest single pack our path trains (--pack-len, doubling up to --max-p
 for each length the checkpoint levels (--ckpt-levels, default 0, L/4, L/2, 3L/4, L) are tried from the last one
 that fitted; an out-of-memory error rebuilds the engine and tries the next level.
 
-Figures: tokens/s and MFU over the timed steps (MFU = FLOPs / (time x peak); FLOPs from hbp_train.model.pack_flops
+Figures: tokens/s and MFU over the timed steps (MFU = FLOPs / (time x peak); FLOPs from hbp_train.perf.flops.pack_flops
 for every path: linear FLOPs per token plus causal attention FLOPs with sum of len^2 over the samples, never T^2;
 recompute not counted), peak memory (CUDA max allocated; on a CPU the process's peak RSS, which only grows), the
 first step's loss of each path (same weights and data: they must agree), and ours/baseline ratios. Targets
 (issue #5): >= 1.2x the best HF baseline's tokens/s, >= 45% MFU, a 128K pack for a 1B shape. Every figure is
 labelled with the device it was measured on; nothing is compared across devices.
 
-The sp=1 check (issue #6): in a run whose plan also has SP groups, trainer.build installs the Ulysses dispatcher and
+The sp=1 check (issue #6): in a run whose plan also has SP groups, build.build_run installs the Ulysses dispatcher and
 sp=1 steps go through it; an sp=1-only run (like ours here) keeps the plain packed attention. The same engine is
 timed both ways, alternating step by step; the ratio should be ~1.0 (the rest of train_step's SP code runs in both).
+
+This file is the command line, the run and the report; its parts: bench/trainer_workload.py (model shapes, packs),
+bench/trainer_paths.py (ours, the HF baselines, the timing loop), bench/trainer_search.py (the longest pack).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import platform
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-IGNORE_INDEX = -100
+# After the path set-up (noqa: E402). The parts: the workload, the timed paths, the pack search.
+from bench.trainer_paths import (ZERO_STAGE, build_ours, destroy_ours, device_info, measure_hf,  # noqa: E402
+                                 measure_ours, release, resolve_baselines, sp1_check)
+from bench.trainer_search import TARGET_PACK, ckpt_levels, pack_search  # noqa: E402
+from bench.trainer_workload import PRESETS, describe_packs, make_packs, pack_row, parse_shape  # noqa: E402
+from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+
 TARGET_RATIO = 1.2
 TARGET_MFU = 0.45
-TARGET_PACK = 131072
-
-# Model shapes as HF config fields ("model_type" picks the architecture). llama3.2-1b and the qwen2.5 shapes are the
-# published configs (tied embeddings); tiny is for the CPU smoke run.
-PRESETS = {
-    "tiny": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "tie_word_embeddings": False},
-    "llama3.2-1b": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-                    "rope_theta": 500000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
-    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
-    "qwen2.5-1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "rope_theta": 1000000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
-}
-
-
-class BenchError(ValueError):
-    """A user mistake: printed as one line, exit code 2."""
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -134,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_args(args) -> argparse.Namespace:
-    """Fill device-dependent defaults and validate; BenchError names the flag."""
+    """Fill device-dependent defaults and validate; UserError names the flag."""
     cpu = args.device == "cpu"
     args.model_shape = args.model_shape or ("tiny" if cpu else "llama3.2-1b")
     args.pack_len = args.pack_len or (1024 if cpu else 16384)
@@ -143,520 +124,19 @@ def resolve_args(args) -> argparse.Namespace:
     if args.max_pack_search is None:
         args.max_pack_search = 2 * args.pack_len if cpu else TARGET_PACK
     if args.pack_len < 16:
-        raise BenchError(f"--pack-len {args.pack_len}: must be >= 16")
+        raise UserError(f"--pack-len {args.pack_len}: must be >= 16")
     if args.steps < 1 or args.warmup < 0 or args.search_steps < 1:
-        raise BenchError("--steps and --search-steps must be >= 1 and --warmup >= 0")
+        raise UserError("--steps and --search-steps must be >= 1 and --warmup >= 0")
     if args.max_pack_search and args.max_pack_search < args.pack_len:
-        raise BenchError(f"--max-pack-search {args.max_pack_search}: must be 0 or >= --pack-len {args.pack_len}")
+        raise UserError(f"--max-pack-search {args.max_pack_search}: must be 0 or >= --pack-len {args.pack_len}")
     if not 0 <= args.prompt_frac < 1:
-        raise BenchError(f"--prompt-frac {args.prompt_frac}: must be in [0, 1)")
+        raise UserError(f"--prompt-frac {args.prompt_frac}: must be in [0, 1)")
     if args.ckpt_layers < 0 or args.loss_chunk < 1 or args.lr <= 0 or args.peak_tflops < 0:
-        raise BenchError("--ckpt-layers, --peak-tflops must be >= 0; --loss-chunk, --lr must be > 0")
+        raise UserError("--ckpt-layers, --peak-tflops must be >= 0; --loss-chunk, --lr must be > 0")
     if cpu and args.dtype == "bf16":
-        raise BenchError("--dtype bf16 with --device cpu: the CPU smoke run is fp32")
+        raise UserError("--dtype bf16 with --device cpu: the CPU smoke run is fp32")
     args.baselines = [] if args.baselines.strip() in ("", "none") else [b.strip() for b in args.baselines.split(",")]
     return args
-
-
-def parse_shape(spec: str) -> tuple[str, str, dict]:
-    """(name, architecture, HF config fields) from a preset, a JSON object or a JSON file."""
-    if spec in PRESETS:
-        fields, name = dict(PRESETS[spec]), spec
-    else:
-        text = spec
-        if not spec.lstrip().startswith("{"):
-            if not Path(spec).is_file():
-                raise BenchError(f"--model-shape {spec!r}: not a preset ({', '.join(PRESETS)}), a JSON object or "
-                                 "a file")
-            text = Path(spec).read_text()
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BenchError(f"--model-shape: invalid JSON ({exc})") from None
-        if not isinstance(fields, dict):
-            raise BenchError("--model-shape: the JSON must be an object of HF config fields")
-        name = str(fields.pop("name", "custom"))
-    missing = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"} - set(fields)
-    if missing:
-        raise BenchError(f"--model-shape: missing HF config field(s) {', '.join(sorted(missing))}")
-    architecture = str(fields.pop("model_type", "llama"))
-    fields.pop("architectures", None)
-    # Dropout would change the work per step and HF's cache would disable packed masks (TECH-NOTES).
-    fields.update(attention_dropout=0.0, use_cache=False)
-    return name, architecture, fields
-
-
-# ---------------------------------------------------------------------------------------------------- data
-def doc_lengths(rng: np.random.Generator, num: int, max_len: int) -> np.ndarray:
-    """A long-tailed SFT length mix (as bench_planner's): 95% chat-like (lognormal, median 600 tokens, sigma 1.2),
-    5% long documents (log-uniform from max_len/8 to max_len); all clipped to [16, max_len]."""
-    num_long = rng.random(num) < 0.05
-    chat = np.round(rng.lognormal(np.log(600), 1.2, num))
-    long = np.round(np.exp(rng.uniform(np.log(max(16, max_len // 8)), np.log(max_len), num)))
-    return np.clip(np.where(num_long, long, chat), 16, max_len).astype(np.int64)
-
-
-def make_doc(rng: np.random.Generator, length: int, vocab: int, prompt_frac: float) -> dict:
-    """One sample: random token ids; the first prompt_frac of it (a prompt) carries label -100."""
-    ids = rng.integers(3, vocab, size=length, dtype=np.int64)
-    labels = ids.copy()
-    labels[: int(length * prompt_frac)] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels}
-
-
-def make_packs(pack_len: int, num_packs: int, vocab: int, seed: int, prompt_frac: float,
-               docs: str = "mix") -> list[list[dict]]:
-    """num_packs packs of exactly pack_len tokens (steady step times). mix: documents drawn (seeded) from
-    `doc_lengths` until the pack is full, the last one cut to fit; single: one document of pack_len tokens."""
-    rng = np.random.default_rng(seed)
-    packs = []
-    for _ in range(num_packs):
-        if docs == "single":
-            packs.append([make_doc(rng, pack_len, vocab, prompt_frac)])
-            continue
-        pack, room = [], pack_len
-        while room > 0:
-            length = int(doc_lengths(rng, 1, pack_len)[0])
-            length = min(length, room)  # the last document is cut to fill the pack exactly
-            pack.append(make_doc(rng, length, vocab, prompt_frac))
-            room -= length
-        packs.append(pack)
-    return packs
-
-
-def pack_row(pack: list[dict]) -> dict:
-    """A packed-shard row (docs/architecture.md) of one pack, for data.collate_pack."""
-    lengths = [len(d["input_ids"]) for d in pack]
-    return {"input_ids": np.concatenate([d["input_ids"] for d in pack]),
-            "labels": np.concatenate([d["labels"] for d in pack]),
-            "position_ids": np.concatenate([np.arange(n) for n in lengths]),
-            "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)])}
-
-
-def describe_packs(packs: list[list[dict]]) -> dict:
-    lengths = np.array([len(d["input_ids"]) for p in packs for d in p])
-    tokens = int(lengths.sum())
-    return {"num_packs": len(packs), "docs_per_pack_mean": float(len(lengths) / len(packs)),
-            "doc_len_p50": int(np.percentile(lengths, 50)), "doc_len_p90": int(np.percentile(lengths, 90)),
-            "doc_len_max": int(lengths.max()),
-            "attention_sum_len2_over_T2": float((lengths.astype(float) ** 2).sum()
-                                                / sum(sum(len(d["input_ids"]) for d in p) ** 2 for p in packs)),
-            "loss_token_share": float(sum(int((d["labels"][1:] != IGNORE_INDEX).sum()) for p in packs for d in p)
-                                      / tokens)}
-
-
-# -------------------------------------------------------------------------------------------- device helpers
-def sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release(device) -> None:
-    """Give freed tensors back (after an OOM or between paths) so the next path starts from an empty device."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reset_peak(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_gib(device) -> float:
-    """CUDA max allocated since the last reset; on a CPU the process's peak RSS (never resets)."""
-    import torch
-
-    from hbp_train.telemetry import peak_memory_gib
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return peak_memory_gib()
-
-
-def device_info(device, peak_flops) -> dict:
-    import torch
-    import transformers
-
-    info = {"type": device.type, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "peak_flops": peak_flops}
-    try:
-        import deepspeed
-
-        info["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        info["deepspeed"] = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(name=torch.cuda.get_device_name(device), memory_gib=props.total_memory / 2**30,
-                    cuda=torch.version.cuda)
-    else:
-        info["name"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    return info
-
-
-@dataclass
-class Measured:
-    """What one path measured over its timed steps."""
-
-    step_times: list
-    tokens: int
-    flops: float
-    losses: list
-    peak_gib: float
-
-    def summary(self, peak_flops) -> dict:
-        total = sum(self.step_times)
-        return {"tokens_per_s": self.tokens / total, "tflops": self.flops / total / 1e12,
-                "mfu": self.flops / (total * peak_flops) if peak_flops else None,
-                "step_time_s_mean": total / len(self.step_times), "step_times_s": self.step_times,
-                "peak_mem_gib": self.peak_gib, "first_loss": self.losses[0] if self.losses else None,
-                "losses": self.losses}
-
-
-# ---------------------------------------------------------------------------------------------------- ours
-def build_ours(args, architecture: str, hf_config: dict, device):
-    """A trainer.Run for our path, built as trainer.build builds it for a plan with only sp=1 groups (world size
-    1), minus shards, tokenizer and Hydra: the engine comes from trainer.build_engine itself."""
-    import torch
-
-    from hbp_train import attention
-    from hbp_train.distributed import ulysses
-    from hbp_train.loss import LossConfig
-    from hbp_train.model import ModelConfig, build_model
-    from hbp_train.distributed.groups import build_parallel_state
-    from hbp_train.trainer import DeepSpeedConfig, Run, TrainConfig, build_engine
-
-    model_cfg = ModelConfig(config=hf_config, architecture=architecture, dtype=args.dtype,
-                            attention_backend=args.backend, seed=args.seed)
-    train_cfg = TrainConfig(out_dir=str(REPO / "runs" / "bench_trainer"), lr=args.lr, warmup_steps=0, grad_clip=1.0,
-                            save_final=False)
-    cfg = SimpleNamespace(model=model_cfg, train=train_cfg, deepspeed=DeepSpeedConfig(zero_stage=2),
-                          loss=LossConfig(chunk_size=args.loss_chunk))
-    pstate = build_parallel_state([1])
-    ulysses.set_active_sp(1)
-    total_steps = 1 << 20  # a flat LR over the whole benchmark (the cosine's end is never reached)
-    # Built directly on the device: initialising a 1B model on the host first takes far longer.
-    with torch.device(device):
-        model = build_model(model_cfg)
-    backend = attention.get_backend()
-    ulysses.teardown_sequence_parallel()  # as trainer.build for sp=1-only plans: the plain packed attention
-    engine = build_engine(cfg, model, total_steps, world_size=1)
-    run = Run(cfg=cfg, engine=engine, model=model, data=None, pstate=pstate, device=engine.device, tokenizer=None,
-              total_steps=total_steps, grad_divisor=engine.dp_world_size)
-    return run, backend
-
-
-def destroy_ours(run) -> None:
-    if run is None:
-        return
-    from hbp_train.distributed.ulysses import teardown_sequence_parallel
-
-    teardown_sequence_parallel()
-    run.engine.destroy()
-
-
-def step_batch(micro_batch: dict, step: int, ckpt_layers: int):
-    """A data.StepBatch of one pack on the only rank (what PackedData.step_batch returns for world size 1)."""
-    from hbp_train.data import StepBatch
-
-    return StepBatch(step=step, plan_step=step, group=0, sp=1, replica=0, micro_batches=[micro_batch],
-                     rank_loss_tokens=micro_batch["num_loss_tokens"], rank_num_samples=micro_batch["num_samples"],
-                     global_loss_tokens=micro_batch["num_loss_tokens"],
-                     global_num_samples=micro_batch["num_samples"], dp_size=1, ckpt_layers=ckpt_layers)
-
-
-def ours_step(run, micro_batch: dict, step: int, ckpt_layers: int) -> tuple[float, float]:
-    """One timed trainer.train_step (forward, backward, optimizer): (seconds, mean token loss)."""
-    from hbp_train.trainer import STAT_COLUMNS, train_step
-
-    sync(run.device)
-    start = time.perf_counter()
-    gathered, _, _ = train_step(run, step_batch(micro_batch, step, ckpt_layers))
-    sync(run.device)
-    seconds = time.perf_counter() - start
-    loss = float(gathered[0, STAT_COLUMNS.index("loss_sum")]) / max(float(gathered[0, STAT_COLUMNS.index("loss_tokens")]), 1)
-    return seconds, loss
-
-
-def measure_ours(run, batches: list, args, model_config, desc: str) -> Measured:
-    from tqdm import tqdm
-
-    from hbp_train.model import pack_flops
-
-    times, losses, tokens, flops, peak = [], [], 0, 0.0, 0.0
-    for i in tqdm(range(args.warmup + args.steps), desc=desc, unit="step", file=sys.stderr, leave=False):
-        batch = batches[i % len(batches)]
-        reset_peak(run.device)  # train_step resets it too; the optimizer step is inside our window
-        seconds, loss = ours_step(run, batch, i, args.ckpt_layers)
-        peak = max(peak, peak_gib(run.device))
-        losses.append(loss)
-        if i >= args.warmup:
-            times.append(seconds)
-            tokens += batch["input_ids"].shape[1]
-            flops += pack_flops(model_config, batch["seq_lens"])
-    return Measured(times, tokens, flops, losses, peak)
-
-
-def sp1_check(run, batches: list, args) -> dict:
-    """Issue #6: an sp=1 step of a run that also has SP groups goes through the Ulysses dispatcher; time it against
-    the packed attention called directly (what an sp=1-only run uses), same engine, alternating steps."""
-    from hbp_train.distributed import ulysses
-    from hbp_train.attention import ATTN_IMPLEMENTATION as DIRECT
-    from hbp_train.attention import use_attention
-    from hbp_train.distributed.ulysses import ATTN_IMPLEMENTATION as DISPATCH
-
-    def use(name):
-        use_attention(run.model, name)
-
-    times = {DISPATCH: [], DIRECT: []}
-    ulysses.setup_sequence_parallel(run.model, run.pstate)  # degree 1 only: the dispatcher, no all-to-all wrappers
-    try:
-        for i in range(2 * args.steps):
-            # ABBA order: neither variant always runs right after the other (clock and allocator drift).
-            name = (DISPATCH, DIRECT)[(i % 2) ^ ((i // 2) % 2)]
-            use(name)
-            seconds, _ = ours_step(run, batches[(i // 2) % len(batches)], 10_000 + i, args.ckpt_layers)
-            times[name].append(seconds)
-    finally:
-        ulysses.teardown_sequence_parallel()
-        use(DIRECT)
-    dispatch, direct = sum(times[DISPATCH]), sum(times[DIRECT])
-    return {"dispatcher_step_s_mean": dispatch / args.steps, "direct_step_s_mean": direct / args.steps,
-            "speed_ratio_dispatcher_over_direct": direct / dispatch,
-            "note": "same engine and packs, steps alternated (ABBA); ratio = tokens/s through the Ulysses "
-                    "dispatcher at sp=1 over tokens/s with hbp_packed attention called directly (target ~1.0). The "
-                    "rest of train_step's SP code runs in both variants (O(1) per micro-batch at sp=1)"}
-
-
-# ------------------------------------------------------------------------------------------------ baseline
-def hf_attention_candidates(device, dtype_name: str) -> list[str]:
-    """Packed-capable HF attention implementations present here, best first (sdpa always last)."""
-    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
-
-    found = []
-    if device.type == "cuda":
-        if dtype_name == "bf16":
-            try:
-                from transformers.utils import is_flash_attn_3_available
-
-                if is_flash_attn_3_available():
-                    found.append("flash_attention_3")
-            except ImportError:
-                pass
-            if is_flash_attn_2_available():
-                found.append("flash_attention_2")
-        if is_torch_flex_attn_available():
-            found.append("flex_attention")  # its backward has no CPU kernel
-    found.append("sdpa")
-    return found
-
-
-def resolve_baselines(requested: list, device, dtype_name: str) -> tuple[list, list]:
-    """(implementations to run, notes). 'best' resolves to the best non-sdpa implementation present."""
-    available = hf_attention_candidates(device, dtype_name)
-    impls, notes = [], []
-    for name in requested:
-        if name == "best":
-            better = [a for a in available if a != "sdpa"]
-            if better:
-                name = better[0]
-            else:
-                notes.append(f"best: no packed-capable HF attention faster than sdpa on {device.type} "
-                             "(flash-attn not installed, flex_attention needs a GPU); only sdpa ran")
-                continue
-        elif name not in available:
-            notes.append(f"{name}: not available here (available: {', '.join(available)}); skipped")
-            continue
-        if name not in impls:
-            impls.append(name)
-    return impls, notes
-
-
-def build_hf(args, architecture: str, hf_config: dict, impl: str, device):
-    """The plain HF model (same config, seed and so initial weights as ours) and a torch AdamW."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    amp = args.dtype == "bf16" and args.baseline_precision == "amp"
-    dtype = torch.float32 if (amp or args.dtype == "fp32") else torch.bfloat16
-    config = AutoConfig.for_model(architecture, **hf_config)
-    torch.manual_seed(args.seed)  # as hbp_train.model.build_model: the same initial weights
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
-    model.config.use_cache = False
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                  **({"fused": True} if device.type == "cuda" else {}))
-    return model, optimizer, amp
-
-
-def hf_batch(pack: list[dict], flash_kwargs: bool) -> dict:
-    """The pack through transformers' DataCollatorWithFlattening (what a plain HF packed SFT run feeds the model)."""
-    from transformers import DataCollatorWithFlattening
-
-    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
-    batch = collator([{"input_ids": d["input_ids"].tolist(), "labels": d["labels"].tolist()} for d in pack],
-                     return_tensors="pt")
-    batch["seq_lens"] = [len(d["input_ids"]) for d in pack]
-    return batch
-
-
-def hf_step(model, optimizer, params, batch: dict, device, amp: bool) -> tuple[float, float]:
-    import torch
-
-    sync(device)
-    start = time.perf_counter()
-    inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-              for k, v in batch.items() if k != "seq_lens"}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-        out = model(**inputs, use_cache=False)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)  # as our DeepSpeed config's gradient_clipping
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    loss = float(out.loss.detach())
-    sync(device)
-    return time.perf_counter() - start, loss
-
-
-def measure_hf(args, architecture, hf_config, impl: str, packs: list, device) -> Measured:
-    from tqdm import tqdm
-
-    from hbp_train.model import pack_flops
-
-    model, optimizer, amp = build_hf(args, architecture, hf_config, impl, device)
-    try:
-        params = [p for p in model.parameters() if p.requires_grad]
-        batches = [hf_batch(p, impl.startswith("flash_attention")) for p in packs]
-        times, losses, tokens, flops, peak = [], [], 0, 0.0, 0.0
-        for i in tqdm(range(args.warmup + args.steps), desc=f"hf {impl}", unit="step", file=sys.stderr, leave=False):
-            batch = batches[i % len(batches)]
-            reset_peak(device)
-            seconds, loss = hf_step(model, optimizer, params, batch, device, amp)
-            peak = max(peak, peak_gib(device))
-            losses.append(loss)
-            if i >= args.warmup:
-                times.append(seconds)
-                tokens += batch["input_ids"].shape[1]
-                flops += pack_flops(model.config, batch["seq_lens"])
-        return Measured(times, tokens, flops, losses, peak)
-    finally:
-        del model, optimizer
-        release(device)
-
-
-# -------------------------------------------------------------------------------------------------- search
-def ckpt_levels(spec, num_layers: int) -> list[int]:
-    if spec:
-        try:
-            levels = sorted({int(x) for x in spec.split(",")})
-        except ValueError:
-            raise BenchError(f"--ckpt-levels {spec!r}: comma-separated integers") from None
-        if levels[0] < 0 or levels[-1] > num_layers:
-            raise BenchError(f"--ckpt-levels {spec!r}: each must be in [0, {num_layers}] (the model's layers)")
-        return levels
-    return sorted({0, num_layers // 4, num_layers // 2, 3 * num_layers // 4, num_layers})
-
-
-def search_lengths(pack_len: int, max_len: int) -> list[int]:
-    lengths, length = [], pack_len
-    while length <= max_len:
-        lengths.append(length)
-        length *= 2
-    if lengths and lengths[-1] < max_len:
-        lengths.append(max_len)
-    return lengths
-
-
-def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict | None,
-                on_attempt=lambda partial: None) -> tuple:
-    """The longest single pack our path trains, with the fewest checkpointed layers (of the levels) that fit.
-
-    Returns (result dict, the run in use): an OOM destroys the engine (its ZeRO buffers may be half-way through a
-    backward) and builds a fresh one. on_attempt(partial result) runs after every attempt.
-    """
-    from tqdm import tqdm
-
-    from hbp_train.data import collate_pack
-    from hbp_train.telemetry import is_oom
-    from hbp_train.model import pack_flops
-
-    num_layers = run.model.config.num_hidden_layers
-    levels = ckpt_levels(args.ckpt_levels, num_layers)
-    level_index = 0
-    attempts = [first] if first else []
-    if first:  # the comparison's step at --pack-len: go on from its level (the next one up if it ran out of memory)
-        above = first["ckpt_layers"] + (0 if first["ok"] else 1)
-        level_index = next((i for i, c in enumerate(levels) if c >= above), len(levels))
-    lengths = [n for n in search_lengths(args.pack_len, args.max_pack_search)
-               if not (first and first["ok"] and n == first["pack_len"])]
-    start, skipped, longest = time.perf_counter(), [], (first if first and first["ok"] else None)
-    bar = tqdm(total=len(lengths), desc="pack search", unit="len", file=sys.stderr, leave=False)
-    for length in lengths:
-        batch = collate_pack(pack_row(make_packs(length, 1, hf_config["vocab_size"], args.seed + length,
-                                                 args.prompt_frac, args.search_docs)[0]), check_counts=False)
-        fitted = False
-        while level_index < len(levels):
-            if time.perf_counter() - start > args.search_budget_s:
-                skipped.append({"pack_len": length, "ckpt_layers": levels[level_index], "why": "search budget"})
-                break
-            ckpt = levels[level_index]
-            attempt = {"pack_len": length, "ckpt_layers": ckpt, "docs": args.search_docs, "ok": False, "oom": False,
-                       "device": device_info_name(device)}
-            reset_peak(device)
-            try:
-                for s in range(args.search_steps):
-                    seconds, loss = ours_step(run, batch, 20_000 + s, ckpt)
-                flops = pack_flops(run.model.config, batch["seq_lens"])
-                attempt.update(ok=True, step_time_s=seconds, tokens_per_s=length / seconds, loss=loss,
-                               mfu=flops / (seconds * peak_flops) if peak_flops else None,
-                               peak_mem_gib=peak_gib(device))
-            except Exception as exc:  # noqa: BLE001 - an OOM is a result here; anything else ends the search
-                if not is_oom(exc):
-                    attempt["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    attempts.append(attempt)
-                    on_attempt(finish_search(attempts, skipped, longest, args, levels))
-                    bar.close()
-                    return finish_search(attempts, skipped, longest, args, levels, stopped=attempt["error"]), run
-                attempt.update(oom=True, peak_mem_gib=peak_gib(device))
-            attempts.append(attempt)
-            if attempt["ok"]:
-                fitted, longest = True, attempt
-            on_attempt(finish_search(attempts, skipped, longest, args, levels))
-            if fitted:
-                break
-            destroy_ours(run)
-            run = None
-            release(device)
-            level_index += 1
-            if level_index < len(levels):
-                run = rebuild()
-        bar.update(1)
-        if not fitted:
-            break
-    bar.close()
-    return finish_search(attempts, skipped, longest, args, levels), run
-
-
-def finish_search(attempts, skipped, longest, args, levels, stopped=None) -> dict:
-    return {"docs": args.search_docs, "ckpt_levels": levels, "max_pack_search": args.max_pack_search,
-            "attempts": attempts, "skipped": skipped, "stopped_by_error": stopped,
-            "longest_ok": longest["pack_len"] if longest else None,
-            "ckpt_layers_needed": longest["ckpt_layers"] if longest else None,
-            "goal": TARGET_PACK, "goal_met": bool(longest and longest["pack_len"] >= TARGET_PACK)}
-
-
-def device_info_name(device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -745,11 +225,11 @@ def run_bench(args) -> dict:
     from hbp_train.distributed.groups import init_distributed
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise BenchError("--device cuda: no CUDA device here; use --device cpu --model-shape tiny for a smoke run")
+        raise UserError("--device cuda: no CUDA device here; use --device cpu --model-shape tiny for a smoke run")
     name, architecture, hf_config = parse_shape(args.model_shape)
     hf_config.setdefault("max_position_embeddings", max(131072, args.max_pack_search or 0, args.pack_len))
     if args.ckpt_layers > int(hf_config["num_hidden_layers"]):
-        raise BenchError(f"--ckpt-layers {args.ckpt_layers}: the model has {hf_config['num_hidden_layers']} layers")
+        raise UserError(f"--ckpt-layers {args.ckpt_layers}: the model has {hf_config['num_hidden_layers']} layers")
     ckpt_levels(args.ckpt_levels, int(hf_config["num_hidden_layers"]))  # a bad list fails now, not after the comparison
     if args.device == "cpu" and args.backend == "auto":
         args.backend = "sdpa_block"
@@ -762,7 +242,7 @@ def run_bench(args) -> dict:
                "model": {"shape": name, "architecture": architecture, "config": hf_config},
                "data": describe_packs(packs),
                "settings": {"pack_len": args.pack_len, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype,
-                            "ckpt_layers": args.ckpt_layers, "zero_stage": 2, "loss_chunk": args.loss_chunk,
+                            "ckpt_layers": args.ckpt_layers, "zero_stage": ZERO_STAGE, "loss_chunk": args.loss_chunk,
                             "lr": args.lr, "grad_clip": 1.0, "baseline_precision": args.baseline_precision,
                             "prompt_frac": args.prompt_frac, "seed": args.seed,
                             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
@@ -861,9 +341,9 @@ def main(argv=None) -> int:
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             os.environ.setdefault(key, "1")
         results = run_bench(args)
-    except BenchError as exc:
+    except UserError as exc:
         print(f"bench_trainer: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     results["complete"] = True
     save(results, args.out)
     print_report(results)

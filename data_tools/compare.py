@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
@@ -145,38 +146,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     try:
         return run(argv)
+    except UserError as exc:  # bad flags, input files, settings or output paths
+        print(f"compare: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:  # outputs are written to a temporary name and moved into place when complete
         return interrupted("compare", "outputs not yet complete (--out, --plot) were left as they were")
 
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from data_tools.pack import (CliError, parse_groups, read_dataset_lengths, read_lengths,
-                                 warn_if_longer_than_max_len)
+    from data_tools.pack import parse_groups, read_dataset_lengths, read_lengths, warn_if_longer_than_max_len
+    from hbp_train.planning import PlanConfig
     from hbp_train.planning.simulator import plot_comparison
 
-    try:
-        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-        bad = [s for s in strategies if s not in STRATEGIES]
-        if bad or not strategies:
-            raise ValueError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(STRATEGIES)}")
-        groups = parse_groups(args.groups, args.profile, args.world_size)
-        model = cost_model_from_args(args)
-        sim_cfg = sim_config_from_args(args)
-        lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
-        if len(lengths) == 0:
-            raise ValueError(f"{args.lengths or args.dataset}: no samples")
-        warn_if_longer_than_max_len(lengths, args.max_len)
-        plan_kwargs = dict(world_size=args.world_size, groups=groups, global_tokens=args.global_tokens,
-                           max_len=args.max_len, seed=args.seed)
-        from hbp_train.planning import PlanConfig
-
-        PlanConfig(**plan_kwargs)  # validate the settings before the long part
-        check_output_file("--out", args.out, json_key="simulated", kind="comparison report")
-        check_output_file("--plot", args.plot, image=True)
-    except (ValueError, CliError) as exc:
-        print(f"compare: error: {exc}", file=sys.stderr)
-        return 2
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or not strategies:
+        raise UserError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(STRATEGIES)}")
+    groups = parse_groups(args.groups, args.profile, args.world_size)
+    model = cost_model_from_args(args)
+    sim_cfg = sim_config_from_args(args)
+    lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
+    if len(lengths) == 0:
+        raise UserError(f"{args.lengths or args.dataset}: no samples")
+    warn_if_longer_than_max_len(lengths, args.max_len)
+    plan_kwargs = dict(world_size=args.world_size, groups=groups, global_tokens=args.global_tokens,
+                       max_len=args.max_len, seed=args.seed)
+    PlanConfig(**plan_kwargs)  # validate the settings before the long part
+    check_output_file("--out", args.out, json_key="simulated", kind="comparison report")
+    check_output_file("--plot", args.plot, image=True)
     rows, out = compare_strategies(lengths, plan_kwargs, model, sim_cfg, strategies, progress=not args.quiet)
     print(f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}; SIMULATED with cost model "
           f"{model.source} ({model.note}), shape {model.shape.name}; {sim_cfg.comm_model()}")
@@ -184,20 +182,16 @@ def run(argv=None) -> int:
         print("note: bytescale (unequal micro-batch counts) can only run with ZeRO 0/1: simulated at ZeRO-1",
               file=sys.stderr)
     print(format_table(rows, table_columns(sim_cfg)))
-    try:
-        if args.out:
-            write_output("--out", args.out, lambda path: path.write_text(json.dumps(
-                {"simulated": True, "cost_model": model.describe(), "settings": {**vars(args)}, "rows": rows},
-                indent=1)))
-            print(f"wrote {args.out}")
-        if args.plot:
-            names = sorted(out, key=lambda n: n != "isf")  # the plot's speed-ups are over its first plan
-            title = f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}, {model.source} cost model"
-            write_output("--plot", args.plot, lambda path: plot_comparison(names, [out[n][1] for n in names], path, title))
-            print(f"wrote {args.plot}")
-    except ValueError as exc:
-        print(f"compare: error: {exc}", file=sys.stderr)
-        return 2
+    if args.out:
+        write_output("--out", args.out, lambda path: path.write_text(json.dumps(
+            {"simulated": True, "cost_model": model.describe(), "settings": {**vars(args)}, "rows": rows},
+            indent=1)))
+        print(f"wrote {args.out}")
+    if args.plot:
+        names = sorted(out, key=lambda n: n != "isf")  # the plot's speed-ups are over its first plan
+        title = f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}, {model.source} cost model"
+        write_output("--plot", args.plot, lambda path: plot_comparison(names, [out[n][1] for n in names], path, title))
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import atomic_write, interrupted
 
 # Tokens per pseudo-word (word + its leading space) under the shipped tokenizer, slightly above the real ~1.0
@@ -120,11 +121,11 @@ def _sample_target_tokens(rng: np.random.Generator, max_tokens: int) -> int:
 def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0) -> list[dict]:
     """Return ``num_samples`` chat records ``{"messages": [{"role", "content"}, ...]}``; same arguments, same output."""
     if num_samples < 1:  # an empty dataset fails in every later stage
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        raise UserError(f"num_samples must be >= 1, got {num_samples}")
     if max_tokens < 64:
-        raise ValueError(f"max_tokens must be >= 64 (room for one short exchange), got {max_tokens}")
+        raise UserError(f"max_tokens must be >= 64 (room for one short exchange), got {max_tokens}")
     if seed < 0:  # numpy's generator rejects it with a message that names no option
-        raise ValueError(f"seed must be >= 0, got {seed}")
+        raise UserError(f"seed must be >= 0, got {seed}")
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(num_samples):
@@ -174,9 +175,9 @@ def write(args: argparse.Namespace) -> int:
     """Generate and write the file the parsed arguments ask for; exit code 2 with one line on bad input."""
     try:
         records = generate(args.num_samples, args.max_tokens, args.seed)
-    except ValueError as e:  # name the flag, not the function argument
+    except UserError as e:  # name the flag, not the function argument
         print(f"error: --{str(e).replace('_', '-', 1)}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     out = Path(args.out)
 
     def write_lines(path: Path) -> None:
@@ -187,9 +188,9 @@ def write(args: argparse.Namespace) -> int:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, write_lines)
-    except OSError as e:
+    except OSError as e:  # the --out path: a folder, no permission, a full disk
         print(f"error: cannot write {out}: {e.strerror}; pass a writable --out path", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(f"wrote {len(records)} samples to {out}")
     return 0
 

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 
 
 MAX_PACK_LEN = 2**31 - 1
 
 
-class CliError(Exception):
-    """A user mistake: printed as one line, exit code 2."""
+class CliError(UserError):
+    """A user mistake in the command line or its input files: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,7 +120,10 @@ def read_lengths(path: str) -> np.ndarray:
         if len(bad):
             raise CliError(f"{path}[{int(bad[0])}]: length {int(arr[bad[0]])}; every sample needs >= 1 token")
         return arr
-    data = f.read_bytes()
+    try:
+        data = f.read_bytes()
+    except OSError as e:
+        raise CliError(f"--lengths {path}: cannot read ({e.strerror}); check the path and its permissions") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -180,8 +184,11 @@ def parse_groups(text: str, profile: str | None, world_size: int):
             raise CliError(f"--profile {profile}:{e.lineno}: not valid JSON ({e.msg})") from None
         except UnicodeDecodeError:
             raise CliError(f"--profile {profile}: not UTF-8 text; pass the profiler's profile.json") from None
+        except OSError as e:  # a directory, no permission
+            raise CliError(f"--profile {profile}: {e.strerror}; pass the profiler's profile.json") from None
         if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
             raise CliError(f"--profile {profile}: missing key 'groups' (a list of {{pack_len, sp, ckpt_layers}})")
+        check_profile_world_size(data, profile, world_size)
         items = []
         for i, g in enumerate(data["groups"]):
             if not isinstance(g, dict) or "pack_len" not in g or "sp" not in g:
@@ -213,6 +220,20 @@ def parse_groups(text: str, profile: str | None, world_size: int):
     if any(b <= a for a, b in zip(lens, lens[1:])):
         raise CliError(f"--groups: pack lengths must be strictly ascending, got {lens}")
     return groups
+
+
+def check_profile_world_size(profile_data: dict, profile: str, world_size: int) -> None:
+    """CliError when the profile was made for another world size: its SP degrees and checkpoint counts were chosen
+    for the memory ZeRO leaves on that many ranks, so they do not carry over. Profiles that do not record a world
+    size (hand-written ones) are not checked."""
+    job = profile_data.get("job") if isinstance(profile_data.get("job"), dict) else {}
+    config = profile_data.get("config") if isinstance(profile_data.get("config"), dict) else {}
+    made_for = job.get("world_size", config.get("world_size"))
+    if made_for is None or made_for == world_size:
+        return
+    raise CliError(f"--profile {profile}: made for world size {made_for}, but --world-size is {world_size}; re-run "
+                   f"the profiler with profile.world_size={world_size} (python -m hbp_train.profiler "
+                   f"profile.world_size={world_size} ...) or pass --world-size {made_for}")
 
 
 def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None) -> None:
@@ -288,7 +309,7 @@ def run(argv=None) -> int:
 
         try:
             check_zero_stage({"requires_zero_stage": [0, 1]}, args.zero_stage)
-        except ValueError as e:
+        except UserError as e:
             raise CliError(f"--zero-stage {args.zero_stage}: {e}") from None
     pack_cost = None
     if args.calibration or args.model_shape:
@@ -317,7 +338,10 @@ def run(argv=None) -> int:
     plan = plans[args.strategy]
     if args.out:
         t0 = time.perf_counter()
-        plan.to_json(args.out)
+        try:
+            plan.to_json(args.out)
+        except OSError as e:  # checked before the planning; a full disk or a folder that changed since
+            raise CliError(f"--out {args.out}: cannot write ({e.strerror})") from None
         print(f"wrote {args.out} ({plan.num_steps} steps, {plan.num_packs} packs) in {time.perf_counter() - t0:.2f}s")
     if args.shards:
         from hbp_train.planning.shards import write_shards
@@ -329,8 +353,9 @@ def run(argv=None) -> int:
             datasets.disable_progress_bars()
         try:
             rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet)
-        except ValueError as e:
-            raise CliError(str(e)) from None
+        except OSError as e:  # the --dataset files or the --shards folder: a full disk, no permission
+            raise CliError(f"--shards {args.shards}: {e.filename or args.dataset}: {e.strerror}; check the --dataset "
+                           "and --shards paths and their permissions") from None
         finally:
             if silence:
                 datasets.enable_progress_bars()
@@ -359,15 +384,9 @@ def run(argv=None) -> int:
 def main(argv=None) -> int:
     try:
         return run(argv)
-    except CliError as e:
+    except UserError as e:  # bad flags, input files or settings (PlanConfig/GroupSpec name the field)
         print(f"pack: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # config validation (PlanConfig/GroupSpec) reports the field
-        print(f"pack: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # an output (or input) path the OS refuses: a directory, no permission, a full disk
-        print(f"pack: error: {e.filename or ''}: {e.strerror or e}; check the path and its permissions", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:  # every output is written to a temporary name and moved into place when complete
         return interrupted("pack", "outputs not yet complete (--out, --shards, --plot) were left as they were")
 

@@ -6,22 +6,15 @@ Usage::
         [--format auto|messages|sharegpt|alpaca] [--max-len N] [--overlong drop|truncate] \\
         [--on-error fail|skip] [--num-proc N] [--num-shards N]
 
-Library: ``preprocess(inputs, output, tokenizer, ...) -> report`` raising ``PreprocessError`` (one-line message).
+Library: ``preprocess(inputs, output, tokenizer, ...) -> report`` raising a ``UserError`` (one-line message):
+``PreprocessError``, or ``chat_labels.TokenizerError`` for an unusable tokenizer.
 
-Inputs: JSONL (``.jsonl``), JSON (``.json``: an array of records; a ``.json`` file holding JSON lines is read as
-JSONL), Parquet (``.parquet``) or a directory saved with ``datasets.save_to_disk``. Record shapes (OpenAI
-``messages``, ShareGPT ``conversations``, Alpaca) are detected per record by ``data_tools.sft_formats``. Each
-sample's ``source`` is ``path:N``: N is the 1-based line for JSONL, the 0-based row for JSON arrays, Parquet and HF
-datasets (``ds[N]``); a whole-file problem is reported as ``path`` (or ``path:LINE`` for a JSON syntax error).
-
-Labels: the conversation is rendered with the tokenizer's chat template; ``labels`` equal ``input_ids`` on the
-tokens of every assistant turn and ``-100`` elsewhere (not shifted; the loss shifts). If the template marks the
-assistant with ``{% generation %}`` the tokenizer's assistant mask is used. Otherwise each assistant turn is found
-incrementally: the text rendered up to that turn with ``add_generation_prompt=True`` and the text rendered up to
-the end of the turn must be prefixes of the full render; the characters in between (minus trailing whitespace)
-are the assistant's, and the tokens that overlap them are labelled. A tokenizer without a chat template gets
-``DEFAULT_CHAT_TEMPLATE``: ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``, the tokenizer's bos first if it has
-one) with the assistant's ``content<|im_end|>`` in generation markers.
+The pipeline, one module per step: read the inputs (JSONL, JSON, Parquet or a directory saved with
+``datasets.save_to_disk``; each sample's ``source`` is ``path:N``) with ``data_tools.sft_inputs``; detect each
+record's shape (OpenAI ``messages``, ShareGPT ``conversations``, Alpaca) and normalise it into chat turns with
+``data_tools.sft_formats``; render the turns with the tokenizer's chat template and label the assistant tokens
+(``labels`` = ``input_ids`` there, ``-100`` elsewhere, not shifted) with ``data_tools.chat_labels``. This module
+runs them over a worker pool, writes the dataset and the report, and is the CLI.
 
 Output DIR: the dataset (columns ``input_ids``, ``labels`` list<int32>; ``length``, ``num_loss_tokens`` int32;
 ``source`` string; ``num_loss_tokens`` = ``labels[1:] != -100`` counted, always >= 1), ``report.json`` (``read ==
@@ -42,268 +35,30 @@ import array
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
+from data_tools.chat_labels import TEMPLATE_REASONS, ChatEncoder
 from data_tools.sft_formats import FORMATS, REASONS, FormatError, to_turns
+from data_tools.sft_inputs import FILE_REASONS, count_records, iter_records
+from hbp_train.errors import EXIT_USER_ERROR, UserError
+from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import interrupted, replace_dir, staging_dir
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% if bos_token %}{{ bos_token }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-
 POLICY_DROPS = ("overlong", "no_loss_tokens", "no_loss_tokens_after_truncation")
-ERROR_REASONS = {
-    **REASONS,
-    "malformed_json": "the line (or JSON file) is not valid JSON",
-    "invalid_utf8": "the line (or file) is not valid UTF-8",
-    "missing_file": "an input path does not exist",
-    "unreadable_file": "an input file or dataset could not be read",
-    "unsupported_file_type": "an input is not .jsonl/.json/.parquet or a saved HF dataset directory",
-    "template_error": "the chat template raised on this conversation",
-    "template_not_incremental": "the chat template (without generation markers) does not render prefixes stably",
-}
+# Every drop that means bad input: record shapes, lines and files, conversations the template cannot label.
+ERROR_REASONS = {**REASONS, **FILE_REASONS, **TEMPLATE_REASONS}
 _SKIP_HINT = "or pass --on-error skip to drop and count such records"
 _CHUNK = 256  # records per worker task: large enough to amortise pickling, small enough for a smooth progress bar
 
 
-class PreprocessError(Exception):
-    """A user-facing failure; ``str(e)`` is one line naming the file/line, the problem and the fix."""
-
-
-# ----------------------------------------------------------------------------------------------- reading inputs
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _iter_jsonl_bytes(path: str, data: bytes) -> Iterator[tuple[str, object]]:
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue  # blank lines (and the final newline) are not records
-        source = f"{path}:{line_no}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield source, FormatError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the line",
-                                      "re-encode the file as UTF-8")
-            continue
-        if line_no == 1:
-            text = text.lstrip("\ufeff")
-        try:
-            yield source, json.loads(text)
-        except json.JSONDecodeError as e:
-            yield source, FormatError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})",
-                                      "fix the line so it is one JSON object")
-
-
-def _iter_json(path: str, data: bytes) -> Iterator[tuple[str, object]]:
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        yield f"{path}:{line}", FormatError("invalid_utf8", f"invalid UTF-8 at byte {e.start} of the file",
-                                            "re-encode the file as UTF-8")
-        return
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as e:
-        if e.msg == "Extra data":  # several JSON values: a JSON-lines file named .json
-            yield from _iter_jsonl_bytes(path, data)
-            return
-        yield f"{path}:{e.lineno}", FormatError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})",
-                                                "fix the file so it is one JSON array of records (or use JSONL)")
-        return
-    if not isinstance(records, list):
-        yield path, FormatError("malformed_json", f"top level is a {type(records).__name__}, not an array",
-                                "put the records in a JSON array [...] or write one per line as JSONL")
-        return
-    for row, record in enumerate(records):
-        yield f"{path}:{row}", record
-
-
-def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
-    import pyarrow.parquet as pq
-
-    try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        row = 0
-        for batch in batches:
-            for record in batch.to_pylist():
-                yield f"{path}:{row}", record
-                row += 1
-    except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) / ArrowIOError (an OSError)
-        yield path, FormatError("unreadable_file", f"cannot read Parquet: {_one_line(e, 150)}",
-                                "check that the file is a complete Parquet file")
-
-
-def _iter_hf_dir(path: str) -> Iterator[tuple[str, object]]:
-    import datasets
-
-    try:
-        dataset = datasets.load_from_disk(path)
-    except Exception as e:  # noqa: BLE001 -- any load failure is a per-input error, reported with its cause
-        yield path, FormatError("unreadable_file", f"cannot load saved HF dataset: {_one_line(e, 150)}",
-                                "pass a directory written by datasets' save_to_disk")
-        return
-    if isinstance(dataset, datasets.DatasetDict):
-        if len(dataset) != 1:
-            yield path, FormatError("unreadable_file", f"a DatasetDict with splits {sorted(dataset)}",
-                                    f"pass one split's directory, e.g. {path}/{sorted(dataset)[0]}")
-            return
-        dataset = next(iter(dataset.values()))
-    row = 0
-    for batch in dataset.iter(batch_size=1024):
-        columns = list(batch)
-        for i in range(len(batch[columns[0]]) if columns else 0):
-            yield f"{path}:{row}", {c: batch[c][i] for c in columns}
-            row += 1
-
-
-def iter_records(path: str) -> Iterator[tuple[str, object]]:
-    """Yield ``(source, record)`` for every record of one input, or ``(source, FormatError)`` for a bad one."""
-    p = Path(path)
-    if not p.exists():
-        yield path, FormatError("missing_file", "no such file or directory", "check the --input path")
-        return
-    if p.is_dir():
-        if (p / "state.json").exists() or (p / "dataset_dict.json").exists():
-            yield from _iter_hf_dir(path)
-        else:
-            yield path, FormatError("unsupported_file_type", "a directory that is not a saved HF dataset",
-                                    "pass .jsonl/.json/.parquet files or a directory written by save_to_disk")
-        return
-    suffix = p.suffix.lower()
-    if suffix == ".parquet":
-        yield from _iter_parquet(path)
-        return
-    if suffix not in (".jsonl", ".json"):
-        yield path, FormatError("unsupported_file_type", f"unsupported file type '{suffix or p.name}'",
-                                "convert it to .jsonl, .json or .parquet (or a saved HF dataset directory)")
-        return
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions")
-        return
-    yield from (_iter_jsonl_bytes(path, data) if suffix == ".jsonl" else _iter_json(path, data))
-
-
-def _count_records(path: str) -> int | None:
-    """Cheap record count for the progress bar (None when unknown without parsing)."""
-    p = Path(path)
-    try:
-        if p.suffix.lower() == ".jsonl" and p.is_file():
-            with open(p, "rb") as f:
-                return sum(1 for line in f if line.strip())
-        if p.suffix.lower() == ".parquet" and p.is_file():
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(p).metadata.num_rows
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-# ------------------------------------------------------------------------------------------ rendering + labels
-
-
-def load_tokenizer(tokenizer_dir: str):
-    """Load a local HF tokenizer (offline); raises PreprocessError with the fix."""
-    from transformers import AutoTokenizer
-
-    if Path(tokenizer_dir).is_file():
-        raise PreprocessError(f"{tokenizer_dir}: is a file; pass --tokenizer the directory that holds "
-                              f"tokenizer.json/tokenizer_config.json (e.g. data_tools/assets/tokenizer)")
-    if not Path(tokenizer_dir).is_dir():
-        raise PreprocessError(f"{tokenizer_dir}: tokenizer directory not found; pass --tokenizer DIR with "
-                              f"tokenizer.json/tokenizer_config.json (e.g. data_tools/assets/tokenizer)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 -- transformers raises many types; all mean "not a usable tokenizer"
-        raise PreprocessError(f"{tokenizer_dir}: cannot load tokenizer ({_one_line(e, 200)}); pass a local HF "
-                              f"tokenizer directory") from None
-    if not tokenizer.is_fast:
-        raise PreprocessError(f"{tokenizer_dir}: tokenizer is not a fast (Rust) tokenizer, so it has no offsets "
-                              f"for the assistant mask; provide a tokenizer.json")
-    return tokenizer
-
-
-class ChatEncoder:
-    """Renders chat turns with a tokenizer's chat template and labels the assistant tokens (see module docstring)."""
-
-    def __init__(self, tokenizer_dir: str):
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        template = self.tokenizer.chat_template
-        if isinstance(template, dict):  # several named templates: the default one renders chats
-            template = template.get("default") or next(iter(template.values()), None)
-        self.template_source = "tokenizer" if template else "default"
-        self.template = template or DEFAULT_CHAT_TEMPLATE
-        self.label_mode = "generation" if _GENERATION_TAG.search(self.template) else "incremental"
-
-    def _render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(turns, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def encode(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids, labels)`` as int32 arrays; raises FormatError if the template fails on ``turns``."""
-        try:
-            if self.label_mode == "generation":
-                out = self.tokenizer.apply_chat_template(turns, chat_template=self.template, tokenize=True,
-                                                         return_dict=True, return_assistant_tokens_mask=True)
-                ids = np.asarray(out["input_ids"], dtype=np.int32)
-                mask = np.asarray(out["assistant_masks"], dtype=bool)
-            else:
-                ids, mask = self._encode_incremental(turns)
-        except FormatError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- jinja raises arbitrary errors (e.g. "roles must alternate")
-            raise FormatError("template_error", f"chat template failed: {type(e).__name__}: {_one_line(e, 200)}",
-                              "fix the conversation or use a tokenizer whose template accepts it") from None
-        labels = np.where(mask, ids, np.int32(-100)).astype(np.int32)
-        return ids, labels
-
-    def _encode_incremental(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        full = self._render(turns)
-        spans = []
-        for i, turn in enumerate(turns):
-            if turn["role"] != "assistant":
-                continue
-            before = self._render(turns[:i], add_generation_prompt=True)
-            through = self._render(turns[: i + 1])
-            if not (through.startswith(before) and full.startswith(through)):
-                raise FormatError("template_not_incremental",
-                                  f"rendering turn {i} changes earlier text, so assistant tokens cannot be located",
-                                  "use a chat template with {% generation %} markers")
-            spans.append((len(before), max(len(before), len(through.rstrip()))))
-        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-        offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(ids), dtype=bool)
-        for lo, hi in spans:
-            # Overlap, not containment: with a prompt ending in "Assistant: ", BPE merges that space into the first
-            # answer token, which the model must still learn to produce.
-            mask |= (offsets[:, 1] > lo) & (offsets[:, 0] < hi)
-        return ids, mask
+class PreprocessError(UserError):
+    """A user-facing failure; ``str(e)`` is one line naming the file/line, the problem and the fix. (An unusable
+    --tokenizer is chat_labels.TokenizerError, also a UserError.)"""
 
 
 # Per-process state of the tokenizing workers (forked workers inherit the parent's encoder, spawned ones load one).
@@ -352,7 +107,7 @@ def _encode_chunk(chunk: list[tuple[str, list[dict]]]) -> list[tuple]:
                 results.append((source, None, None, False, "overlong", f"{len(ids)} tokens > --max-len {max_len}", ""))
                 continue
             ids, labels, truncated = ids[:max_len], labels[:max_len], True
-        if not np.any(labels[1:] != -100):
+        if not np.any(labels[1:] != IGNORE_INDEX):
             reason = "no_loss_tokens_after_truncation" if truncated else "no_loss_tokens"
             results.append((source, None, None, truncated, reason, "no assistant token left to train on", ""))
             continue
@@ -383,7 +138,7 @@ def _record_batch(rows: list[tuple[str, np.ndarray, np.ndarray]], schema):
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     ids_flat = pa.array(np.concatenate([ids for _s, ids, _l in rows]).astype(np.int32))
     labels_flat = pa.array(np.concatenate([labels for _s, _i, labels in rows]).astype(np.int32))
-    num_loss = np.asarray([np.count_nonzero(labels[1:] != -100) for _s, _i, labels in rows], dtype=np.int32)
+    num_loss = np.asarray([np.count_nonzero(labels[1:] != IGNORE_INDEX) for _s, _i, labels in rows], dtype=np.int32)
     return pa.RecordBatch.from_arrays(
         [pa.ListArray.from_arrays(offsets, ids_flat), pa.ListArray.from_arrays(offsets, labels_flat),
          pa.array(lengths), pa.array(num_loss), pa.array([s for s, _i, _l in rows], type=pa.string())],
@@ -407,8 +162,9 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
                progress: bool | None = None) -> dict:
     """Tokenize ``inputs`` into the dataset directory ``output`` and return the report (also in report.json).
 
-    Raises ``PreprocessError`` (one-line message) for bad arguments, an unusable tokenizer, the first bad record
-    when ``on_error == "fail"``, or when no sample is kept. ``progress=None`` shows a bar only on a terminal.
+    Raises ``PreprocessError`` (one-line message) for bad arguments, the first bad record when
+    ``on_error == "fail"``, or when no sample is kept; ``TokenizerError`` for an unusable tokenizer.
+    ``progress=None`` shows a bar only on a terminal.
     """
     import datasets
     import pyarrow as pa
@@ -462,7 +218,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
             dropped_file.write(json.dumps({"source": source, "reason": reason, "detail": detail},
                                           ensure_ascii=False) + "\n")
 
-        known = [_count_records(p) for p in inputs]
+        known = [count_records(p) for p in inputs]
         total = sum(known) if all(k is not None for k in known) else None
         bar = tqdm(total=total, unit="rec", desc="preprocess", dynamic_ncols=True,
                    disable=(None if progress is None else not progress))
@@ -563,7 +319,7 @@ class _Counts:
     def add(self, ids: np.ndarray, labels: np.ndarray, truncated: bool) -> None:
         self.lengths.append(len(ids))
         self.tokens += len(ids)
-        self.loss_tokens += int(np.count_nonzero(labels[1:] != -100))
+        self.loss_tokens += int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
         self.truncated += int(truncated)
 
     def report(self) -> dict:
@@ -646,9 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         report = preprocess(args.input, args.output, args.tokenizer, fmt=args.format, max_len=args.max_len,
                             overlong=args.overlong, on_error=args.on_error, num_proc=args.num_proc,
                             num_shards=args.num_shards)
-    except PreprocessError as e:
+    except UserError as e:  # PreprocessError: bad flags, an unusable tokenizer or output, a bad record
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:  # the staging folder is removed; the swap into --output happens only at the end
         return interrupted("preprocess", f"--output {args.output} was left as it was")
     print(format_report(report))

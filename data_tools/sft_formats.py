@@ -15,6 +15,8 @@ Every problem raises ``FormatError(reason, detail, fix)``; ``reason`` is the sta
 
 from __future__ import annotations
 
+from hbp_train.errors import UserError
+
 FORMATS = ("messages", "sharegpt", "alpaca")
 
 # reason -> what it means; every record-level drop in preprocess uses one of these (or a file/tokenizer reason there).
@@ -37,12 +39,18 @@ SHAREGPT_ROLES = {
 }
 
 
-class FormatError(ValueError):
+class FormatError(UserError):
     """A record that cannot be turned into chat turns. ``str(e)`` is ``"<detail>; <fix>"`` (one line)."""
 
     def __init__(self, reason: str, detail: str, fix: str):
         super().__init__(f"{detail}; {fix}")
         self.reason, self.detail, self.fix = reason, detail, fix
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` (an exception's message, say) on one line of at most ``limit`` characters, for error messages."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def json_kind(value: object) -> str:

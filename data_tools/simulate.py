@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
-from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, MODEL_SHAPES
+from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
+from hbp_train.perf.shape import MODEL_SHAPES
 from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig
 
 
@@ -75,7 +77,7 @@ def add_comm_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sim_config_from_args(args, sync=None) -> SimConfig:
-    """The SimConfig the link, checkpoint and communication options ask for (ValueError names the field)."""
+    """The SimConfig the link, checkpoint and communication options ask for (UserError names the field)."""
     if args.zero_stage is None and args.comm_overlap != 0.0:
         print("note: --comm-overlap has no effect without --zero-stage", file=sys.stderr)
     return SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers, sync,
@@ -91,14 +93,14 @@ def comm_columns(config) -> list[tuple[str, str, str]]:
 
 
 def cost_model_from_args(args) -> CostModel:
-    """Build the CostModel the options ask for (ValueError with a one-line message on bad input)."""
+    """Build the CostModel the options ask for (UserError with a one-line message on bad input)."""
     if args.analytic:
         model = CostModel.analytic(args.model_shape or "llama3-8b", args.peak_tflops, args.efficiency)
     else:
         model = CostModel.from_calibration(args.calibration, args.model_shape)
     if getattr(args, "ckpt_layers", 0) > model.shape.num_layers:
-        raise ValueError(f"--ckpt-layers {args.ckpt_layers} exceeds the {model.shape.num_layers} layers of model "
-                         f"shape {model.shape.name}")
+        raise UserError(f"--ckpt-layers {args.ckpt_layers} exceeds the {model.shape.num_layers} layers of model "
+                        f"shape {model.shape.name}")
     return model
 
 
@@ -128,32 +130,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_plan(path: str):
-    """Plan.from_json with one-line errors."""
+    """Plan.from_json with one-line errors (UserError naming the file)."""
     from hbp_train.planning.plan import Plan
 
     p = Path(path)
     if p.is_dir():  # a --shards folder: use its plan
         if not (p / "plan.json").is_file():
-            raise ValueError(f"{path}: is a folder with no plan.json; pass a plan file from python -m data_tools.pack")
+            raise UserError(f"{path}: is a folder with no plan.json; pass a plan file from python -m data_tools.pack")
         p = p / "plan.json"
         path = str(p)
     if not p.is_file():
-        raise ValueError(f"{path}: no such plan file")
+        raise UserError(f"{path}: no such plan file")
     try:
         with open(p) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
+        raise UserError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; pass a plan file from python -m data_tools.pack") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
     if not isinstance(data, dict) or "steps" not in data or "groups" not in data:
-        raise ValueError(f"{path}: not a plan (no 'steps'/'groups'); make one with python -m data_tools.pack")
+        raise UserError(f"{path}: not a plan (no 'steps'/'groups'); make one with python -m data_tools.pack")
     if "lengths" not in data:
-        raise ValueError(f"{path}: the plan has no 'lengths' (written by data_tools.pack); re-run the planner")
+        raise UserError(f"{path}: the plan has no 'lengths' (written by data_tools.pack); re-run the planner")
     try:
         return Plan.from_dict(data)
-    except (KeyError, TypeError, IndexError) as exc:
-        raise ValueError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
-    except ValueError as exc:  # the plan's own checks (version, world size, groups): name the file
-        raise ValueError(f"{path}: {exc}") from None
+    except UserError as exc:  # the plan's own checks (version, world size, groups): name the file
+        raise UserError(f"{path}: {exc}") from None
+    # Fields of the wrong shape in the file: int("x") (ValueError), a missing key, a number where a list goes.
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise UserError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
 
 
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -177,6 +184,9 @@ SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps
 def main(argv=None) -> int:
     try:
         return run(argv)
+    except UserError as exc:  # bad flags, plan files or output paths
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:  # outputs are written to a temporary name and moved into place when complete
         return interrupted("simulate", "outputs not yet complete (--out, --plot) were left as they were")
 
@@ -186,23 +196,19 @@ def run(argv=None) -> int:
     from hbp_train.planning.baselines.bytescale import check_zero_stage
     from hbp_train.planning.simulator import plot_comparison, simulate, speedup
 
-    try:
-        if args.name and len(args.name) != len(args.plan):
-            raise ValueError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
-        model = cost_model_from_args(args)
-        sim_cfg = sim_config_from_args(args, args.sync)
-        plans = [load_plan(p) for p in args.plan]
-        if sim_cfg.zero_stage is not None:
-            for path, plan in zip(args.plan, plans):
-                try:
-                    check_zero_stage(plan, sim_cfg.zero_stage)
-                except ValueError as exc:
-                    raise ValueError(f"{path}: {exc}") from None
-        check_output_file("--out", args.out, json_key="simulated", kind="simulation report")
-        check_output_file("--plot", args.plot, image=True)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.name and len(args.name) != len(args.plan):
+        raise UserError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
+    model = cost_model_from_args(args)
+    sim_cfg = sim_config_from_args(args, args.sync)
+    plans = [load_plan(p) for p in args.plan]
+    if sim_cfg.zero_stage is not None:
+        for path, plan in zip(args.plan, plans):
+            try:
+                check_zero_stage(plan, sim_cfg.zero_stage)
+            except UserError as exc:
+                raise UserError(f"{path}: {exc}") from None
+    check_output_file("--out", args.out, json_key="simulated", kind="simulation report")
+    check_output_file("--plot", args.plot, image=True)
     for path, plan in zip(args.plan, plans):
         over = sorted({g.ckpt_layers for g in plan.config.groups
                        if g.ckpt_layers is not None and g.ckpt_layers > model.shape.num_layers})
@@ -241,17 +247,13 @@ def run(argv=None) -> int:
                            "comm_overlap": sim_cfg.comm_overlap, "hbm_gbps": sim_cfg.hbm_gbps},
                   "baseline": names[0],
                   "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
-    try:
-        if args.out:
-            write_output("--out", args.out, lambda path: path.write_text(json.dumps(report)))
-            print(f"wrote {args.out}")
-        if args.plot:
-            write_output("--plot", args.plot, lambda path: plot_comparison(names, results, path,
-                                                                  f"{model.source} cost model, {model.shape.name}"))
-            print(f"wrote {args.plot}")
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.out:
+        write_output("--out", args.out, lambda path: path.write_text(json.dumps(report)))
+        print(f"wrote {args.out}")
+    if args.plot:
+        write_output("--plot", args.plot, lambda path: plot_comparison(names, results, path,
+                                                              f"{model.source} cost model, {model.shape.name}"))
+        print(f"wrote {args.plot}")
     return 0
 
 

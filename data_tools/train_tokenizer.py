@@ -26,7 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from data_tools.preprocess import DEFAULT_CHAT_TEMPLATE
+from data_tools.chat_labels import DEFAULT_CHAT_TEMPLATE
+from hbp_train.errors import EXIT_USER_ERROR
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tokenizer"
 BOS, EOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -105,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 300 <= args.vocab_size <= MAX_VOCAB_SIZE:  # the trainer allocates tables of this size up front
         print(f"error: --vocab-size {args.vocab_size} must be between 300 (256 bytes + special tokens + merges) "
               f"and {MAX_VOCAB_SIZE}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     try:
         out = train(args.out, args.vocab_size)
-    except OSError as e:
+    except OSError as e:  # the --out path: a file in the way, no permission, a full disk
         print(f"error: cannot write {args.out}: {e.strerror or e}; pass a writable --out directory", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(f"saved tokenizer to {out}")
     return 0
 

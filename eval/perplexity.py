@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from eval.model_io import UsageError
+from hbp_train.labels import IGNORE_INDEX
 
 REQUIRED_COLUMNS = ("input_ids", "labels")
 # Config fields that change logits after the LM head; models with any of them take the plain forward path.
@@ -60,7 +61,7 @@ def _uses_plain_forward(model) -> bool:
 def sample_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096) -> tuple[float, int]:
     """``(summed negative log-likelihood, number of targets)`` of one unpadded sample (1-D tensors)."""
     targets = labels[1:]
-    scored = targets != -100
+    scored = targets != IGNORE_INDEX
     num_targets = int(scored.sum())
     if num_targets == 0:
         return 0.0, 0

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hbp_train.errors import UserError
+
 BACKENDS = ("flash_varlen", "torch_varlen", "flex", "sdpa_block")
 GPU_ONLY_BACKENDS = ("flash_varlen", "torch_varlen", "flex")
 ATTN_IMPLEMENTATION = "hbp_packed"
@@ -73,7 +75,8 @@ def available_backends(device: torch.device, dtype: torch.dtype | None = None) -
 
 
 def select_backend(requested: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """Resolve "auto" to the best available backend; raise ValueError for an unknown or unusable name."""
+    """Resolve "auto" to the best available backend; raise UserError for an unknown or unusable name (the name comes
+    from the user: model.attention_backend, a --backend flag)."""
     available = available_backends(device, dtype)
     if requested == "auto":
         return available[0]
@@ -81,7 +84,7 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype | No
         why = "unknown" if requested not in BACKENDS else f"not available on {torch.device(device)}"
         if requested in BACKENDS and dtype is not None:
             why += f" with {dtype}"
-        raise ValueError(
+        raise UserError(
             f"attention backend {requested!r} is {why}; available here: {', '.join(available)} (or 'auto')"
         )
     return requested
@@ -328,13 +331,14 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     """
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1 (one pack per micro-batch), got {query.shape[0]}")
-    if dropout:
-        raise ValueError(f"packed attention does not implement attention dropout; set attention_dropout=0 (got {dropout})")
+    if dropout:  # the model's config (attention_dropout), so the user's to fix
+        raise UserError(
+            f"packed attention does not implement attention dropout; set attention_dropout=0 (got {dropout})")
     cu_seqlens, max_seqlen = _boundaries_from_kwargs(kwargs)
     # A window at least as long as every sample is plain causal attention (e.g. Mistral's 4096 on short packs).
     window = kwargs.get("sliding_window")
-    if window is not None and max_seqlen > window:
-        raise ValueError(
+    if window is not None and max_seqlen > window:  # the model's config against the user's data
+        raise UserError(
             f"packed attention does not implement sliding windows: a sample of {max_seqlen} tokens exceeds the "
             f"model's sliding_window={window}; disable it in the model config or use shorter samples"
         )

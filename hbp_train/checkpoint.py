@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hbp_train.errors import UserError
+
 TAG_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -81,23 +83,31 @@ def plan_fingerprint(shards: str) -> str:
 
 
 def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> None:
-    """ValueError (one line) when the checkpoint was saved by a run of another world size or another plan: its
+    """UserError (one line) when the checkpoint was saved by a run of another world size or another plan: its
     optimizer shards would not load, or its next_step would point into different data. Checkpoints without
     resume.json (older ones) are not checked."""
     path = os.path.join(ckpt_root, tag, "resume.json")
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        saved = json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc}); the checkpoint is damaged: "
+                        "resume from an earlier one, or start fresh (train.resume=null, another train.out_dir)") \
+            from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{path}: not a resume record (a JSON object); the checkpoint is damaged: resume from an "
+                        "earlier one, or start fresh (train.resume=null, another train.out_dir)")
     if saved.get("world_size") not in (None, world_size):
-        raise ValueError(f"{os.path.join(ckpt_root, tag)} was saved by {saved['world_size']} ranks and this run has "
-                         f"{world_size}: resume with {saved['world_size']} ranks, or export it (hbp_train.export) and "
-                         "start a new run from the export")
+        raise UserError(f"{os.path.join(ckpt_root, tag)} was saved by {saved['world_size']} ranks and this run has "
+                        f"{world_size}: resume with {saved['world_size']} ranks, or export it (hbp_train.export) and "
+                        "start a new run from the export")
     if saved.get("plan_sha256") not in (None, plan_fingerprint(shards)):
-        raise ValueError(f"{os.path.join(ckpt_root, tag)} was saved with another plan than {shards}/plan.json "
-                         f"(saved with {saved.get('data_shards')}): its step {saved.get('next_step')} would be other "
-                         "data; resume with the same packed shards, or start fresh (train.resume=null, another "
-                         "train.out_dir)")
+        raise UserError(f"{os.path.join(ckpt_root, tag)} was saved with another plan than {shards}/plan.json "
+                        f"(saved with {saved.get('data_shards')}): its step {saved.get('next_step')} would be other "
+                        "data; resume with the same packed shards, or start fresh (train.resume=null, another "
+                        "train.out_dir)")
 
 
 def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
@@ -155,15 +165,15 @@ def prune(ckpt_root: str, keep_last: int, upto_step: Optional[int] = None) -> No
 
 
 def check_fresh_root(ckpt_root: str, resume: Optional[tuple]) -> None:
-    """ValueError (one line) when a run that does not resume from ``ckpt_root`` would save into it while it holds
+    """UserError (one line) when a run that does not resume from ``ckpt_root`` would save into it while it holds
     another run's checkpoints: the two runs' steps would mix (pruning, ``latest``, export, resume=auto)."""
     if resume is not None and os.path.abspath(resume[0]) == os.path.abspath(ckpt_root):
         return
     tags = list_tags(ckpt_root)
     if tags:
         run_dir = os.path.dirname(os.path.abspath(ckpt_root))
-        raise ValueError(f"{ckpt_root} already holds checkpoints of an earlier run (newest {tags[-1]}): continue it "
-                         f"with train.resume=auto, or start this run elsewhere (train.out_dir=...), or delete {run_dir}")
+        raise UserError(f"{ckpt_root} already holds checkpoints of an earlier run (newest {tags[-1]}): continue it "
+                        f"with train.resume=auto, or start this run elsewhere (train.out_dir=...), or delete {run_dir}")
 
 
 def resolve(path: str) -> tuple:
@@ -171,8 +181,8 @@ def resolve(path: str) -> tuple:
     the run directory above that root."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
-        raise ValueError(f"{path}: no such directory (expected RUN_DIR, RUN_DIR/checkpoints or "
-                         f"RUN_DIR/checkpoints/step_<n>)")
+        raise UserError(f"{path}: no such directory (expected RUN_DIR, RUN_DIR/checkpoints or "
+                        f"RUN_DIR/checkpoints/step_<n>)")
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -180,8 +190,8 @@ def resolve(path: str) -> tuple:
         if not os.path.isdir(os.path.join(path, tag)):
             tags = list_tags(path)
             fix = f"pass one explicitly, e.g. {os.path.join(path, tags[-1])}" if tags else "start fresh"
-            raise ValueError(f"{latest} names {tag}, which is not there (checkpoints there: "
-                             f"{', '.join(tags) or 'none'}); {fix}")
+            raise UserError(f"{latest} names {tag}, which is not there (checkpoints there: "
+                            f"{', '.join(tags) or 'none'}); {fix}")
         return path, tag
     if os.path.isdir(path) and TAG_RE.match(os.path.basename(path)):
         return os.path.dirname(path), os.path.basename(path)
@@ -190,7 +200,7 @@ def resolve(path: str) -> tuple:
         return path, tags[-1]
     if os.path.isdir(os.path.join(path, "checkpoints")):  # RUN_DIR (train.out_dir) given
         return resolve(os.path.join(path, "checkpoints"))
-    raise ValueError(
+    raise UserError(
         f"{path}: not a checkpoint (expected RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>)")
 
 
@@ -211,7 +221,7 @@ def load(engine, ckpt_root: str, tag: str) -> Resumed:
     load_path, client_state = engine.load_checkpoint(ckpt_root, tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     if load_path is None:
-        raise ValueError(f"{os.path.join(ckpt_root, tag)}: DeepSpeed could not load this checkpoint")
+        raise UserError(f"{os.path.join(ckpt_root, tag)}: DeepSpeed could not load this checkpoint")
     rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
     if os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))

@@ -1,7 +1,7 @@
 """The run config: composes each module's dataclass, registers the schema with Hydra, converts at the boundary.
 
-Each part lives next to its code (model.ModelConfig, data.DataConfig, loss.LossConfig, trainer.TrainConfig and
-trainer.DeepSpeedConfig, metrics.LoggingConfig); this file only puts them together as ``HBPConfig``, stores it in
+Each part lives next to its code (model.ModelConfig, data.DataConfig, loss.LossConfig, trainer.TrainConfig,
+build.DeepSpeedConfig, telemetry.LoggingConfig); this file only puts them together as ``HBPConfig``, stores it in
 Hydra's ConfigStore as ``hbp_schema`` (the first entry of conf/config.yaml's defaults, so every YAML value is
 type-checked against it), and turns the composed DictConfig into dataclasses with ``OmegaConf.to_object`` — after
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
@@ -21,15 +21,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hbp_train.build import DeepSpeedConfig
 from hbp_train.data import DataConfig
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.loss import LossConfig
-from hbp_train.telemetry import LoggingConfig
 from hbp_train.model import ModelConfig
-from hbp_train.profiler.search import ProfileConfig
-from hbp_train.trainer import DeepSpeedConfig, TrainConfig
+from hbp_train.profiler.config import ProfileConfig
+from hbp_train.telemetry import LoggingConfig
+from hbp_train.trainer import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -54,7 +57,7 @@ class HBPConfig:
     """Auto group selection profiler (python -m hbp_train.profiler; profile.* overrides; unused by training)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A user mistake in the config: one line naming the field."""
 
 
@@ -72,7 +75,7 @@ def to_dataclass(cfg) -> HBPConfig:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
-    except ValueError as e:
+    except UserError as e:  # a section's __post_init__ check, naming the field
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
@@ -102,7 +105,7 @@ def load(overrides: list | None = None) -> HBPConfig:
         check_override_key(override)
     try:
         cfg = compose(overrides)
-    except Exception as e:  # Hydra's override/compose errors: unknown group option, bad type, missing key
+    except (HydraException, OmegaConfBaseException) as e:  # unknown group option, bad type, missing key
         raise ConfigError(_hydra_error_line(e)) from None
     return to_dataclass(cfg)
 
@@ -236,9 +239,9 @@ def main(argv: list | None = None) -> int:
         return 0
     try:
         cfg = load(user_overrides(argv))
-    except ConfigError as e:
+    except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(resolved_yaml(cfg), end="")
     return 0
 

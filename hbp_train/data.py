@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
 
 
 @dataclass
@@ -43,11 +44,11 @@ class DataConfig:
 
     def __post_init__(self):
         if not isinstance(self.shards, str) or not self.shards or self.shards == "???":
-            raise ValueError("data.shards: set it to a packed-shard directory (data_tools.pack --shards OUT)")
+            raise UserError("data.shards: set it to a packed-shard directory (data_tools.pack --shards OUT)")
         if self.eval_shards is not None and (not isinstance(self.eval_shards, str) or not self.eval_shards):
-            raise ValueError("data.eval_shards: a packed-shard directory of held-out data, or null")
+            raise UserError("data.eval_shards: a packed-shard directory of held-out data, or null")
         if self.epochs < 1:
-            raise ValueError(f"data.epochs={self.epochs}: must be >= 1")
+            raise UserError(f"data.epochs={self.epochs}: must be >= 1")
 
 
 # A micro-batch is a plain dict (what the model, the SP split and the loss read), for one pack on one rank:
@@ -96,7 +97,7 @@ def collate_pack(row: dict, check_counts: bool = True, where: str = "") -> dict:
     cu = np.asarray(row["cu_seqlens"], dtype=np.int64)
     num_tokens = len(input_ids)
     if cu[0] != 0 or cu[-1] != num_tokens or len(labels) != num_tokens or len(position_ids) != num_tokens:
-        raise ValueError(f"{where}: cu_seqlens/labels/position_ids do not match input_ids ({num_tokens} tokens)")
+        raise UserError(f"{where}: cu_seqlens/labels/position_ids do not match input_ids ({num_tokens} tokens)")
     seq_lens = np.diff(cu)
     num_samples = len(seq_lens)
     shift_labels = np.full(num_tokens, IGNORE_INDEX, dtype=np.int64)
@@ -107,7 +108,7 @@ def collate_pack(row: dict, check_counts: bool = True, where: str = "") -> dict:
     per_sample = np.bincount(sample_ids[shift_labels != IGNORE_INDEX], minlength=num_samples)
     num_loss_tokens = int(per_sample.sum())
     if check_counts and "num_loss_tokens" in row and int(row["num_loss_tokens"]) != num_loss_tokens:
-        raise ValueError(
+        raise UserError(
             f"{where}: num_loss_tokens={int(row['num_loss_tokens'])} but the labels give {num_loss_tokens}: "
             "the shards are stale or corrupt, re-run data_tools.pack --shards"
         )
@@ -153,19 +154,25 @@ class PackedData:
         if not os.path.isfile(plan_path):
             hint = (" (it is a tokenized dataset: plan and pack it first)"
                     if os.path.isfile(os.path.join(path, "report.json")) else "")
-            raise ValueError(f"data.shards={path}: no plan.json there{hint}; write packed shards with "
-                             f"data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and pass that OUT_DIR")
+            raise UserError(f"data.shards={path}: no plan.json there{hint}; write packed shards with "
+                            f"data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and pass that OUT_DIR")
         try:
             with open(plan_path) as f:
                 self.plan = json.load(f)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{plan_path}: invalid JSON at line {exc.lineno} ({exc.msg}); rewrite it with "
-                             f"data_tools.pack --shards {path}") from None
+            raise UserError(f"{plan_path}: invalid JSON at line {exc.lineno} ({exc.msg}); rewrite it with "
+                            f"data_tools.pack --shards {path}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{plan_path}: not UTF-8 text; rewrite it with data_tools.pack --shards {path}") from None
+        except OSError as exc:
+            raise UserError(f"{plan_path}: cannot read ({exc.strerror}); check data.shards and its permissions") \
+                from None
         from hbp_train.planning.plan import PLAN_VERSION
 
-        if not isinstance(self.plan, dict) or self.plan.get("version", PLAN_VERSION) != PLAN_VERSION:
-            raise ValueError(f"{plan_path}: not a version-{PLAN_VERSION} plan; rewrite the shards with "
-                             f"data_tools.pack --shards {path}")
+        if (not isinstance(self.plan, dict) or self.plan.get("version", PLAN_VERSION) != PLAN_VERSION
+                or not isinstance(self.plan.get("steps"), list) or not isinstance(self.plan.get("groups"), list)):
+            raise UserError(f"{plan_path}: not a version-{PLAN_VERSION} plan; rewrite the shards with "
+                            f"data_tools.pack --shards {path}")
         self.path = path
         self.check_counts = check_counts
         self.shuffle_epochs = shuffle_epochs
@@ -174,11 +181,11 @@ class PackedData:
         self.groups = self.plan["groups"]
         self.steps = self.plan["steps"]
         if not self.steps:
-            raise ValueError(f"{plan_path}: the plan has no steps")
+            raise UserError(f"{plan_path}: the plan has no steps")
         for s, step in enumerate(self.steps):
             if "rows" not in step:
-                raise ValueError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
-                                 f"(run data_tools.pack --shards {path})")
+                raise UserError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
+                                f"(run data_tools.pack --shards {path})")
         self._datasets = {}
         self._loss_tokens = {}
         self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
@@ -196,8 +203,8 @@ class PackedData:
         for g, top in sorted(wanted.items()):
             num_rows = len(self.dataset(g))
             if top >= num_rows:
-                raise ValueError(f"{self.path}/group_{g}: plan.json reads row {top} but the shard has {num_rows} rows "
-                                 f"(stale shards: rewrite them with data_tools.pack --shards {self.path})")
+                raise UserError(f"{self.path}/group_{g}: plan.json reads row {top} but the shard has {num_rows} rows "
+                                f"(stale shards: rewrite them with data_tools.pack --shards {self.path})")
 
     @property
     def world_size(self) -> int:
@@ -217,13 +224,13 @@ class PackedData:
 
             gdir = os.path.join(self.path, f"group_{group}")
             if not os.path.isdir(gdir):
-                raise ValueError(f"{self.path}: missing {gdir} for group {group} of plan.json")
+                raise UserError(f"{self.path}: missing {gdir} for group {group} of plan.json")
             try:
                 ds = load_from_disk(gdir).with_format("numpy")
                 loss_tokens = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
             except Exception as exc:  # a truncated or foreign file: name it, whatever the reader raised
-                raise ValueError(f"{gdir}: cannot read the packed shard ({type(exc).__name__}: {exc}); rewrite it "
-                                 f"with data_tools.pack --shards {self.path}") from None
+                raise UserError(f"{gdir}: cannot read the packed shard ({type(exc).__name__}: {exc}); rewrite it "
+                                f"with data_tools.pack --shards {self.path}") from None
             self._datasets[group] = ds
             self._loss_tokens[group] = loss_tokens
         return self._datasets[group]
@@ -259,8 +266,8 @@ class PackedData:
         packs = entry["replicas"]
         dp_size = len(rows)
         if dp_size != self.world_size // sp:
-            raise ValueError(f"{self.path}/plan.json: step {plan_step} has {dp_size} replicas, expected "
-                             f"world_size/sp = {self.world_size}//{sp}")
+            raise UserError(f"{self.path}/plan.json: step {plan_step} has {dp_size} replicas, expected "
+                            f"world_size/sp = {self.world_size}//{sp}")
         # m is the same for all replicas except in bytescale plans, whose JSON omits a replica's trailing empty packs
         num_micro = max(len(r) for r in rows) if equal_counts else max(1, len(rows[replica]))
         global_loss_tokens = sum(self.pack_loss_tokens(group, row) for r in rows for row in r)

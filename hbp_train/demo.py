@@ -73,10 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated stage numbers to run (default: all): "
                              + ", ".join(f"{i} {name}" for i, name in enumerate(names, 1)))
     args = parser.parse_args(argv)
-    try:
-        only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(names) + 1))
-    except ValueError:
+    if args.only and not all(s.strip().isdigit() for s in args.only.split(",")):
         parser.error(f"--only {args.only}: expected stage numbers such as 1,2 (see --help)")
+    only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(names) + 1))
     if not only <= set(range(1, len(names) + 1)):
         parser.error(f"--only {args.only}: stages are numbered 1-{len(names)} (see --help)")
     out = Path(args.out)

@@ -16,12 +16,14 @@ import json
 import os
 import sys
 
+from hbp_train.errors import UserError
+
 DTYPES = ("fp32", "bf16", "fp16")
 MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it
 
 
 def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
-    """Write HF_DIR (config, safetensors weights, tokenizer); returns it. Raises ValueError on bad input."""
+    """Write HF_DIR (config, safetensors weights, tokenizer); returns it. Raises UserError on bad input."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -29,32 +31,32 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     from hbp_train.checkpoint import resolve
 
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out}: exists and is not a directory")
+        raise UserError(f"--out {out}: exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
         # Never write model files over another model (e.g. the base model's own directory).
-        raise ValueError(f"--out {out}: directory is not empty and holds no earlier export ({MARKER}); choose a "
+        raise UserError(f"--out {out}: directory is not empty and holds no earlier export ({MARKER}); choose a "
                          f"new or empty --out directory")
     if not os.path.isdir(checkpoint):
-        raise ValueError(f"--checkpoint {checkpoint}: no such directory; pass RUN_DIR (train.out_dir), "
+        raise UserError(f"--checkpoint {checkpoint}: no such directory; pass RUN_DIR (train.out_dir), "
                          f"RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>")
     try:
         root, tag = resolve(checkpoint)
-    except ValueError:
+    except UserError:
         ckpts = checkpoint if os.path.basename(os.path.normpath(checkpoint)) == "checkpoints" else \
             os.path.join(checkpoint, "checkpoints")
         if os.path.isdir(ckpts):
-            raise ValueError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
+            raise UserError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
                              f"train.save_every steps)") from None
         raise
     hf_dir = os.path.join(root, tag, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ValueError(f"{os.path.join(root, tag)}: no hf/config.json (not written by hbp_train.train?)")
+        raise UserError(f"{os.path.join(root, tag)}: no hf/config.json (not written by hbp_train.train?)")
     try:
         config = AutoConfig.from_pretrained(hf_dir)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     except (OSError, ValueError, TypeError) as e:  # a damaged hf/ folder: transformers' message, first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{hf_dir}: cannot load the saved config/tokenizer ({first})") from None
+        raise UserError(f"{hf_dir}: cannot load the saved config/tokenizer ({first})") from None
     config.use_cache = True
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
@@ -62,16 +64,19 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     try:  # before the (slow) consolidation of the shards
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--out {out}: cannot create it ({e.strerror})") from None
+        raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
-    # The engine wraps the HF model as `model` (trainer.PackedCausalLM).
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
+    except FileNotFoundError as e:  # a checkpoint folder missing its ZeRO shards
+        raise UserError(f"{os.path.join(root, tag)}: incomplete checkpoint ({e})") from None
+    # The engine wraps the HF model as `model` (build.PackedCausalLM).
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{os.path.join(root, tag)}: weights do not match the model config "
+        raise UserError(f"{os.path.join(root, tag)}: weights do not match the model config "
                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model = model.to(torch_dtype)
     model.save_pretrained(out, safe_serialization=True)
@@ -105,7 +110,7 @@ def main(argv: list | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, args.dtype)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"export error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"[export] wrote {out} (load with AutoModelForCausalLM.from_pretrained({out!r}))")

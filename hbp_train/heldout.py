@@ -2,7 +2,7 @@
 
 The held-out data is packed like the training data (``data_tools.pack --shards``, same world size), so it runs
 through the same machinery: each rank forwards its replica's packs of every plan step, at that step's SP degree
-(its slice of each pack; SP groups exist for every degree of both plans, see trainer.build). Every rank sums its
+(its slice of each pack; SP groups exist for every degree of both plans, see build.build). Every rank sums its
 token losses and loss tokens; one all-reduce over all ranks gives the exact token mean over the whole held-out
 set, since replicas split the packs and SP ranks split a pack's tokens, so every token is counted once.
 No gradients, no optimizer state, and the live CR counters are untouched (no tokens are booked).
@@ -17,15 +17,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from hbp_train.distributed import ulysses
 from hbp_train.data import PackedData, to_device
+from hbp_train.distributed.groups import rank as this_rank
+from hbp_train.labels import IGNORE_INDEX
 
 
 @torch.no_grad()
 def evaluate(run, data: PackedData) -> dict:
     """Held-out metrics {"loss/eval", "ppl/eval", "eval/loss_tokens", "eval/seconds"}; every rank must call it."""
     start = time.perf_counter()
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = this_rank()
     engine = run.engine
     engine.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [token-loss sum, loss tokens]
@@ -39,16 +40,15 @@ def evaluate(run, data: PackedData) -> dict:
         for step in bar:
             step_batch = data.step_batch(step, rank, run.pad_token_id)
             sp = step_batch.sp
-            ulysses.set_active_sp(sp)
-            sp_rank = run.pstate.sp_rank(sp)
+            run.sp.set_active(sp)
             # Every rank of the step runs every micro-batch (empty packs are dummies): the SP all-to-alls and the
             # ZeRO-3 parameter gathers are collectives and need all their ranks.
             for micro_batch in step_batch.micro_batches:
-                batch = to_device(ulysses.split_for_sp(micro_batch, sp, sp_rank), run.device)
+                batch = to_device(run.sp.split(micro_batch), run.device)
                 loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                                 batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
                 sums[0] += loss_T.double().sum()
-                sums[1] += float((batch["shift_labels"] != -100).sum())
+                sums[1] += float((batch["shift_labels"] != IGNORE_INDEX).sum())
     finally:
         engine.train()
     if dist.is_initialized() and dist.get_world_size() > 1:

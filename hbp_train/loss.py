@@ -2,7 +2,7 @@
 
 `chunked_token_losses` runs the LM head and the cross-entropy one chunk of tokens at a time and recomputes each
 chunk's logits in backward, so forward and backward memory is O(chunk x V) instead of O(T x V) (a 32K pack with a
-128K vocabulary would otherwise hold 16 GiB of fp32 logits). Tokens whose label is -100 are skipped entirely.
+128K vocabulary would otherwise hold 16 GiB of fp32 logits). Tokens whose label is IGNORE_INDEX are skipped entirely.
 
 `normalize_loss` turns one micro-batch's per-token losses into the scalar to call backward on, so that after
 DeepSpeed averages gradients the step's gradient is the one the chosen normalizer defines (see its docstring).
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
+
 NORMALIZERS = ("ave_token", "token_mean", "sample_mean", "sum")
 
 
@@ -34,9 +36,9 @@ class LossConfig:
 
     def __post_init__(self):
         if self.normalizer not in NORMALIZERS:
-            raise ValueError(f"loss.normalizer: {self.normalizer!r} is not one of {', '.join(NORMALIZERS)}")
+            raise UserError(f"loss.normalizer: {self.normalizer!r} is not one of {', '.join(NORMALIZERS)}")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"loss.chunk_size: must be a positive integer, got {self.chunk_size!r}")
+            raise UserError(f"loss.chunk_size: must be a positive integer, got {self.chunk_size!r}")
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -98,7 +100,7 @@ def _chunk_logits(hidden_CH, weight_VH, bias_V):
 
 
 def chunked_token_losses(hidden_TH, lm_head_weight_VH, shift_labels_T, chunk_size: int = 4096, lm_head_bias=None):
-    """Per-token cross-entropy loss_T (fp32) of the LM head applied to hidden_TH; 0 where shift_labels == -100.
+    """Per-token cross-entropy loss_T (fp32) of the LM head applied to hidden_TH; 0 where shift_labels is IGNORE_INDEX.
 
     Equals F.cross_entropy(hidden @ W.T + b, labels, reduction="none") with gradients to hidden, W and b, but
     holds at most chunk_size x V logits at a time in forward and in backward (backward recomputes them).
@@ -110,7 +112,7 @@ def chunked_token_losses(hidden_TH, lm_head_weight_VH, shift_labels_T, chunk_siz
     shift_labels_T = shift_labels_T.reshape(-1)
     if hidden_TH.shape[0] != shift_labels_T.shape[0]:
         raise ValueError(f"hidden has {hidden_TH.shape[0]} tokens but shift_labels has {shift_labels_T.shape[0]}")
-    # Prompt tokens (label -100) cost nothing: only the trained rows go through the LM head.
+    # Prompt tokens (label IGNORE_INDEX) cost nothing: only the trained rows go through the LM head.
     rows_N = torch.nonzero(shift_labels_T != IGNORE_INDEX, as_tuple=False).flatten()
     loss_N = _ChunkedCrossEntropy.apply(
         hidden_TH.index_select(0, rows_N), lm_head_weight_VH, lm_head_bias, shift_labels_T[rows_N].long(), chunk_size

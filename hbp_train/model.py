@@ -1,9 +1,9 @@
-"""Building the HF causal LM for packed training, per-layer activation checkpointing, and FLOP counts for MFU.
+"""Building the HF causal LM for packed training and per-layer activation checkpointing (FLOPs: perf/flops.py).
 
 The model is built from a local HF directory or from a config (no download), with `use_cache=False` (the
 default cache silently disables packed-sample masking) and the packed attention of attention.py installed.
-`forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk;
-`token_losses` does that through the LM-head module itself (see `ChunkedLMHead`).
+`forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk (the engine's
+module, build.PackedCausalLM, does both).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from hbp_train.attention import BACKENDS, register_packed_attention
-from hbp_train.loss import chunked_token_losses
+from hbp_train.errors import UserError
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,21 +51,21 @@ class ModelConfig:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         if not isinstance(self.config, dict):
-            raise ValueError(f"model.config: must be a mapping of HF config fields, got {type(self.config).__name__}")
+            raise UserError(f"model.config: must be a mapping of HF config fields, got {type(self.config).__name__}")
         if self.name_or_path is not None:
             path = Path(self.name_or_path)
             if not (path / "config.json").is_file():
-                raise ValueError(f"model.name_or_path: {self.name_or_path!r} is not a local HF model dir (no config.json)")
+                raise UserError(f"model.name_or_path: {self.name_or_path!r} is not a local HF model dir (no config.json)")
         elif not self.config:
-            raise ValueError("model.config: give the architecture (e.g. hidden_size, num_hidden_layers) or model.name_or_path")
+            raise UserError("model.config: give the architecture (e.g. hidden_size, num_hidden_layers) or model.name_or_path")
         if self.architecture not in CONFIG_MAPPING:
-            raise ValueError(f"model.architecture: {self.architecture!r} is not an HF model_type (e.g. llama, qwen2)")
+            raise UserError(f"model.architecture: {self.architecture!r} is not an HF model_type (e.g. llama, qwen2)")
         if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+            raise UserError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.attention_backend not in ("auto", *BACKENDS):
-            raise ValueError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
+            raise UserError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
         if not isinstance(self.seed, int):
-            raise ValueError(f"model.seed: must be an integer, got {self.seed!r}")
+            raise UserError(f"model.seed: must be an integer, got {self.seed!r}")
         if self.tokenizer is None:
             self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
 
@@ -116,9 +116,6 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        head.__class__ = ChunkedLMHead  # same parameters and state_dict keys; only forward gains the loss path
     register_packed_attention(model, cfg.attention_backend)
     return model
 
@@ -196,29 +193,6 @@ def _partitioned_init(ds_config: dict | None):
         PreTrainedModel._initialize_weights = plain_init
 
 
-class ChunkedLMHead(torch.nn.Linear):
-    """The LM head (an nn.Linear) whose forward can also return chunked per-token losses.
-
-    Computing the loss *inside the head module's forward* matters under ZeRO-3: the head's weight is partitioned
-    and DeepSpeed gathers it only in that module's forward hooks (and re-gathers it for backward from hooks on
-    the module's outputs). Reading `lm_head.weight` from outside the module would see an empty partition.
-    Without shift_labels it is the plain linear layer, so the HF model's own forward is unchanged.
-    """
-
-    def forward(self, hidden, shift_labels=None, chunk_size: int = 4096):
-        if shift_labels is None:
-            return super().forward(hidden)
-        return chunked_token_losses(hidden, self.weight, shift_labels, chunk_size=chunk_size, lm_head_bias=self.bias)
-
-
-def token_losses(model, hidden_BTH, shift_labels, chunk_size: int = 4096) -> torch.Tensor:
-    """Per-token LM losses [T] of the final hidden states, through the model's LM-head module (ZeRO-3 safe)."""
-    head = model.get_output_embeddings()
-    if isinstance(head, ChunkedLMHead):
-        return head(hidden_BTH, shift_labels=shift_labels, chunk_size=chunk_size)
-    return chunked_token_losses(hidden_BTH, head.weight, shift_labels, chunk_size=chunk_size, lm_head_bias=head.bias)
-
-
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The repeated decoder blocks (model.model.layers for Llama/Qwen/Mistral-style models)."""
     return model.base_model.layers
@@ -252,42 +226,3 @@ def forward_hidden(model, input_ids, position_ids, **attn_kwargs) -> torch.Tenso
 def num_params(model) -> int:
     """Number of parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _shape(model_config):
-    hidden = model_config.hidden_size
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
-    return hidden, heads, kv_heads, head_dim
-
-
-def flops_per_token(model_config) -> float:
-    """Linear-layer FLOPs per token, forward + backward: 6 x (matmul weights a token goes through).
-
-    Per layer: q and o projections 2*hidden*heads*head_dim, k and v 2*hidden*kv_heads*head_dim, gated MLP
-    3*hidden*intermediate; plus the LM head hidden*vocab (a matmul even when tied). Embedding lookups, norms and
-    biases are not counted; nor is the recompute of activation checkpointing (the MFU convention).
-    """
-    hidden, heads, kv_heads, head_dim = _shape(model_config)
-    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * model_config.intermediate_size
-    matmul_weights = model_config.num_hidden_layers * per_layer + hidden * model_config.vocab_size
-    return 6.0 * matmul_weights
-
-
-def attention_flops(model_config, seq_lens) -> float:
-    """Causal attention FLOPs, forward + backward, of one pack with samples of lengths seq_lens.
-
-    Per sample of length L and per layer: QK^T and PV are 2 * 2*L^2*heads*head_dim FLOPs for full attention,
-    half of it causal, and backward is twice forward: 3 * 2*L^2*heads*head_dim = 6*heads*head_dim*L^2, i.e.
-    12*layers*hidden*L^2/2 when heads*head_dim == hidden. Sums L^2 over samples, never T^2: samples of a pack do
-    not attend to each other.
-    """
-    _, heads, _, head_dim = _shape(model_config)
-    sum_sq = float(sum(int(length) ** 2 for length in seq_lens))
-    return 6.0 * model_config.num_hidden_layers * heads * head_dim * sum_sq
-
-
-def pack_flops(model_config, seq_lens) -> float:
-    """Total training FLOPs of one pack: linear FLOPs for all its tokens plus its attention FLOPs."""
-    return flops_per_token(model_config) * float(sum(seq_lens)) + attention_flops(model_config, seq_lens)

@@ -6,7 +6,7 @@ type matplotlib cannot write; ``check_output_file`` catches that up front, and r
 did not write (a raw .jsonl passed as ``--out`` by mistake). Files are written to a temporary name beside the target
 and moved over it (``atomic_write``); folders are built in a staging folder beside the target and swapped in at the
 end (``staging_dir`` + ``replace_dir``): Ctrl-C half-way leaves the earlier output as it was. Errors are
-ValueError naming the flag; ``interrupted`` is the one-line Ctrl-C exit of every CLI.
+UserError naming the flag; ``interrupted`` is the one-line Ctrl-C exit of every CLI.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from hbp_train.errors import UserError
+
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a command stopped with Ctrl-C
 
 
 def check_output_file(flag: str, path: str | None, image: bool = False, json_key: str | None = None,
                       kind: str = "") -> None:
-    """ValueError (one line, naming ``flag``) for an output file that could not be written after the work.
+    """UserError (one line, naming ``flag``) for an output file that could not be written after the work.
 
     With ``json_key``, an existing non-empty file is replaced only if it is JSON whose first key is ``json_key``
     (a ``kind`` file this project wrote): anything else may be someone's data.
@@ -32,22 +34,22 @@ def check_output_file(flag: str, path: str | None, image: bool = False, json_key
         return
     p = Path(path)
     if p.is_dir():
-        raise ValueError(f"{flag} {path}: is a directory; pass a file path")
+        raise UserError(f"{flag} {path}: is a directory; pass a file path")
     if image:
         from matplotlib.backend_bases import FigureCanvasBase
 
         kinds = FigureCanvasBase.get_supported_filetypes()
         if p.suffix.lower().lstrip(".") not in kinds:
-            raise ValueError(f"{flag} {path}: unknown image type {p.suffix or '(no suffix)'}; end it in .png "
-                             f"(or .{', .'.join(k for k in ('svg', 'pdf', 'jpg') if k in kinds)})")
+            raise UserError(f"{flag} {path}: unknown image type {p.suffix or '(no suffix)'}; end it in .png "
+                            f"(or .{', .'.join(k for k in ('svg', 'pdf', 'jpg') if k in kinds)})")
     if json_key and p.is_file() and p.stat().st_size and not _starts_with_key(p, json_key):
-        raise ValueError(f"{flag} {path}: exists and is not a {kind} written by hbp-train (JSON starting with "
-                         f"\"{json_key}\"); choose another {flag} or delete the file")
+        raise UserError(f"{flag} {path}: exists and is not a {kind} written by hbp-train (JSON starting with "
+                        f"\"{json_key}\"); choose another {flag} or delete the file")
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # the folders below it are created when the file is written
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: cannot create it ({parent} is not a writable folder)")
+        raise UserError(f"{flag} {path}: cannot create it ({parent} is not a writable folder)")
 
 
 def _starts_with_key(path: Path, key: str) -> bool:
@@ -75,13 +77,13 @@ def atomic_write(path: str | Path, write) -> None:
 
 
 def write_output(flag: str, path_text: str, write) -> None:
-    """atomic_write(path, write), creating its folder; an OSError becomes a one-line ValueError naming ``flag``."""
+    """atomic_write(path, write), creating its folder; an OSError becomes a one-line UserError naming ``flag``."""
     path = Path(path_text)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, write)
     except OSError as exc:
-        raise ValueError(f"{flag} {path_text}: cannot write ({exc.strerror})") from None
+        raise UserError(f"{flag} {path_text}: cannot write ({exc.strerror})") from None
 
 
 def staging_dir(target: str | Path) -> Path:

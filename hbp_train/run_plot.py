@@ -15,20 +15,29 @@ import json
 import sys
 from pathlib import Path
 
+from hbp_train.errors import EXIT_USER_ERROR, UserError
+
 
 def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl; ValueError naming the line for a damaged one. A resumed run appends
+    """The step records of a metrics.jsonl; UserError naming the line for a damaged one. A resumed run appends
     to the same file, so a step seen twice keeps its latest record."""
     by_step = {}
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                by_step[int(record["plan/step"])] = record
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{number}: not a step record ({exc})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; is it the metrics.jsonl of a run?") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_step[int(record["plan/step"])] = record
+        # JSONDecodeError and int("x") are ValueErrors; a missing key or a list instead of an object the others.
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path}:{number}: not a step record ({exc})") from None
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -39,10 +48,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hbp_train.outputs import write_output
+
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
     if not records:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no steps logged yet")
+        raise UserError(f"{run_dir / 'metrics.jsonl'}: no steps logged yet")
     out = Path(out) if out else run_dir / "metrics.png"
 
     def series(key):
@@ -80,9 +91,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_xlabel("step")
     fig.suptitle(f"{run_dir}: {len(records)} steps")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        write_output("--out", str(out), lambda path: fig.savefig(path, dpi=100))
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -92,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="a run directory (train.out_dir) holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="output PNG (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
+    from hbp_train.outputs import check_output_file
+
     try:
         if not (Path(args.run_dir) / "metrics.jsonl").is_file():
-            raise ValueError(f"{args.run_dir}: no metrics.jsonl (is it a train.out_dir with logging.jsonl on?)")
+            raise UserError(f"{args.run_dir}: no metrics.jsonl (is it a train.out_dir with logging.jsonl on?)")
+        check_output_file("--out", args.out, image=True)
         out = plot_run(args.run_dir, args.out)
-    except (ValueError, OSError) as exc:
+    except UserError as exc:
         print(f"run_plot: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(f"wrote {out}")
     return 0
 

@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hbp_train.errors import UserError
+
 # Dense bf16 peak FLOP/s per device, by a substring of torch.cuda.get_device_name(). Used when peak_flops is 0.
 KNOWN_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
 
@@ -46,9 +48,9 @@ class LoggingConfig:
 
     def __post_init__(self):
         if self.log_every < 1:
-            raise ValueError(f"logging.log_every={self.log_every}: must be >= 1")
+            raise UserError(f"logging.log_every={self.log_every}: must be >= 1")
         if self.peak_flops < 0:
-            raise ValueError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
+            raise UserError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
 
 
 def resolve_peak_flops(configured: float) -> Optional[float]:

@@ -75,17 +75,18 @@ def run(cfg, config_yaml: str) -> dict:
 
 def _task(dict_cfg) -> None:
     from hbp_train.config import ConfigError, resolved_yaml, to_dataclass
+    from hbp_train.errors import EXIT_USER_ERROR, UserError
 
     try:
         cfg = to_dataclass(dict_cfg)
     except ConfigError as e:
-        _fail(f"config error: {e}", 2)
+        _fail(f"config error: {e}", EXIT_USER_ERROR)
     try:
         summary = run(cfg, resolved_yaml(cfg))
-    except ValueError as e:  # user input found while building (plan/world-size mismatch, bad shards, ...)
+    except UserError as e:  # user input found while building (plan/world-size mismatch, bad shards, ...)
         if os.environ.get("HBP_DEBUG"):
             raise
-        _fail(f"error: {str(e).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)", 2)
+        _fail(f"error: {str(e).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)", EXIT_USER_ERROR)
     except FloatingPointError as e:  # train.on_nan=abort
         _fail(f"error: {e}", 1)
     except KeyboardInterrupt:  # a second Ctrl-C: the user does not want to wait for the step and the save
@@ -100,6 +101,7 @@ def main() -> None:
     import hydra
 
     from hbp_train.config import CONF_DIR, ConfigError, check_command_line, load, user_overrides
+    from hbp_train.errors import EXIT_USER_ERROR
 
     argv = _strip_local_rank(sys.argv[1:])
     sys.argv = [sys.argv[0]] + argv
@@ -113,7 +115,7 @@ def main() -> None:
         if not any(a.startswith("-") for a in argv):  # --cfg, --info ... are Hydra's business
             load(user_overrides(argv))  # fail fast, one line, before any rank builds anything
     except ConfigError as e:
-        _fail(f"config error: {e}", 2)
+        _fail(f"config error: {e}", EXIT_USER_ERROR)
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
 

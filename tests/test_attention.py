@@ -16,6 +16,7 @@ from hbp_train.attention import (
     select_backend,
     set_backend,
 )
+from hbp_train.errors import UserError
 
 LENGTHS = (5, 11, 8)
 CPU = torch.device("cpu")
@@ -88,7 +89,7 @@ def test_cpu_backends_and_auto():
 
 @pytest.mark.parametrize("name, why", [("flex", "not available on cpu"), ("flash", "unknown")])
 def test_select_backend_errors_name_the_backend_and_the_choices(name, why):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UserError) as err:
         select_backend(name, CPU)
     assert repr(name) in str(err.value) and why in str(err.value) and "sdpa_block" in str(err.value)
 
@@ -102,7 +103,7 @@ def test_gpu_preference_order_and_fp32_leaves_out_flash_kernels(monkeypatch):
     assert available_backends(cuda, torch.bfloat16) == ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
     assert available_backends(cuda, torch.float32) == ["flex", "sdpa_block"]
     assert select_backend("auto", cuda, torch.float32) == "flex"
-    with pytest.raises(ValueError, match="'torch_varlen' is not available on cuda with torch.float32"):
+    with pytest.raises(UserError, match="'torch_varlen' is not available on cuda with torch.float32"):
         select_backend("torch_varlen", cuda, torch.float32)
 
 
@@ -266,7 +267,7 @@ def test_hf_packed_attention_rejects_batches_missing_boundaries_and_short_window
     with pytest.raises(ValueError, match="position_ids"):
         hf_packed_attention(None, q[:1], q[:1], q[:1], None)
     position_ids = torch.arange(6)[None]
-    with pytest.raises(ValueError, match="sliding_window=4"):
+    with pytest.raises(UserError, match="sliding_window=4"):
         hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=4)
     out, _ = hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=6)
     assert out.shape == (1, 6, 4, 8)

@@ -1,5 +1,6 @@
-"""bench/bench_trainer.py works (it does NOT check speed): the CPU smoke run trains both paths and writes the JSON;
-the HF baseline's batches carry exactly our packs and targets; the pack search escalates checkpointing on OOM."""
+"""bench/bench_trainer.py (and its parts bench/trainer_*.py) works (it does NOT check speed): the CPU smoke run trains
+both paths and writes the JSON; the HF baseline's batches carry exactly our packs and targets; the pack search
+escalates checkpointing on OOM."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def _load_bench():
     return module
 
 
-bench = _load_bench()
+bench = _load_bench()  # puts the repository on sys.path, so its parts import as bench.trainer_*
+from bench import trainer_paths as paths  # noqa: E402
+from bench import trainer_search as search  # noqa: E402
+from bench import trainer_workload as workload  # noqa: E402
 
 
 @pytest.mark.slow
@@ -59,13 +63,13 @@ def test_cpu_smoke_run_writes_both_paths(tmp_path):
 def test_hf_batch_holds_the_same_tokens_and_targets_as_ours():
     from hbp_train.data import collate_pack
 
-    packs = bench.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
-    again = bench.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
+    packs = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
+    again = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
     for pack, twin in zip(packs, again):
         assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(pack, twin))  # seeded
         assert sum(len(d["input_ids"]) for d in pack) == 2048  # every pack is exactly pack_len
-        ours = collate_pack(bench.pack_row(pack))
-        hf = bench.hf_batch(pack, flash_kwargs=True)
+        ours = collate_pack(workload.pack_row(pack))
+        hf = paths.hf_batch(pack, flash_kwargs=True)
         assert torch.equal(hf["input_ids"], ours["input_ids"]) and torch.equal(hf["position_ids"], ours["position_ids"])
         # HF's loss shifts the flattened labels by one; the collator masks each sample's first label, so no sample
         # predicts its neighbour's first token: the targets are exactly our per-sample shifted labels.
@@ -92,13 +96,13 @@ def test_pack_search_adds_checkpointing_after_oom(monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
         return 0.5, 1.0
 
-    monkeypatch.setattr(bench, "ours_step", fake_step)
-    monkeypatch.setattr(bench, "destroy_ours", destroyed.append)
+    monkeypatch.setattr(search, "ours_step", fake_step)
+    monkeypatch.setattr(search, "destroy_ours", destroyed.append)
     args = SimpleNamespace(ckpt_levels=None, pack_len=1024, max_pack_search=32768, search_docs="single", seed=0,
                            prompt_frac=0.0, search_budget_s=60.0, search_steps=1)
     first = {"pack_len": 1024, "ckpt_layers": 0, "ok": True, "oom": False}
     saved = []  # attempts in the partial result handed over after each attempt (the bench saves it right then)
-    result, run = bench.pack_search(args, fake_run(), fake_run, {"vocab_size": 500}, torch.device("cpu"), None, first,
+    result, run = search.pack_search(args, fake_run(), fake_run, {"vocab_size": 500}, torch.device("cpu"), None, first,
                                     lambda partial: saved.append(len(partial["attempts"])))
     tried = [(a["pack_len"], a["ckpt_layers"], a["ok"]) for a in result["attempts"]]
     # Levels 0, 2, 4, 6, 8, tried from the last one that fitted: 2048 fits at 0, 4096 needs 4, 8192 and 16384
@@ -137,7 +141,7 @@ def test_pack_search_holds_the_only_reference_to_the_engine(monkeypatch):
     monkeypatch.setattr(hbp_train.distributed.groups, "init_distributed", lambda backend=None: None)
     monkeypatch.setattr(bench, "device_info", lambda device, peak_flops: {"name": "cpu", "type": "cpu"})
     monkeypatch.setattr(bench, "build_ours", lambda *args: (FakeRun(), "sdpa_block"))
-    monkeypatch.setattr(bench, "measure_ours", lambda *args: bench.Measured([0.1], 64, 1e6, [1.0], 0.1))
+    monkeypatch.setattr(bench, "measure_ours", lambda *args: paths.Measured([0.1], 64, 1e6, [1.0], 0.1))
     monkeypatch.setattr(bench, "pack_search", fake_search)
     args = bench.resolve_args(bench.build_parser().parse_args(
         ["--device", "cpu", "--pack-len", "64", "--steps", "1", "--baselines", "none", "--no-sp1-check"]))

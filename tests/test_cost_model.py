@@ -1,4 +1,5 @@
-"""Cost model against the shipped calibration: table points, monotonicity, recompute, SP split and comm, scaling."""
+"""Tests for hbp_train/perf/cost_model.py and perf/calibrate.py: the shipped calibration's table points,
+monotonicity, recompute, SP split and comm, scaling, bad calibration files, and the calibrate CLI on the CPU."""
 
 from __future__ import annotations
 
@@ -7,13 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from hbp_train.perf.cost_model import (
-    DEFAULT_CALIBRATION,
-    TABLE_TOKENS,
-    CostModel,
-    ModelShape,
-    parse_model_shape,
-)
+from hbp_train.errors import UserError
+from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, TABLE_TOKENS, CostModel
+from hbp_train.perf.shape import parse_model_shape
 
 TABLE = json.loads(DEFAULT_CALIBRATION.read_text())
 FB = {int(k): v for k, v in TABLE["attention_fwdbwd_ms_32768_tokens_by_doc_len"].items()}
@@ -150,28 +147,20 @@ def test_analytic_is_flops_over_rate():
     linear = 3 * LLAMA8B_LINEAR_FLOPS * l / rate
     head = 3 * LLAMA8B_HEAD_FLOPS * l / rate
     assert m.pack_time([l]) == pytest.approx(32 * (attn + linear) + head, rel=1e-9)
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         CostModel.analytic("llama3-8b", efficiency=0)
 
 
-def test_bad_inputs_raise_value_error(tmp_path):
+def test_bad_calibration_file_is_a_user_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="invalid JSON"):
+    with pytest.raises(UserError, match="invalid JSON"):
         CostModel.from_calibration(bad)
     bad.write_text(json.dumps({"linear_fwdbwd_ms_per_32768_tokens": 1.0}))
-    with pytest.raises(ValueError, match="attention_fwdbwd_ms_32768_tokens_by_doc_len"):
+    with pytest.raises(UserError, match="attention_fwdbwd_ms_32768_tokens_by_doc_len"):
         CostModel.from_calibration(bad)
-    with pytest.raises(ValueError, match="not a preset"):
-        parse_model_shape("gpt-17")
-    with pytest.raises(ValueError, match="missing"):
-        parse_model_shape('{"hidden": 64}')
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        ModelShape("x", 64, 2, 4, 3, 128, 100)
-    # HF config.json key names are accepted.
-    hf = parse_model_shape({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100})
-    assert (hf.hidden, hf.num_kv_heads, hf.head_dim) == (64, 2, 16)
+    with pytest.raises(UserError, match="cannot read"):
+        CostModel.from_calibration(tmp_path / "missing.json")
 
 
 TINY = '{"name": "tiny", "hidden": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn": 64, "vocab": 128}'
@@ -254,7 +243,7 @@ def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
 def test_calibration_field_of_the_wrong_type_names_file_and_field(tmp_path, field, value):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({**TABLE, field: value}))
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(UserError) as info:
         CostModel.from_calibration(path)
     assert str(info.value).startswith(f"calibration {path}:") and field.split("_")[0] in str(info.value)
 

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train.data import IGNORE_INDEX, DataConfig, PackedData, collate_pack, empty_micro_batch
+from hbp_train.data import DataConfig, PackedData, collate_pack, empty_micro_batch
 from hbp_train.distributed.ulysses import split_for_sp
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
 from tests.assets.packed_fixture import TWO_RANK_STEPS, loss_tokens, synthetic_samples, write_packed
 
 SAMPLES = synthetic_samples(14, 100, seed=5)
@@ -31,7 +33,7 @@ def test_collate_shifts_inside_each_sample():
     assert batch["sample_loss_tokens"].tolist() == [[2, 2, 2, 2, 2, 2, 2]]
     assert batch["num_loss_tokens"] == 4 and batch["num_samples"] == 2 and batch["max_seqlen"] == 4
     assert batch["cu_seqlens"].dtype == torch.int32 and batch["input_ids"].shape == (1, 7)
-    with pytest.raises(ValueError, match="num_loss_tokens=5"):
+    with pytest.raises(UserError, match="num_loss_tokens=5"):
         collate_pack({"input_ids": a_ids, "labels": a_lab, "position_ids": [0, 1, 2, 3], "cu_seqlens": [0, 4],
                       "num_loss_tokens": 5}, where="x")
 
@@ -100,28 +102,28 @@ def test_split_for_sp_is_identity_at_sp1_and_slices_beyond():
 
 
 def test_bad_shards_fail_with_a_message(tmp_path, shards):
-    with pytest.raises(ValueError, match="no plan.json"):
+    with pytest.raises(UserError, match="no plan.json"):
         PackedData(str(tmp_path))
     tokenized = tmp_path / "tok"  # a preprocess output (report.json) given where packed shards belong
     tokenized.mkdir()
     (tokenized / "report.json").write_text("{}")
-    with pytest.raises(ValueError, match="it is a tokenized dataset: plan and pack it first"):
+    with pytest.raises(UserError, match="it is a tokenized dataset: plan and pack it first"):
         PackedData(str(tokenized))
     plan = json.loads(open(f"{shards}/plan.json").read())
     for step in plan["steps"]:
         del step["rows"]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    with pytest.raises(ValueError, match="not packed shards"):
+    with pytest.raises(UserError, match="not packed shards"):
         PackedData(str(tmp_path))
     (tmp_path / "plan.json").write_text(json.dumps({**plan, "version": 0}))
-    with pytest.raises(ValueError, match="plan.json: not a version-1 plan; rewrite the shards"):
+    with pytest.raises(UserError, match="plan.json: not a version-1 plan; rewrite the shards"):
         PackedData(str(tmp_path))
     (tmp_path / "plan.json").write_text("{")
-    with pytest.raises(ValueError, match="plan.json: invalid JSON at line 1"):
+    with pytest.raises(UserError, match="plan.json: invalid JSON at line 1"):
         PackedData(str(tmp_path))
-    with pytest.raises(ValueError, match="data.shards"):
+    with pytest.raises(UserError, match="data.shards"):
         DataConfig(shards="???")
-    with pytest.raises(ValueError, match="data.epochs"):
+    with pytest.raises(UserError, match="data.epochs"):
         DataConfig(shards="x", epochs=0)
 
 
@@ -132,14 +134,14 @@ def test_damaged_or_stale_shards_fail_at_open_naming_the_group(tmp_path, shards)
     shutil.copytree(shards, truncated)
     arrow = sorted((truncated / "group_0").glob("*.arrow"))[0]
     arrow.write_bytes(arrow.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"group_0: cannot read the packed shard .*rewrite it with data_tools.pack"):
+    with pytest.raises(UserError, match=r"group_0: cannot read the packed shard .*rewrite it with data_tools.pack"):
         PackedData(str(truncated))
     stale = tmp_path / "stale"
     shutil.copytree(shards, stale)
     plan = json.loads((stale / "plan.json").read_text())
     plan["steps"][0]["rows"][0][0] = 10_000  # a row the shard does not have: the plan and shards disagree
     (stale / "plan.json").write_text(json.dumps(plan))
-    with pytest.raises(ValueError, match=r"group_\d+: plan.json reads row 10000 but the shard has \d+ rows"):
+    with pytest.raises(UserError, match=r"group_\d+: plan.json reads row 10000 but the shard has \d+ rows"):
         PackedData(str(stale))
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from hbp_train.errors import UserError
 from hbp_train.export import main
 
 
@@ -117,6 +118,6 @@ def test_export_of_an_untied_model_missing_its_head_is_refused(tmp_path, tokeniz
 
     tag, reference = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=False)
     _consolidated(monkeypatch, reference, drop=("lm_head.weight",))
-    with pytest.raises(ValueError, match=r"weights do not match the model config \(missing \['lm_head.weight'\]"):
+    with pytest.raises(UserError, match=r"weights do not match the model config \(missing \['lm_head.weight'\]"):
         export(str(tag), str(tmp_path / "hf_out"))
     assert not (tmp_path / "hf_out" / "model.safetensors").exists()

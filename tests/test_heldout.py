@@ -8,21 +8,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hbp_train.labels import IGNORE_INDEX
 from tests.distributed import run_distributed
 
-IGNORE = -100
 PAD = 0
 
 
 def _pack(lengths, first_id):
-    """A collated pack of samples with the given lengths: ids first_id.., labels shifted per sample (-100 at each
-    sample's last token and on every third token, as a prompt mask would)."""
+    """A collated pack of samples with the given lengths: ids first_id.., labels shifted per sample (IGNORE_INDEX at
+    each sample's last token and on every third token, as a prompt mask would)."""
     ids = torch.arange(first_id, first_id + sum(lengths))[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = ids.clone()
-    labels[0, ::3] = IGNORE
+    labels[0, ::3] = IGNORE_INDEX
     ends = torch.cumsum(torch.tensor(lengths), 0) - 1
-    labels[0, ends] = IGNORE
+    labels[0, ends] = IGNORE_INDEX
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
     return {"input_ids": ids, "position_ids": pos, "shift_labels": labels, "cu_seqlens": cu,
             "max_seqlen": max(lengths)}
@@ -37,7 +37,7 @@ STEPS = [
 
 
 def _token_loss(input_ids, shift_labels):
-    return torch.where(shift_labels != IGNORE, 0.01 * input_ids.double() + 1.0, 0.0)
+    return torch.where(shift_labels != IGNORE_INDEX, 0.01 * input_ids.double() + 1.0, 0.0)
 
 
 class _Engine:
@@ -59,16 +59,21 @@ def _eval_worker(rank, world_size):
     import torch.distributed as dist
 
     from hbp_train import heldout
-    from hbp_train.distributed import ulysses
     from hbp_train.distributed.groups import build_parallel_state
+    from hbp_train.distributed.ulysses import SequenceParallel
+
+    class NoAttentionSP(SequenceParallel):
+        """The real SP split, with no attention to switch (the stand-in engine has none)."""
+
+        def set_active(self, sp):
+            self.active_sp = sp
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    ulysses.set_active_sp = lambda sp: None  # no attention here to switch
     data = SimpleNamespace(num_steps=len(STEPS), step_batch=lambda step, r, pad: SimpleNamespace(
         sp=STEPS[step]["sp"], micro_batches=STEPS[step]["per_rank"][r]))
     run = SimpleNamespace(engine=_Engine(), device=torch.device("cpu"), pad_token_id=PAD,
                           cfg=SimpleNamespace(logging=SimpleNamespace(progress_bar=False)),
-                          pstate=build_parallel_state([1, 2]))
+                          sp=NoAttentionSP(build_parallel_state([1, 2])))
     return heldout.evaluate(run, data)
 
 
@@ -78,7 +83,7 @@ def test_eval_loss_is_the_token_mean_over_ranks_and_sp_degrees():
     # Every pack once (the sp=2 pack is shared by both ranks, so count it once).
     packs = STEPS[0]["per_rank"][0] + STEPS[0]["per_rank"][1] + STEPS[1]["per_rank"][0]
     total = sum(float(_token_loss(p["input_ids"], p["shift_labels"]).sum()) for p in packs)
-    tokens = sum(int((p["shift_labels"] != IGNORE).sum()) for p in packs)
+    tokens = sum(int((p["shift_labels"] != IGNORE_INDEX).sum()) for p in packs)
     for r in results:
         assert r["eval/loss_tokens"] == tokens
         assert r["loss/eval"] == pytest.approx(total / tokens, rel=1e-6)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
 from hbp_train.loss import NORMALIZERS, LossConfig, chunked_token_losses, normalize_loss
 
 
@@ -16,8 +18,8 @@ def _problem(num_tokens=37, hidden=16, vocab=50, seed=0, dtype=torch.float32):
     weight_VH = (torch.randn(vocab, hidden, generator=gen) * 0.3).to(dtype).requires_grad_()
     bias_V = torch.randn(vocab, generator=gen).to(dtype).requires_grad_()
     labels_T = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    labels_T[torch.rand(num_tokens, generator=gen) < 0.3] = -100
-    labels_T[-1] = -100
+    labels_T[torch.rand(num_tokens, generator=gen) < 0.3] = IGNORE_INDEX
+    labels_T[-1] = IGNORE_INDEX
     return hidden_TH, weight_VH, bias_V, labels_T
 
 
@@ -29,7 +31,7 @@ def test_chunked_losses_and_grads_equal_full_cross_entropy(chunk_size, with_bias
     loss_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk_size=chunk_size, lm_head_bias=bias)
     ref_T = F.cross_entropy(F.linear(hidden_TH, weight_VH, bias), labels_T, reduction="none")
     torch.testing.assert_close(loss_T, ref_T, atol=1e-5, rtol=1e-5)
-    assert (loss_T[labels_T == -100] == 0).all()
+    assert (loss_T[labels_T == IGNORE_INDEX] == 0).all()
     # a non-uniform upstream gradient, as normalize_loss produces for sample_mean
     weights_T = torch.linspace(0.5, 2.0, labels_T.numel())
     inputs = (hidden_TH, weight_VH, bias_V) if with_bias else (hidden_TH, weight_VH)
@@ -43,7 +45,7 @@ def test_chunked_losses_accept_batched_shapes_and_all_ignored_labels():
     hidden_TH, weight_VH, _, labels_T = _problem()
     loss_T = chunked_token_losses(hidden_TH[None], weight_VH, labels_T[None], chunk_size=8)
     assert loss_T.shape == labels_T.shape
-    ignored_T = torch.full_like(labels_T, -100)
+    ignored_T = torch.full_like(labels_T, IGNORE_INDEX)
     loss_T = chunked_token_losses(hidden_TH, weight_VH, ignored_T, chunk_size=8)
     assert (loss_T == 0).all()
     grad_hidden, grad_weight = torch.autograd.grad(loss_T.sum(), (hidden_TH, weight_VH))
@@ -99,9 +101,9 @@ def _step(seed=0, dp_world_size=2, num_micro_batches=3):
             lengths = torch.randint(2, 9, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen).tolist()
             sample_ids_T = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
             labels_T = torch.randint(0, 100, (sum(lengths),), generator=gen)
-            labels_T[torch.rand(sum(lengths), generator=gen) < 0.3] = -100
+            labels_T[torch.rand(sum(lengths), generator=gen) < 0.3] = IGNORE_INDEX
             ends = torch.tensor(lengths).cumsum(0) - 1
-            labels_T[ends] = -100  # a sample's last token predicts nothing
+            labels_T[ends] = IGNORE_INDEX  # a sample's last token predicts nothing
             labels_T[ends - 1] = 7  # ... and each sample keeps at least one loss token
             loss_T = (torch.rand(sum(lengths), generator=gen) * 5).requires_grad_()
             micro_batches.append((loss_T, labels_T, sample_ids_T))
@@ -111,7 +113,7 @@ def _step(seed=0, dp_world_size=2, num_micro_batches=3):
 
 def _direct_objective(step, mode):
     """The normalizer's definition, computed straight from the token losses of the whole step."""
-    valid = lambda labels: labels != -100  # noqa: E731
+    valid = lambda labels: labels != IGNORE_INDEX  # noqa: E731
     if mode == "sum":
         return sum(loss[valid(lab)].sum() for rank in step for loss, lab, _ in rank)
     if mode == "ave_token":
@@ -133,11 +135,11 @@ def _direct_objective(step, mode):
 def _engine_objective(step, mode):
     """What DeepSpeed's gradient corresponds to: mean over ranks and micro-batches of the returned scalars."""
     dp_world_size, num_micro_batches = len(step), len(step[0])
-    global_loss_tokens = sum(int((lab != -100).sum()) for rank in step for _, lab, _ in rank)
+    global_loss_tokens = sum(int((lab != IGNORE_INDEX).sum()) for rank in step for _, lab, _ in rank)
     global_num_samples = sum(int(ids.unique().numel()) for rank in step for _, _, ids in rank)
     total = 0.0
     for rank in step:
-        rank_loss_tokens = sum(int((lab != -100).sum()) for _, lab, _ in rank)
+        rank_loss_tokens = sum(int((lab != IGNORE_INDEX).sum()) for _, lab, _ in rank)
         for loss_T, labels_T, sample_ids_T in rank:
             total = total + normalize_loss(
                 loss_T, labels_T, sample_ids_T, mode,
@@ -162,7 +164,7 @@ def test_sample_mean_with_sample_token_counts_splits_like_sequence_parallel():
     """Two SP slices of one pack, given whole-sample counts, add up to the unsplit micro-batch's loss."""
     (loss_T, labels_T, sample_ids_T), = _step(seed=3, dp_world_size=1, num_micro_batches=1)[0]
     whole = normalize_loss(loss_T, labels_T, sample_ids_T, "sample_mean", global_num_samples=5)
-    counts_T = torch.stack([((sample_ids_T == s) & (labels_T != -100)).sum() for s in sample_ids_T.tolist()])
+    counts_T = torch.stack([((sample_ids_T == s) & (labels_T != IGNORE_INDEX)).sum() for s in sample_ids_T.tolist()])
     cut = labels_T.numel() // 2
     halves = [
         normalize_loss(loss_T[part], labels_T[part], sample_ids_T[part], "sample_mean", global_num_samples=5,
@@ -190,7 +192,7 @@ def test_normalize_loss_errors(mode, kwargs, match):
 
 def test_loss_config_validation():
     assert LossConfig().normalizer == "ave_token" and LossConfig().chunk_size == 4096
-    with pytest.raises(ValueError, match="loss.normalizer"):
+    with pytest.raises(UserError, match="loss.normalizer"):
         LossConfig(normalizer="mean")
-    with pytest.raises(ValueError, match="loss.chunk_size"):
+    with pytest.raises(UserError, match="loss.chunk_size"):
         LossConfig(chunk_size=0)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from data_tools.make_demo_data import LONG_FRACTION, VOCAB, generate, main
+from hbp_train.errors import UserError
 
 
 def expected_answer(user: str) -> str:
@@ -80,7 +81,7 @@ def test_bad_arguments(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "x.jsonl"), "--num-samples", "0"]) == 2
     assert "error: --num-samples must be >= 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()
-    with pytest.raises(ValueError, match="num_samples"):
+    with pytest.raises(UserError, match="num_samples"):
         generate(-1)
     assert main(["--out", str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2
     assert "seed must be >= 0" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from hbp_train.errors import UserError
 from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
 from hbp_train.trainer import STAT_COLUMNS
 
@@ -80,7 +81,7 @@ def test_mfu_is_na_without_a_peak_on_cpu(tmp_path):
 
 def test_all_gather_without_process_group_is_local():
     assert all_gather_floats([1.0, 2.0], torch.device("cpu")).tolist() == [[1.0, 2.0]]
-    with pytest.raises(ValueError, match="logging.log_every"):
+    with pytest.raises(UserError, match="logging.log_every"):
         LoggingConfig(log_every=0)
 
 

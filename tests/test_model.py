@@ -1,23 +1,20 @@
-"""Model building, per-layer activation checkpointing, hidden-state forward + chunked loss, FLOP counts."""
+"""Model building, per-layer activation checkpointing, hidden-state forward + chunked loss (FLOPs: test_flops.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hbp_train.errors import UserError
 from hbp_train.loss import chunked_token_losses
 from hbp_train.model import (
     SHIPPED_TOKENIZER,
     ModelConfig,
-    attention_flops,
     build_model,
     decoder_layers,
-    flops_per_token,
     forward_hidden,
     num_params,
-    pack_flops,
     set_checkpointed_layers,
-    token_losses,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -66,7 +63,7 @@ def test_model_config_defaults_and_validation(tmp_path):
         ({"name_or_path": str(tmp_path / "missing")}, "model.name_or_path"),
         ({"config": [1, 2]}, "model.config"),
     ]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(UserError, match=field):
             ModelConfig(**kwargs)
 
 
@@ -100,7 +97,11 @@ def test_forward_hidden_and_chunked_loss_equal_hf_loss(architecture):
     shift_labels = _shift(labels[0], [23])
     loss_T = chunked_token_losses(hidden[0], model.get_output_embeddings().weight, shift_labels, chunk_size=5)
     torch.testing.assert_close(loss_T.sum() / (shift_labels != -100).sum(), reference, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(token_losses(model, hidden, shift_labels, chunk_size=5), loss_T)
+    # The engine's module (build.PackedCausalLM) gives the same token losses from the ids.
+    from hbp_train.build import PackedCausalLM
+
+    torch.testing.assert_close(PackedCausalLM(model, chunk_size=5)(input_ids, torch.arange(23)[None], shift_labels),
+                               loss_T)
 
 
 def test_packed_loss_equals_per_sample_hf_losses():
@@ -155,45 +156,34 @@ def test_checkpointing_first_k_layers_and_switching_k():
         set_checkpointed_layers(model, 4)
 
 
-# -------------------------------------------------------------------------------------------------- FLOPs
-def test_flops_per_token_counts_every_matmul_weight_six_times():
-    model = _tiny()
-    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert flops_per_token(model.config) == 6 * matmul_weights
-
-
-def test_attention_flops_sum_per_sample_squares():
-    config = _tiny().config
-    per_layer_token_pair = 12 * TINY["hidden_size"] / 2  # heads * head_dim == hidden here
-    expected = TINY["num_hidden_layers"] * per_layer_token_pair * (100**2 + 28**2)
-    assert attention_flops(config, [100, 28]) == expected
-    assert attention_flops(config, [128]) > attention_flops(config, [100, 28])  # a pack is not one T^2 block
-    assert pack_flops(config, [100, 28]) == flops_per_token(config) * 128 + expected
-
-
 # ------------------------------------------------------------------------------------------------- ZeRO-3
 Z3_TINY = {**TINY, "num_hidden_layers": 2, "tie_word_embeddings": False}
 
 
 def _z3_step(rank, world_size):
-    """One ZeRO-3 forward/backward through token_losses; returns the loss and the full LM-head/embedding grads."""
+    """One ZeRO-3 forward/backward through the trainer's engine (build.build_engine: PackedCausalLM with the LM head
+    registered as an external parameter); returns the loss and the full LM-head/embedding grads."""
+    from types import SimpleNamespace
+
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
+    from hbp_train.build import DeepSpeedConfig, build_engine
+    from hbp_train.loss import LossConfig
+    from hbp_train.trainer import TrainConfig
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(ModelConfig(config=Z3_TINY), vocab_size=512)
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
+    model_cfg = ModelConfig(config=Z3_TINY)
+    cfg = SimpleNamespace(model=model_cfg, train=TrainConfig(warmup_steps=0), deepspeed=DeepSpeedConfig(zero_stage=3),
+                          loss=LossConfig(chunk_size=7))
+    engine = build_engine(cfg, build_model(model_cfg, vocab_size=512), total_steps=1, world_size=1)
     input_ids, shift_labels = _z3_batch()
-    hidden = forward_hidden(engine.module, input_ids, torch.arange(input_ids.shape[1])[None])
-    loss = token_losses(engine.module, hidden, shift_labels, chunk_size=7).sum() / (shift_labels != -100).sum()
+    loss = engine(input_ids, torch.arange(input_ids.shape[1])[None], shift_labels).sum() / (shift_labels != -100).sum()
     engine.backward(loss)
-    return (loss.item(), safe_get_full_grad(engine.module.lm_head.weight).clone(),
-            safe_get_full_grad(engine.module.model.embed_tokens.weight).clone())
+    hf_model = engine.module.model
+    return (loss.item(), safe_get_full_grad(hf_model.lm_head.weight).clone(),
+            safe_get_full_grad(hf_model.model.embed_tokens.weight).clone())
 
 
 def _z3_batch():
@@ -202,30 +192,21 @@ def _z3_batch():
 
 
 @pytest.mark.slow
-def test_token_losses_through_the_head_module_work_under_zero3():
-    """Under ZeRO-3 the head weight is a partition outside its module's forward; token_losses goes through it."""
+def test_chunked_loss_of_the_engine_works_under_zero3():
+    """Under ZeRO-3 the head weight is a partition outside its module's forward: the engine's module reads it as a
+    registered external parameter, so loss and gradients equal the unpartitioned model's."""
+    from hbp_train.build import PackedCausalLM
     from tests.distributed import run_distributed
 
     model = build_model(ModelConfig(config=Z3_TINY), vocab_size=512)
     input_ids, shift_labels = _z3_batch()
-    hidden = forward_hidden(model, input_ids, torch.arange(input_ids.shape[1])[None])
-    loss = token_losses(model, hidden, shift_labels, chunk_size=7).sum() / (shift_labels != -100).sum()
+    loss_T = PackedCausalLM(model, chunk_size=7)(input_ids, torch.arange(input_ids.shape[1])[None], shift_labels)
+    loss = loss_T.sum() / (shift_labels != -100).sum()
     loss.backward()
     for rank_loss, head_grad, embed_grad in run_distributed(_z3_step, 1):
         assert rank_loss == pytest.approx(loss.item(), abs=1e-6)
         torch.testing.assert_close(head_grad, model.lm_head.weight.grad, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(embed_grad, model.model.embed_tokens.weight.grad, atol=1e-6, rtol=1e-5)
-
-
-def test_attention_flops_use_the_query_width_not_hidden():
-    """Models whose heads * head_dim differs from hidden (e.g. Qwen3: hidden 1024, 16 x 128): attention FLOPs follow
-    the width of q (the q_proj output), 6 x layers x width x sum L^2."""
-    model = _tiny(head_dim=32)  # 4 heads x 32 = 128 != hidden 64
-    width = decoder_layers(model)[0].self_attn.q_proj.out_features
-    assert width != TINY["hidden_size"]
-    assert attention_flops(model.config, [100, 28]) == 6 * TINY["num_hidden_layers"] * width * (100**2 + 28**2)
-    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert flops_per_token(model.config) == 6 * matmul_weights
 
 
 def test_pretrained_vocabulary_is_never_shrunk_to_the_tokenizer(tmp_path):

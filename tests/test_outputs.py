@@ -8,6 +8,7 @@ import os
 import pytest
 
 from hbp_train import outputs
+from hbp_train.errors import UserError
 from hbp_train.outputs import atomic_write, check_output_file, replace_dir, staging_dir
 
 
@@ -21,17 +22,17 @@ def test_json_key_accepts_an_earlier_output_or_an_empty_file_and_refuses_other_d
     # A JSON-lines file whose SECOND record starts with the key is still someone's data: only the file's start counts.
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"messages": []}) + "\n" + json.dumps({"version": 2}) + "\n")
-    with pytest.raises(ValueError, match=r"^--out .*train.jsonl: exists and is not a plan written by hbp-train"):
+    with pytest.raises(UserError, match=r"^--out .*train.jsonl: exists and is not a plan written by hbp-train"):
         check_output_file("--out", str(data), json_key="version", kind="plan")
     nested = tmp_path / "nested.json"  # the key inside another object is not the first key
     nested.write_text(json.dumps({"meta": {"version": 1}}))
-    with pytest.raises(ValueError, match="not a plan"):
+    with pytest.raises(UserError, match="not a plan"):
         check_output_file("--out", str(nested), json_key="version", kind="plan")
 
 
 def test_image_suffix_is_case_insensitive_and_unwritable_parents_are_refused(tmp_path):
     check_output_file("--plot", str(tmp_path / "new" / "deeper" / "P.PNG"), image=True)  # folders created later
-    with pytest.raises(ValueError, match="unknown image type .xyz"):
+    with pytest.raises(UserError, match="unknown image type .xyz"):
         check_output_file("--plot", str(tmp_path / "p.xyz"), image=True)
     if os.geteuid() == 0:
         pytest.skip("root may write into a read-only folder")
@@ -39,7 +40,7 @@ def test_image_suffix_is_case_insensitive_and_unwritable_parents_are_refused(tmp
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        with pytest.raises(ValueError, match=r"^--out .*: cannot create it \(.*locked is not a writable folder\)$"):
+        with pytest.raises(UserError, match=r"^--out .*: cannot create it \(.*locked is not a writable folder\)$"):
             check_output_file("--out", str(locked / "r.json"))
     finally:
         locked.chmod(0o700)

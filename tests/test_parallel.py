@@ -1,4 +1,5 @@
-"""Tests for hbp_train/distributed/groups.py: SP degree validation and the SP / data-parallel groups (4 gloo processes)."""
+"""Tests for hbp_train/distributed/groups.py: SP degree validation, the SP groups and each rank's place in the
+data-parallel layout (4 gloo processes)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from hbp_train.distributed.groups import build_parallel_state, check_sp_degrees, sp_group_ranks, valid_sp_degrees
+from hbp_train.errors import UserError
 from tests.distributed import run_distributed
 
 
@@ -36,7 +38,7 @@ def test_check_sp_degrees_rejects_with_one_line(bad, world, match):
     if match is None:
         assert check_sp_degrees([bad], world) == [1, bad]
         return
-    with pytest.raises(ValueError, match=match) as info:
+    with pytest.raises(UserError, match=match) as info:
         check_sp_degrees([bad], world)
     assert "\n" not in str(info.value)
 
@@ -51,7 +53,7 @@ def test_single_process_state():
     state = build_parallel_state([1])
     assert state.world_size == 1 and state.sp_degrees == [1]
     assert state.sp_group(1) is None and state.dp_size(1) == 1 and state.dp_rank(1) == 0
-    with pytest.raises(ValueError, match="sp=2 is not usable with world size 1"):
+    with pytest.raises(UserError, match="sp=2 is not usable with world size 1"):
         build_parallel_state([2])
     with pytest.raises(ValueError, match="sp=2 was not built"):
         state.sp_group(2)
@@ -66,13 +68,13 @@ def _groups_worker(rank, world_size):
     members = {}
     for sp in state.sp_degrees:
         # sum of 2**rank over a group identifies exactly which ranks are in it
-        for kind, group in (("sp", state.sp_group(sp)), ("dp", state.dp_groups[sp])):
-            if group is None:
-                members[(kind, sp)] = [rank]
-                continue
-            mask = torch.tensor([1 << rank], dtype=torch.int64)
-            dist.all_reduce(mask, group=group)
-            members[(kind, sp)] = [r for r in range(world_size) if int(mask) >> r & 1]
+        group = state.sp_group(sp)
+        if group is None:
+            members[sp] = [rank]
+            continue
+        mask = torch.tensor([1 << rank], dtype=torch.int64)
+        dist.all_reduce(mask, group=group)
+        members[sp] = [r for r in range(world_size) if int(mask) >> r & 1]
     ranks = {sp: (state.sp_rank(sp), state.dp_rank(sp), state.dp_size(sp)) for sp in state.sp_degrees}
     return members, ranks
 
@@ -82,7 +84,11 @@ def test_groups_on_four_processes():
     results = run_distributed(_groups_worker, 4)
     for rank, (members, ranks) in enumerate(results):
         for sp in (1, 2, 4):
-            assert members[("sp", sp)] == sp_group_ranks(rank, sp)
-            # the data-parallel group: the ranks with the same SP rank, one per replica
-            assert members[("dp", sp)] == list(range(rank % sp, 4, sp))
+            assert members[sp] == sp_group_ranks(rank, sp)
             assert ranks[sp] == (rank % sp, rank // sp, 4 // sp)
+    # The data-parallel layout (no groups: DeepSpeed averages over all ranks): the ranks with the same SP rank are
+    # one per replica, every replica once.
+    for sp in (1, 2, 4):
+        for sp_rank in range(sp):
+            replicas = [ranks[sp][1] for _, ranks in results if ranks[sp][0] == sp_rank]
+            assert sorted(replicas) == list(range(4 // sp))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from data_tools.pack import build_parser, main
+from hbp_train.errors import UserError
 from hbp_train.planning import Plan
 
 BASE = ["--world-size", "4", "--groups", "256:1,1024:2", "--global-tokens", "4096", "--quiet"]
@@ -57,6 +58,26 @@ def test_groups_auto_reads_profile(tmp_path, lengths_file):
     assert main(["--lengths", str(path), "--world-size", "4", "--groups", "auto", "--profile", str(prof),
                  "--out", str(out), "--quiet", "--no-baseline"]) == 0
     assert json.loads(out.read_text())["groups"][0] == {"pack_len": 512, "sp": 1, "ckpt_layers": 3}
+
+
+def test_groups_auto_refuses_a_profile_made_for_another_world_size(tmp_path, lengths_file, capsys):
+    """The profiler chose SP degrees and checkpoint counts for the memory ZeRO leaves on W ranks (it records W under
+    "job"): planning for another W with them is refused in one line naming the file, both sizes and the fixes."""
+    path, _ = lengths_file
+    groups = [{"pack_len": 512, "sp": 1, "ckpt_layers": 3}, {"pack_len": 2048, "sp": 2, "ckpt_layers": 1}]
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"groups": groups, "job": {"world_size": 8, "zero_stage": 2}}))
+    out = tmp_path / "p.json"
+    argv = ["--lengths", str(path), "--groups", "auto", "--profile", str(prof), "--out", str(out), "--quiet"]
+    _error(capsys, argv + ["--world-size", "4"],
+           f"--profile {prof}: made for world size 8, but --world-size is 4; re-run the profiler with "
+           "profile.world_size=4")
+    _error(capsys, argv + ["--world-size", "4"], "or pass --world-size 8")
+    assert not out.exists()
+    assert main(argv + ["--world-size", "8"]) == 0  # the world size it was made for
+    # A profile that records W only in its config section (the profiler writes both) is checked the same way.
+    prof.write_text(json.dumps({"groups": groups, "config": {"world_size": 2}}))
+    _error(capsys, argv + ["--world-size", "4"], "made for world size 2, but --world-size is 4")
 
 
 def test_help_explains_every_flag(capsys):
@@ -185,7 +206,7 @@ def test_plan_of_another_version_is_refused(tmp_path, lengths_file):
     assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline"]) == 0
     d = json.loads(out.read_text())
     Plan.from_dict(d)  # its own version reads back
-    with pytest.raises(ValueError, match="plan version 0 is not the version 1 this code reads; re-run"):
+    with pytest.raises(UserError, match="plan version 0 is not the version 1 this code reads; re-run"):
         Plan.from_dict({**d, "version": 0})
 
 

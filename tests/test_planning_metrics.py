@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig, pack_csr
+from hbp_train.planning.csr import pack_csr
+from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
 
 
 def make(lengths, packs, steps, groups, world_size):

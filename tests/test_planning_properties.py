@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hbp_train.errors import UserError
 from hbp_train.planning import DROP_TOO_LONG, GroupSpec, Plan, PlanConfig, make_plan
 from hbp_train.planning.curriculum import sample_levels
 
@@ -140,7 +141,7 @@ def test_hbp_beats_isf_on_long_tail():
 def test_zero_length_is_an_error():
     import pytest
 
-    with pytest.raises(ValueError, match="sample 1 has length 0"):
+    with pytest.raises(UserError, match="sample 1 has length 0"):
         make_plan([3, 0, 2], PlanConfig(world_size=1, groups=[GroupSpec(8, 1)]))
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from data_tools.make_demo_data import generate
-from data_tools.preprocess import ChatEncoder, PreprocessError, main, preprocess
+from data_tools.chat_labels import ChatEncoder, TokenizerError
+from data_tools.preprocess import PreprocessError, main, preprocess
 from data_tools.sft_formats import to_turns
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "preprocess"
@@ -338,9 +339,9 @@ def test_cli_subprocess_exit_code_and_no_traceback(tmp_path):
 
 def test_bad_arguments_and_nothing_kept(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
-    with pytest.raises(PreprocessError, match="tokenizer directory not found"):
+    with pytest.raises(TokenizerError, match="tokenizer directory not found"):
         run(tmp_path, [good], tokenizer=str(tmp_path / "missing"))
-    with pytest.raises(PreprocessError, match=f"{good}: is a file; pass --tokenizer the directory"):
+    with pytest.raises(TokenizerError, match=f"{good}: is a file; pass --tokenizer the directory"):
         run(tmp_path, [good], tokenizer=str(good))  # e.g. DIR/tokenizer.json instead of DIR
     with pytest.raises(PreprocessError, match="--max-len"):
         run(tmp_path, [good], max_len=1)

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hbp_train.errors import UserError
 from hbp_train.perf.cost_model import CostModel
-from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig, pack_csr
+from hbp_train.planning.csr import pack_csr
+from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
 from hbp_train.planning.simulator import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
 
 
@@ -173,14 +175,14 @@ def test_zero_config_validation_and_unequal_micro_batches():
     for kwargs, name in [(dict(zero_stage=4), "zero_stage"), (dict(comm_overlap=1.5), "comm_overlap"),
                          (dict(comm_overlap=-0.1), "comm_overlap"), (dict(hbm_gbps=0), "hbm_gbps"),
                          (dict(zero_stage=2, sync="step"), "sync"), (dict(zero_stage=1, sync="micro"), "sync")]:
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(UserError, match=name):
             SimConfig(**kwargs)
     assert SimConfig(zero_stage=2, sync="micro").sync == "micro"
     # Unequal micro-batch counts (bytescale) cannot run with ZeRO 2/3: refused, naming the stage.
     p = make_plan(LENGTHS, [(10, 1, 0)], 2, [(0, [[[0]], [[1], [2], [3, 4, 5]]])],
                   extra={"unequal_micro_batches": True})
     for stage in (2, 3):
-        with pytest.raises(ValueError, match=f"stage {stage}"):
+        with pytest.raises(UserError, match=f"stage {stage}"):
             simulate(p, SquareCost(), SimConfig(zero_stage=stage))
     # Stage 1 is fine: step sync, replica sums max(16, 19) = 19, + reduce-scatter and all-gather + optimizer.
     res = simulate(p, SquareCost(), SimConfig(zero_stage=1, **INTRA))

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hbp_train.errors import UserError
 from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, CostModel
 from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
 from hbp_train.planning.baselines.bytescale import check_zero_stage
@@ -73,7 +74,7 @@ def test_all_strategies_are_deterministic_and_registered():
         a = make_plan(lengths, PlanConfig(strategy=strategy, **CFG))
         b = make_plan(lengths, PlanConfig(strategy=strategy, **CFG))
         assert np.array_equal(a.pack_samples, b.pack_samples) and np.array_equal(a.step_packs, b.step_packs)
-    with pytest.raises(ValueError, match="bytescale"):
+    with pytest.raises(UserError, match="bytescale"):
         make_plan(lengths, PlanConfig(strategy="nope", **CFG))
 
 
@@ -130,7 +131,7 @@ def test_bytescale_unequal_micro_batches_balance_step_time():
     check_zero_stage(d, 1)
     check_zero_stage(d, 0)
     for stage in (2, 3):
-        with pytest.raises(ValueError, match="ZeRO stage"):
+        with pytest.raises(UserError, match="ZeRO stage"):
             check_zero_stage(plan, stage)
     isf = make_plan(lengths, PlanConfig(strategy="isf", **CFG))
     check_zero_stage(isf, 3)

@@ -34,8 +34,8 @@ def _params(run) -> dict:
 
 
 def _single_process_checks(rank, world_size, shards, out):
-    from hbp_train import checkpoint as ckpt
-    from hbp_train import config, trainer
+    from hbp_train import build as builder
+    from hbp_train import checkpoint, config, trainer
     from hbp_train.export import export
     from hbp_train.distributed.groups import init_distributed
 
@@ -44,14 +44,12 @@ def _single_process_checks(rank, world_size, shards, out):
     # 1. Resume: 6 steps straight vs 3 steps (checkpoint), then resume=auto for the rest.
     full = trainer.train(config.load(overrides(shards, f"{out}/full", "train.save_final=false",
                                                "train.save_every=2", "train.keep_last=3")))
-    result["full_tags"] = ckpt.list_tags(f"{out}/full/checkpoints")
-    from hbp_train.distributed import ulysses
-
-    result["token_totals"] = [ulysses.stats().totals()]
+    result["full_tags"] = checkpoint.list_tags(f"{out}/full/checkpoints")
+    result["token_totals"] = [full["run"].sp.stats.totals()]
     first = trainer.train(config.load(overrides(shards, f"{out}/split", "train.exit_after_steps=3")))
-    result["token_totals"].append(ulysses.stats().totals())
+    result["token_totals"].append(first["run"].sp.stats.totals())
     second = trainer.train(config.load(overrides(shards, f"{out}/split", "train.resume=auto")))
-    result["token_totals"].append(ulysses.stats().totals())  # counted on from the checkpoint, not from zero
+    result["token_totals"].append(second["run"].sp.stats.totals())  # counted on from the checkpoint, not from zero
     result["full"], result["first"], result["second"] = full["losses"], first["losses"], second["losses"]
     result["ended"] = (first["ended"], second["ended"], second["start_step"])
 
@@ -68,7 +66,7 @@ def _single_process_checks(rank, world_size, shards, out):
     plan["groups"][0]["ckpt_layers"], plan["groups"][1]["ckpt_layers"] = 1, 2
     with open(f"{plan_dir}/plan.json", "w") as f:
         json.dump(plan, f)
-    plan_run = trainer.build(config.load(overrides(plan_dir, f"{out}/plan_ckpt_run")))
+    plan_run = builder.build(config.load(overrides(plan_dir, f"{out}/plan_ckpt_run")))
     result["plan_ckpt_flags"] = []
     for step in range(3):
         trainer.forward_backward(plan_run, plan_run.data.step_batch(step, 0))
@@ -76,15 +74,16 @@ def _single_process_checks(rank, world_size, shards, out):
         result["plan_ckpt_flags"].append([layer.gradient_checkpointing for layer in plan_run.model.model.layers])
 
     # The logged throughput of the uninterrupted run: tokens and FLOPs (attention: sum of len^2 per sample).
-    from hbp_train.model import pack_flops
+    from hbp_train.perf.flops import pack_flops
+    from hbp_train.perf.shape import parse_model_shape
 
     with open(f"{out}/full/metrics.jsonl") as f:
         result["logged"] = [json.loads(line) for line in f]
     batches = [full["run"].data.step_batch(step, 0).micro_batches for step in range(6)]
     result["step_tokens"] = [sum(mb["input_ids"].shape[1] for mb in mbs) for mbs in batches]
-    model_config = full["run"].model.config
-    result["step_flops"] = [sum(pack_flops(model_config, mb["seq_lens"]) for mb in mbs) for mbs in batches]
-    result["step_flops_if_T2"] = [sum(pack_flops(model_config, [sum(mb["seq_lens"])]) for mb in mbs) for mbs in batches]
+    shape = parse_model_shape(full["run"].model.config)
+    result["step_flops"] = [sum(pack_flops(shape, mb["seq_lens"]) for mb in mbs) for mbs in batches]
+    result["step_flops_if_T2"] = [sum(pack_flops(shape, [sum(mb["seq_lens"])]) for mb in mbs) for mbs in batches]
 
     # 2. Export round trip of the resumed run's final checkpoint: logits equal the trained model's.
     from transformers import AutoModelForCausalLM
@@ -100,15 +99,15 @@ def _single_process_checks(rank, world_size, shards, out):
     result["export_files"] = sorted(os.listdir(f"{out}/hf"))
 
     # 3. on_nan: a NaN loss in step 1 is skipped (weights untouched), the next step trains again.
-    run = trainer.build(config.load(overrides(shards, f"{out}/nan")))
-    real_losses = trainer.chunked_token_losses
+    run = builder.build(config.load(overrides(shards, f"{out}/nan")))
+    real_losses = builder.chunked_token_losses
     poison = {"on": False}
 
     def maybe_nan(*args, **kwargs):
         loss = real_losses(*args, **kwargs)
         return loss * float("nan") if poison["on"] else loss
 
-    trainer.chunked_token_losses = maybe_nan
+    builder.chunked_token_losses = maybe_nan
     try:
         _, skipped0, _ = trainer.train_step(run, run.data.step_batch(0, 0))
         before = _params(run)
@@ -122,7 +121,7 @@ def _single_process_checks(rank, world_size, shards, out):
         result["nan_untouched"] = all(torch.equal(before[k], after_nan[k]) for k in before)
         result["nan_recovered"] = all(torch.isfinite(v).all() for v in after.values()) and any(
             not torch.equal(before[k], after[k]) for k in before)
-        abort_run = trainer.build(config.load(overrides(shards, f"{out}/abort", "train.on_nan=abort")))
+        abort_run = builder.build(config.load(overrides(shards, f"{out}/abort", "train.on_nan=abort")))
         poison["on"] = True
         try:
             trainer.train_step(abort_run, abort_run.data.step_batch(0, 0))
@@ -130,7 +129,7 @@ def _single_process_checks(rank, world_size, shards, out):
         except FloatingPointError as e:
             result["abort"] = str(e)
     finally:
-        trainer.chunked_token_losses = real_losses
+        builder.chunked_token_losses = real_losses
     return result
 
 
@@ -218,19 +217,22 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
 def test_unusable_attention_backend_fails_before_the_model_is_built(shards, tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("flash_varlen may be usable on this GPU")
-    from hbp_train import config, model, trainer
+    from hbp_train import config, model
+    from hbp_train.build import build
+    from hbp_train.errors import UserError
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the backend was checked")
 
     monkeypatch.setattr(model, "build_model", no_model)
     cfg = config.load(overrides(shards, str(tmp_path), "model.attention_backend=flash_varlen"))
-    with pytest.raises(ValueError, match=r"^model.attention_backend=flash_varlen: .*not available on cpu"):
-        trainer.build(cfg)
+    with pytest.raises(UserError, match=r"^model.attention_backend=flash_varlen: .*not available on cpu"):
+        build(cfg)
 
 
 def test_deepspeed_config_follows_the_run_config():
-    from hbp_train.trainer import DeepSpeedConfig, TrainConfig, deepspeed_config
+    from hbp_train.build import DeepSpeedConfig, deepspeed_config
+    from hbp_train.trainer import TrainConfig
 
     train = TrainConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.3, grad_clip=0.5, betas=[0.9, 0.99], weight_decay=0.1)
     ds = DeepSpeedConfig(zero_stage=3, offload_optimizer=True,
@@ -254,15 +256,15 @@ def test_deepspeed_config_follows_the_run_config():
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
     import shutil
 
-    from hbp_train import checkpoint as ckpt
-    from hbp_train import config, trainer
+    from hbp_train import checkpoint, config, trainer
+    from hbp_train.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking the checkpoint"))
-    tag_dir = tmp_path / "run" / "checkpoints" / ckpt.tag_for(3)
+    tag_dir = tmp_path / "run" / "checkpoints" / checkpoint.tag_for(3)
     tag_dir.mkdir(parents=True)
-    (tag_dir.parent / "latest").write_text(ckpt.tag_for(3))
+    (tag_dir.parent / "latest").write_text(checkpoint.tag_for(3))
     (tag_dir / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1, "data_shards": shards,
-                                                     "plan_sha256": ckpt.plan_fingerprint(shards)}))
+                                                     "plan_sha256": checkpoint.plan_fingerprint(shards)}))
     replanned = str(tmp_path / "replanned")
     shutil.copytree(shards, replanned)
     with open(f"{replanned}/plan.json") as f:
@@ -271,42 +273,45 @@ def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkey
     with open(f"{replanned}/plan.json", "w") as f:
         json.dump(plan, f)
     cfg = config.load(overrides(replanned, str(tmp_path / "run"), "train.resume=auto"))
-    with pytest.raises(ValueError, match=r"^train.resume=auto: .*step_00000003 was saved with another plan"):
+    with pytest.raises(UserError, match=r"^train.resume=auto: .*step_00000003 was saved with another plan"):
         trainer.train(cfg)
 
 
 def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
     from hbp_train import config, trainer
+    from hbp_train.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.resume"))
     cfg = config.load(overrides(shards, str(tmp_path / "run"), f"train.resume={tmp_path / 'nothing'}"))
-    with pytest.raises(ValueError, match=r"^train.resume=.*nothing: no such directory"):
+    with pytest.raises(UserError, match=r"^train.resume=.*nothing: no such directory"):
         trainer.train(cfg)
 
 
 def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_checkpoints(shards, tmp_path, monkeypatch):
     # Its saves would mix with the earlier run's: pruning would rank them by step and delete the new ones.
-    from hbp_train import checkpoint as ckpt
-    from hbp_train import config, trainer
+    from hbp_train import checkpoint, config, trainer
+    from hbp_train.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.out_dir"))
-    (tmp_path / "run" / "checkpoints" / ckpt.tag_for(40)).mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / checkpoint.tag_for(40)).mkdir(parents=True)
     cfg = config.load(overrides(shards, str(tmp_path / "run")))
-    with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(newest step_00000040\): "
+    with pytest.raises(UserError, match=r"already holds checkpoints of an earlier run \(newest step_00000040\): "
                                          r"continue it with train.resume=auto"):
         trainer.train(cfg)
 
 
 def test_a_bytescale_plan_needs_zero_stage_1_and_says_so(tmp_path):
-    from hbp_train import config, trainer
+    from hbp_train import config
+    from hbp_train.build import build
+    from hbp_train.errors import UserError
 
     shards = write_packed(str(tmp_path / "bs"), synthetic_samples(4, VOCAB, seed=1),
                           [{"group": 0, "replicas": [[[0, 1], [2, 3]]]}], world_size=1,
                           plan_extra={"strategy": "bytescale", "unequal_micro_batches": True,
                                       "requires_zero_stage": [0, 1]})
     cfg = config.load(overrides(shards, str(tmp_path / "run"), "deepspeed.zero_stage=2"))
-    with pytest.raises(ValueError, match=r"bs/plan.json: .*needs ZeRO stage 0 or 1.*\(deepspeed.zero_stage=1\)"):
-        trainer.build(cfg)
+    with pytest.raises(UserError, match=r"bs/plan.json: .*needs ZeRO stage 0 or 1.*\(deepspeed.zero_stage=1\)"):
+        build(cfg)
     assert config.load(overrides(shards, str(tmp_path / "run"), "deepspeed.zero_stage=1")).deepspeed.zero_stage == 1
 
 
@@ -317,34 +322,37 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
 
     from transformers import LlamaConfig
 
-    from hbp_train import trainer
+    from hbp_train.build import _warn_if_groups_may_not_fit, ckpt_layers_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
     cfg = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2, offload_optimizer=False),
                           loss=SimpleNamespace(chunk_size=4096))
-    data = SimpleNamespace(groups=[{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}])
+    groups = [{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}]
     model = SimpleNamespace(config=LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
-    trainer._warn_if_groups_may_not_fit(cfg, data, model, 32, [32, 0])
+    _warn_if_groups_may_not_fit(cfg, groups, model, 32, [32, 0])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[train] warning: group 1 (131072 tokens, sp=8, 0 checkpointed")
-    trainer._warn_if_groups_may_not_fit(cfg, data, model, 32, [32])  # one value for all groups: both fit
+    all_32 = [ckpt_layers_for([32], g, None) for g in range(len(groups))]  # train.ckpt_layers=[32]: every group
+    _warn_if_groups_may_not_fit(cfg, groups, model, 32, all_32)  # both fit
     assert capsys.readouterr().out == ""
 
 
 def test_build_refuses_ckpt_layers_that_do_not_match_the_plan_or_model(shards, tmp_path):
     """Checked before DeepSpeed starts (no process spawned): one value per plan group (or one for all), and never
     more checkpointed layers than the model has."""
-    from hbp_train import config, trainer
+    from hbp_train import config
+    from hbp_train.build import build
     from hbp_train.data import PackedData
+    from hbp_train.errors import UserError
 
     num_groups = len(PackedData(shards).groups)
     bad = ",".join(["0"] * (num_groups + 1))
-    with pytest.raises(ValueError, match=f"train.ckpt_layers has {num_groups + 1} values but the plan has "
+    with pytest.raises(UserError, match=f"train.ckpt_layers has {num_groups + 1} values but the plan has "
                                          f"{num_groups} groups"):
-        trainer.build(config.load(overrides(shards, str(tmp_path / "a"), f"train.ckpt_layers=[{bad}]")))
+        build(config.load(overrides(shards, str(tmp_path / "a"), f"train.ckpt_layers=[{bad}]")))
     too_many = TINY_LLAMA["num_hidden_layers"] + 1
-    with pytest.raises(ValueError, match=f"the model has only {TINY_LLAMA['num_hidden_layers']} decoder layers"):
-        trainer.build(config.load(overrides(shards, str(tmp_path / "b"), f"train.ckpt_layers=[{too_many}]")))
+    with pytest.raises(UserError, match=f"the model has only {TINY_LLAMA['num_hidden_layers']} decoder layers"):
+        build(config.load(overrides(shards, str(tmp_path / "b"), f"train.ckpt_layers=[{too_many}]")))

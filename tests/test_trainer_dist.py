@@ -52,12 +52,13 @@ def _steps_with_grads(run, rank, equal_counts=True) -> list:
 def _worker(rank, world_size, shards, out, bytescale_shards):
     import deepspeed
 
-    from hbp_train import config, trainer
+    from hbp_train import build as builder
+    from hbp_train import config
     from hbp_train.distributed.groups import init_distributed
 
     init_distributed()
     results = {}
-    plain_build_engine = trainer.build_engine
+    plain_build_engine = builder.build_engine
     at_engine = {}
 
     def build_engine(cfg, model, *args):
@@ -71,14 +72,14 @@ def _worker(rank, world_size, shards, out, bytescale_shards):
 
     # ZeRO-1 on a bytescale plan: each rank runs only its own packs (1 vs 3, then 2 vs 1), meeting once per step.
     cfg = config.load(overrides(bytescale_shards, f"{out}/bytescale", 1, "ave_token"))
-    bytescale = _steps_with_grads(trainer.build(cfg), rank, equal_counts=False)
+    bytescale = _steps_with_grads(builder.build(cfg), rank, equal_counts=False)
     m_all = [None] * world_size
     torch.distributed.all_gather_object(m_all, [s["m"] for s in bytescale])
     results["bytescale"] = bytescale, m_all
-    trainer.build_engine = build_engine
+    builder.build_engine = build_engine
     for zero_stage, normalizer in CASES:
         cfg = config.load(overrides(shards, f"{out}/{zero_stage}_{normalizer}", zero_stage, normalizer))
-        run = trainer.build(cfg)
+        run = builder.build(cfg)
         results[(zero_stage, normalizer, "at_engine")] = dict(at_engine)
         results[(zero_stage, normalizer)] = _steps_with_grads(run, rank)
     # The last engine is ZeRO-3: save its sharded checkpoint and the trained model's logits for the export check.
@@ -95,7 +96,7 @@ def _worker(rank, world_size, shards, out, bytescale_shards):
     if rank == 0:
         build_model(ModelConfig(config=dict(TINY_LLAMA)), vocab_size=VOCAB - 8).save_pretrained(f"{out}/pretrained")
     deepspeed.comm.barrier()
-    ds_config = trainer.deepspeed_config(cfg.deepspeed, cfg.train, 3, world_size, bf16=False)
+    ds_config = builder.deepspeed_config(cfg.deepspeed, cfg.train, 3, world_size, bf16=False)
     for vocab_size in (None, VOCAB):
         loaded = build_model(ModelConfig(name_or_path=f"{out}/pretrained"), vocab_size, zero3_config=ds_config)
         partitioned = {n: hasattr(p, "ds_id") and p.numel() == 0 for n, p in loaded.named_parameters()}
@@ -152,7 +153,7 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / "pretrained")).state_dict()
     for vocab_size in (None, VOCAB):
         partitioned, full, head_type, training = pretrained[vocab_size]
-        assert all(partitioned.values()) and head_type == "ChunkedLMHead" and training, vocab_size
+        assert all(partitioned.values()) and head_type == "Linear" and training, vocab_size
         assert full["lm_head.weight"].shape[0] == (vocab_size or VOCAB - 8)
         assert all(torch.equal(full[k][:VOCAB - 8], v) for k, v in saved.items()), vocab_size
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hbp_train.attention import cu_seqlens_from_position_ids
-from hbp_train.distributed.ulysses import IGNORE_INDEX, check_sp_heads, split_for_sp
+from hbp_train.distributed.ulysses import check_sp_heads, split_for_sp
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
 from tests.distributed import run_distributed
 
 VOCAB = 64
@@ -86,10 +88,29 @@ def test_split_for_sp_rejects_bad_arguments():
 def test_check_sp_heads_limits():
     check_sp_heads(8, 2, [1, 2, 4, 8])  # split kv at 2, replicate at 4 and 8
     check_sp_heads(4, 1, [1, 2, 4])
-    with pytest.raises(ValueError, match="does not divide the model's 6 attention heads"):
+    with pytest.raises(UserError, match="does not divide the model's 6 attention heads"):
         check_sp_heads(6, 6, [1, 2, 4])
-    with pytest.raises(ValueError, match="3 key/value heads"):
+    with pytest.raises(UserError, match="3 key/value heads"):
         check_sp_heads(12, 3, [1, 2])
+
+
+def test_sequence_parallel_state_is_its_own_object():
+    """Without a model (no attention): tokens are booked as non-SP tokens, the split follows the active degree,
+    a degree without Ulysses attention is refused, and two objects share nothing."""
+    from hbp_train.distributed.groups import build_parallel_state
+    from hbp_train.distributed.ulysses import SequenceParallel
+
+    sp = SequenceParallel(build_parallel_state([1]))
+    sp.begin_micro_batch(7)
+    sp.begin_micro_batch(5)
+    other = SequenceParallel(build_parallel_state([1]))
+    assert sp.stats.take_step_counts() == (12, 0) and sp.stats.take_step_counts() == (0, 0)
+    assert other.stats.take_step_counts() == (0, 0)
+    pack = make_pack(np.random.default_rng(0), 3)
+    assert sp.split(pack)["num_local_tokens"] == pack["input_ids"].shape[1]
+    with pytest.raises(ValueError, match="sp=2 has no Ulysses attention"):
+        sp.set_active(2)
+    assert sp.active_sp == 1
 
 
 # ------------------------------------------------------------------------------- distributed vs reference
@@ -139,7 +160,7 @@ def _switching_worker(rank, world_size, zero_stages):
     for zero_stage, num_kv_heads in [(stage, kv) for stage in zero_stages for kv in KV_HEADS]:
         model = _tiny_llama(num_kv_heads, "sdpa")
         register_packed_attention(model, "sdpa_block")
-        ulysses.setup_sequence_parallel(model, pstate)
+        sp_state = ulysses.setup_sequence_parallel(model, pstate)
         ref_model = _tiny_llama(num_kv_heads, "eager")
         ds_config = {
             "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -149,7 +170,7 @@ def _switching_worker(rank, world_size, zero_stages):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         worst_logits, worst_grad, kv_groups = 0.0, 0.0, []
         for step, sp in enumerate(SP_SCHEDULE):
-            ulysses.set_active_sp(sp)
+            sp_state.set_active(sp)
             replicas = step_data(step, world_size)
             all_packs = [pack for replica in replicas for pack in replica]
             num_loss_tokens = sum(int((p["shift_labels"] != IGNORE_INDEX).sum()) for p in all_packs)
@@ -162,7 +183,7 @@ def _switching_worker(rank, world_size, zero_stages):
             my_ref_logits = ref_logits[pstate.dp_rank(sp) * len(my_packs):]
             for k, pack in enumerate(my_packs):
                 local = ulysses.split_for_sp(pack, sp, pstate.sp_rank(sp))
-                ulysses.begin_micro_batch(local["num_local_tokens"])
+                sp_state.begin_micro_batch(local["num_local_tokens"])
                 engine.set_gradient_accumulation_boundary(k == len(my_packs) - 1)
                 logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits[0]
                 loss_T = torch.nn.functional.cross_entropy(
@@ -172,7 +193,7 @@ def _switching_worker(rank, world_size, zero_stages):
                     loss_T, local["shift_labels"], None, "ave_token", global_loss_tokens=num_loss_tokens,
                     dp_world_size=pstate.dp_size(sp),
                 )
-                engine.backward(ulysses.reduce_sp_loss(loss))
+                engine.backward(sp_state.reduce_loss(loss))
                 # logits of this rank's slice vs the per-sample reference (padding excluded)
                 start = pstate.sp_rank(sp) * logits.shape[0]
                 real = local["num_local_tokens"]
@@ -187,13 +208,13 @@ def _switching_worker(rank, world_size, zero_stages):
                 worst_grad = max(worst_grad, rel)
             engine.step()
             # the trainer's per-step all-gather: fake compute times, the live token counts
-            table = all_gather_floats([0.01 * (rank + 1), *ulysses.stats().take_step_counts()], torch.device("cpu"))
-            metrics = ulysses.stats().step_metrics(table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist())
+            table = all_gather_floats([0.01 * (rank + 1), *sp_state.stats.take_step_counts()], torch.device("cpu"))
+            metrics = sp_state.stats.step_metrics(table[:, 0].tolist(), table[:, 1].tolist(), table[:, 2].tolist())
             metrics["counted_tokens"] = float(table[:, 1].sum())
             report.setdefault((zero_stage, num_kv_heads, "metrics"), []).append(metrics)
             report.setdefault("tokens", {})[step] = sum(p["input_ids"].shape[1] for p in all_packs)
         report[zero_stage, num_kv_heads] = {"logits": worst_logits, "grad": worst_grad, "kv_groups": kv_groups}
-        ulysses.set_active_sp(1)
+        sp_state.set_active(1)
         del engine
     return report
 
@@ -242,6 +263,7 @@ def _trainer_worker(rank, world_size, shards, out):
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from hbp_train import config, trainer
+    from hbp_train.build import build
     from hbp_train.distributed.groups import init_distributed
     from tests.assets.packed_fixture import TINY_LLAMA
 
@@ -254,7 +276,7 @@ def _trainer_worker(rank, world_size, shards, out):
             "logging=quiet", f"model.config={model_cfg}", f"deepspeed.zero_stage={zero_stage}",
             f"loss.normalizer={normalizer}", "train.warmup_steps=0", "train.lr=1e-2", "train.grad_clip=0",
         ])
-        run = trainer.build(cfg)
+        run = build(cfg)
         named = list(run.engine.module.named_parameters())
         # Held-out loss over the same shards at the initial weights (sp=1 and sp=2 steps; ZeRO-2 and ZeRO-3).
         from hbp_train.heldout import evaluate

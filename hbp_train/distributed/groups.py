@@ -1,8 +1,9 @@
 """The one module that creates process groups.
 
-Every SP degree a plan uses is built up front (consecutive ranks form an SP group, so SP stays inside a node),
-together with the matching data-parallel layout. Switching the SP degree between steps is then a dictionary
-lookup, never a collective. Nothing else in the code base calls ``dist.new_group``.
+Every SP degree a plan uses is built up front (consecutive ranks form an SP group, so SP stays inside a node).
+Switching the SP degree between steps is then a dictionary lookup, never a collective. Nothing else in the code
+base calls ``dist.new_group``. No data-parallel groups are made: DeepSpeed averages gradients over all ranks (no
+mpu, see distributed/ulysses.py), and a rank's replica at a degree is plain arithmetic (``dp_rank``).
 
 Legend: W = world size, sp = sequence-parallel degree, dp = W // sp data-parallel replicas.
 """
@@ -15,9 +16,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hbp_train.errors import UserError
+
+
+def rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
 
 def init_distributed(backend: str | None = None) -> None:
-    """Initialise torch.distributed through DeepSpeed, with the CPU switches from TECH-NOTES.
+    """Initialise torch.distributed through DeepSpeed, with the CPU switches the trainer needs (gloo without the
+    shm comm op's JIT build, a free port for a single process).
 
     Works for a single process without a launcher (world size 1 on a free local port), for torchrun, the
     deepspeed launcher and ``mp.spawn`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
@@ -61,17 +75,17 @@ def valid_sp_degrees(world_size: int) -> list[int]:
 def check_sp_degrees(sp_degrees, world_size: int) -> list[int]:
     """Validate SP degrees against the world size; return them sorted, unique, with 1 always included.
 
-    Raises ValueError (one line, naming the degree and the fix) for a degree that is not an integer, is below 1,
+    Raises UserError (one line, naming the degree and the fix) for a degree that is not an integer, is below 1,
     or is not a power of two dividing the world size: an SP group is ``sp`` consecutive ranks, and the ranks
     must split into whole groups.
     """
     degrees = {1}
     for sp in sp_degrees:
         if isinstance(sp, bool) or not hasattr(sp, "__index__"):  # ints and numpy ints, not floats or strings
-            raise ValueError(f"sp={sp!r} is not an integer; SP degrees are powers of two such as 1, 2, 4")
+            raise UserError(f"sp={sp!r} is not an integer; SP degrees are powers of two such as 1, 2, 4")
         sp = sp.__index__()
         if sp < 1 or sp not in valid_sp_degrees(world_size):
-            raise ValueError(
+            raise UserError(
                 f"sp={sp} is not usable with world size {world_size}: SP degrees must be powers of two that "
                 f"divide the world size ({', '.join(map(str, valid_sp_degrees(world_size)))})"
             )
@@ -90,12 +104,13 @@ class ParallelState:
     """Ranks and groups for every SP degree in use. Built once by :func:`build_parallel_state`."""
 
     world_size: int
+    """W: all ranks."""
     rank: int
+    """This rank's global rank."""
     sp_degrees: list[int]
+    """Every SP degree built, sorted, 1 included."""
     sp_groups: dict[int, object] = field(default_factory=dict)
     """SP degree -> the SP group this rank belongs to (None for sp == 1: no communication)."""
-    dp_groups: dict[int, object] = field(default_factory=dict)
-    """SP degree -> the data-parallel group of ranks with the same SP rank."""
 
     def sp_group(self, sp: int):
         """This rank's SP group of degree ``sp`` (None for sp == 1); ValueError for a degree never built."""
@@ -120,30 +135,21 @@ class ParallelState:
 
 
 def build_parallel_state(sp_degrees: list[int]) -> ParallelState:
-    """Create all SP and DP groups for the given degrees, on every rank, in the same order.
+    """Create the SP groups of every given degree, on every rank, in the same order.
 
     ``dist.new_group`` is collective over the whole world: every rank must create every group, including the
     ones it is not a member of, in the same order. That is why this happens once, up front.
     """
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    degrees = check_sp_degrees(sp_degrees, world_size)
-    state = ParallelState(world_size=world_size, rank=rank, sp_degrees=degrees)
+    num_ranks, my_rank = world_size(), rank()
+    degrees = check_sp_degrees(sp_degrees, num_ranks)
+    state = ParallelState(world_size=num_ranks, rank=my_rank, sp_degrees=degrees)
     for sp in degrees:
         if sp == 1:
             state.sp_groups[1] = None
         else:
-            for start in range(0, world_size, sp):
+            for start in range(0, num_ranks, sp):
                 ranks = sp_group_ranks(start, sp)
                 group = dist.new_group(ranks)
-                if rank in ranks:
+                if my_rank in ranks:
                     state.sp_groups[sp] = group
-        if world_size == 1:
-            state.dp_groups[sp] = None
-            continue
-        for sp_rank in range(sp):
-            ranks = list(range(sp_rank, world_size, sp))
-            group = dist.new_group(ranks) if len(ranks) < world_size else dist.group.WORLD
-            if rank in ranks:
-                state.dp_groups[sp] = group
     return state

@@ -1,27 +1,30 @@
 """DeepSpeed-Ulysses sequence parallelism (SP) with several SP degrees, switched from one step to the next.
 
 HBP puts every step in one group, and groups use different SP degrees (short packs sp=1, long packs sp=2, 4, …),
-so one training run switches the SP degree between steps inside one DeepSpeed engine. The pieces:
+so one training run switches the SP degree between steps inside one DeepSpeed engine. All of it is one object,
+`SequenceParallel`, built once per run (`setup_sequence_parallel`, called by build.py) and held by the trainer's
+Run; nothing lives in module globals:
 
-* start-up (`setup_sequence_parallel`): one DeepSpeed `UlyssesSPAttentionHF` per SP degree > 1, each on this
-  rank's SP group from `parallel.py` and each wrapping our packed core attention (`attention.hf_packed_attention`).
-  The wrapper all-to-alls q/k/v from "my slice of the tokens, all heads" to "all tokens, my share of the heads",
-  and all-gathers position_ids, so the core sees the whole pack and keeps its samples apart by the position_ids
-  restarts. A dispatcher (`sp_attention`) is registered with transformers' AttentionInterface as "hbp_ulysses"
-  and routes each call to the active degree; sp=1 calls the packed attention directly: no communication, and the
-  fast varlen kernel on a GPU.
-* per step: `set_active_sp(sp)`; the collate step gives each rank its slice of the pack (`split_for_sp`).
-* loss: each rank only has the token losses of its slice; `reduce_sp_loss` sums them over the SP group with the
+* start-up: one DeepSpeed `UlyssesSPAttentionHF` per SP degree > 1, each on this rank's SP group from
+  distributed/groups.py and each wrapping our packed core attention (`attention.hf_packed_attention`). The wrapper
+  all-to-alls q/k/v from "my slice of the tokens, all heads" to "all tokens, my share of the heads", and
+  all-gathers position_ids, so the core sees the whole pack and keeps its samples apart by the position_ids
+  restarts. The object's bound `attention` method is registered with transformers' AttentionInterface as
+  "hbp_ulysses" (`install`) and routes each call to the active degree; sp=1 calls the packed attention directly:
+  no communication, and the fast varlen kernel on a GPU. A run whose plan has only sp=1 installs nothing.
+* per step: `set_active(sp)`; the collate step gives each rank its slice of the pack (`split`, `split_for_sp`).
+* loss: each rank only has the token losses of its slice; `reduce_loss` sums them over the SP group with the
   differentiable all-reduce, so every rank of the group back-propagates the group's loss (with a plain local
   loss the gradients come out 1/sp too small when the loss is scaled for the W/sp data-parallel replicas).
+* live CR: `begin_micro_batch` and the dispatcher count the tokens that went through the all-to-all (`SPStats`).
 
-Deliberately NOT used (see ../shared/TECH-NOTES.md): `UlyssesSPAttentionHF.register_with_transformers` and an
+Deliberately NOT used (docs/sequence_parallel.md): `UlyssesSPAttentionHF.register_with_transformers` and an
 `mpu`. The former allows one SP group per process and drops non-BlockMask masks; an mpu makes ZeRO divide
 gradients by a divisor fixed at `deepspeed.initialize`, which is wrong as soon as the degree changes.
 
-Head limits (checked at start-up by `check_sp_heads`): sp must divide the number of query heads, and sp and the
-number of key/value heads must divide one another (kv heads are replicated when sp exceeds them, e.g. 1 kv head
-at sp=4).
+Head limits (checked at start-up by `check_sp_heads`, whose rule is `perf.shape.sp_heads_problem`): sp must divide
+the number of query heads, and sp and the number of key/value heads must divide one another (kv heads are
+replicated when sp exceeds them, e.g. 1 kv head at sp=4).
 
 Shape legend: B batch (1: one pack per micro-batch), T tokens of the pack, T_l tokens of this rank's slice,
 H query heads, K key/value heads, D head dim.
@@ -34,10 +37,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from hbp_train.attention import ATTN_IMPLEMENTATION as PACKED_ATTN_IMPLEMENTATION
 from hbp_train.attention import hf_packed_attention, use_attention
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
+from hbp_train.perf.shape import sp_heads_problem
 
 ATTN_IMPLEMENTATION = "hbp_ulysses"
-IGNORE_INDEX = -100
 
 # Keys of a collated batch that hold one value per token ([1, T]) and what padding tokens get in them.
 # input_ids 0: any valid id; the padding tokens form their own dummy sample and carry no loss.
@@ -53,20 +59,11 @@ warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_r
 
 
 def check_sp_heads(num_heads: int, num_kv_heads: int, sp_degrees) -> None:
-    """Raise a one-line ValueError if Ulysses cannot split this model's heads at one of the SP degrees."""
+    """Raise a one-line UserError if Ulysses cannot split this model's heads at one of the SP degrees."""
     for sp in sorted(set(sp_degrees)):
-        if sp == 1:
-            continue
-        if num_heads % sp:
-            raise ValueError(
-                f"sp={sp} does not divide the model's {num_heads} attention heads: Ulysses gives each SP rank "
-                f"num_heads/sp query heads; use only SP degrees that divide {num_heads} in the plan's groups"
-            )
-        if num_kv_heads % sp and sp % num_kv_heads:
-            raise ValueError(
-                f"sp={sp} and the model's {num_kv_heads} key/value heads do not divide one another: Ulysses "
-                f"splits kv heads (kv % sp == 0) or replicates them (sp % kv == 0); use another SP degree"
-            )
+        problem = sp_heads_problem(num_heads, num_kv_heads, sp)
+        if problem:
+            raise UserError(problem)
 
 
 def _model_config(model):
@@ -75,66 +72,6 @@ def _model_config(model):
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return num_heads, num_kv_heads, head_dim, config.num_hidden_layers
-
-
-class SequenceParallel:
-    """The Ulysses wrappers of every SP degree and the active degree; built once by `setup_sequence_parallel`."""
-
-    def __init__(self, model, pstate):
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-        num_heads, num_kv_heads, head_dim, num_layers = _model_config(model)
-        check_sp_heads(num_heads, num_kv_heads, pstate.sp_degrees)
-        self.pstate = pstate
-        self.active_sp = 1
-        self.wrappers = {
-            sp: UlyssesSPAttentionHF(
-                attn=hf_packed_attention, batch_size=1, attn_head_count=num_heads, attn_head_size=head_dim,
-                kv_head_count=num_kv_heads, num_hidden_layers=num_layers, process_group=pstate.sp_group(sp),
-                seq_length_is_variable=True,  # pack lengths change every step
-            )
-            for sp in pstate.sp_degrees
-            if sp > 1
-        }
-        # Under kv replication the wrapper overwrites module.num_key_value_groups and never restores it.
-        self._kv_groups = [
-            (m, m.num_key_value_groups) for m in model.modules() if hasattr(m, "num_key_value_groups")
-        ]
-        self._pending_tokens = 0
-
-    # ----------------------------------------------------------------------------------------- switching
-    def set_active(self, sp: int) -> None:
-        """Route attention to degree ``sp`` from now on (every rank must switch at the same step)."""
-        if sp != 1 and sp not in self.wrappers:
-            raise ValueError(
-                f"sp={sp} has no Ulysses attention (built: {', '.join(map(str, self.pstate.sp_degrees))}); "
-                f"pass every SP degree of the plan to build_parallel_state"
-            )
-        for module, groups in self._kv_groups:
-            module.num_key_value_groups = groups
-        self.active_sp = sp
-
-    # ---------------------------------------------------------------------------------------- attention
-    def attention(self, module, query, key, value, attention_mask, **kwargs):
-        """transformers AttentionInterface function: [1, H, T_l, D] q, [1, K, T_l, D] k/v -> ([1, T_l, H, D], None)."""
-        if self._pending_tokens:  # the first attention call of a micro-batch: book where its tokens went
-            _stats.book(self._pending_tokens, through_all_to_all=self.active_sp > 1)
-            self._pending_tokens = 0
-        if self.active_sp == 1:
-            return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
-        for name in _LOCAL_BOUNDARY_KWARGS:
-            kwargs.pop(name, None)
-        return self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
-
-    # -------------------------------------------------------------------------------------------- loss
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum a rank's partial loss over its SP group, differentiably (identity at sp=1)."""
-        if self.active_sp == 1:
-            return loss
-        from torch.distributed.nn.functional import all_reduce
-
-        # all_reduce, not all_gather: the latter's backward fails on gloo subgroups without global rank 0.
-        return all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pstate.sp_group(self.active_sp))
 
 
 class SPStats:
@@ -181,77 +118,121 @@ class SPStats:
         return metrics
 
 
-_stats = SPStats()
+class SequenceParallel:
+    """This rank's sequence parallelism: the SP groups of every degree (``pstate``), the active degree, the Ulysses
+    attention of every degree > 1 (``wrappers``) and the live CR counters (``stats``).
 
+    ``model`` None builds no attention (a stand-in for code that only splits packs; ``set_active`` then accepts
+    sp=1 only). Every rank must build it, for the same degrees (the wrappers look up their groups).
+    """
 
-def begin_micro_batch(num_tokens: int) -> None:
-    """Announce this rank's real (non-padding) tokens of the next forward. With SP set up, the dispatcher books
-    them on its first call, as SP tokens if they went through the all-to-all; without SP they are booked here."""
-    if _current is None:
-        _stats.book(int(num_tokens), through_all_to_all=False)
-    else:
-        _current._pending_tokens = int(num_tokens)
+    def __init__(self, pstate, model=None):
+        self.pstate = pstate
+        self.active_sp = 1
+        self.stats = SPStats()
+        self.wrappers = {}
+        # Under kv replication the wrapper overwrites module.num_key_value_groups and never restores it.
+        self._kv_groups = []
+        self._pending_tokens = 0
+        self._installed = False
+        if model is None or max(pstate.sp_degrees) == 1:
+            return
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+        num_heads, num_kv_heads, head_dim, num_layers = _model_config(model)
+        check_sp_heads(num_heads, num_kv_heads, pstate.sp_degrees)
+        self.wrappers = {
+            sp: UlyssesSPAttentionHF(
+                attn=hf_packed_attention, batch_size=1, attn_head_count=num_heads,
+                attn_head_size=head_dim, kv_head_count=num_kv_heads, num_hidden_layers=num_layers,
+                process_group=pstate.sp_group(sp),
+                seq_length_is_variable=True,  # pack lengths change every step
+            )
+            for sp in pstate.sp_degrees
+            if sp > 1
+        }
+        self._kv_groups = [(m, m.num_key_value_groups) for m in model.modules() if hasattr(m, "num_key_value_groups")]
 
-def stats() -> SPStats:
-    """The live SP statistics of this process."""
-    return _stats
+    # ------------------------------------------------------------------------------------------ installing
+    def install(self, model) -> None:
+        """Route the model's attention through this object's dispatcher ("hbp_ulysses").
 
+        transformers looks attention functions up by name, so the bound method is registered under that name at
+        every install: the last SequenceParallel installed in a process owns it (one training run per process).
+        Call after `attention.register_packed_attention` (which chose the core backend) and before
+        `deepspeed.initialize`.
+        """
+        use_attention(model, ATTN_IMPLEMENTATION, self.attention)
+        self._installed = True
 
-# The instance the registered dispatcher routes to (transformers looks attention functions up by name).
-_current: SequenceParallel | None = None
+    def uninstall(self, model) -> None:
+        """Back to the plain packed attention ("hbp_packed")."""
+        use_attention(model, PACKED_ATTN_IMPLEMENTATION)
+        self._installed = False
 
+    # ------------------------------------------------------------------------------------------- per step
+    def set_active(self, sp: int) -> None:
+        """Route attention to degree ``sp`` from now on (every rank must switch at the same step)."""
+        if sp != 1 and sp not in self.wrappers:
+            raise ValueError(
+                f"sp={sp} has no Ulysses attention (built: {', '.join(map(str, self.pstate.sp_degrees))}); "
+                f"pass every SP degree of the plan to build_parallel_state"
+            )
+        for module, groups in self._kv_groups:
+            module.num_key_value_groups = groups
+        self.active_sp = sp
 
-def sp_attention(module, query, key, value, attention_mask, **kwargs):
-    """The function registered as "hbp_ulysses": forwards to the active `SequenceParallel`."""
-    if _current is None:
-        raise RuntimeError("hbp_ulysses attention used before setup_sequence_parallel(model, pstate)")
-    return _current.attention(module, query, key, value, attention_mask, **kwargs)
+    def split(self, batch: dict) -> dict:
+        """This rank's slice of a collated pack at the active degree (see `split_for_sp`)."""
+        return split_for_sp(batch, self.active_sp, self.pstate.sp_rank(self.active_sp))
+
+    def begin_micro_batch(self, num_tokens: int) -> None:
+        """Announce this rank's real (non-padding) tokens of the next forward. With the dispatcher installed, it
+        books them on its first call, as SP tokens if they went through the all-to-all; otherwise here."""
+        if self._installed:
+            self._pending_tokens = int(num_tokens)
+        else:
+            self.stats.book(int(num_tokens), through_all_to_all=False)
+
+    # ---------------------------------------------------------------------------------------- attention
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        """transformers AttentionInterface function: [1, H, T_l, D] q, [1, K, T_l, D] k/v -> ([1, T_l, H, D], None)."""
+        if self._pending_tokens:  # the first attention call of a micro-batch: book where its tokens went
+            self.stats.book(self._pending_tokens, through_all_to_all=self.active_sp > 1)
+            self._pending_tokens = 0
+        if self.active_sp == 1:
+            return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
+        for name in _LOCAL_BOUNDARY_KWARGS:
+            kwargs.pop(name, None)
+        return self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
+
+    # -------------------------------------------------------------------------------------------- loss
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum a rank's partial loss over its active SP group, differentiably (identity at sp=1).
+
+        Scale the partial loss for the W/sp data-parallel replicas (normalize_loss's dp_world_size = W // sp):
+        with the all-reduce every rank of a group back-propagates the group's loss, and DeepSpeed averages over
+        all W ranks.
+        """
+        if self.active_sp == 1:
+            return loss
+        from torch.distributed.nn.functional import all_reduce
+
+        # all_reduce, not all_gather: the latter's backward fails on gloo subgroups without global rank 0.
+        return all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pstate.sp_group(self.active_sp))
 
 
 def setup_sequence_parallel(model, pstate) -> SequenceParallel:
-    """Build the Ulysses attention of every SP degree in ``pstate`` and install the dispatcher on ``model``.
+    """The run's `SequenceParallel`: the Ulysses attention of every SP degree in ``pstate``, installed on ``model``
+    when a degree > 1 is used (an sp=1-only run keeps the plain packed attention).
 
-    Call after `attention.register_packed_attention(model, backend)` (which chose the core backend) and before
-    `deepspeed.initialize`; every rank must call it (the wrappers look up their groups). Raises ValueError at
-    start-up if a degree cannot split the model's heads (see `check_sp_heads`).
+    Call after `attention.register_packed_attention(model, backend)` and before `deepspeed.initialize`; every rank
+    must call it. Raises UserError at start-up if a degree cannot split the model's heads (`check_sp_heads`).
     """
-    global _current, _stats
-    _current = SequenceParallel(model, pstate)
-    _stats = SPStats()
-    use_attention(model, ATTN_IMPLEMENTATION, sp_attention)
-    return _current
-
-
-def teardown_sequence_parallel() -> None:
-    """Forget the installed `SequenceParallel` (a model built later without SP must not route to it) and reset
-    the live statistics."""
-    global _current, _stats
-    _current = None
-    _stats = SPStats()
-
-
-def set_active_sp(sp: int) -> None:
-    """Switch the installed dispatcher to SP degree ``sp`` (all ranks, same step)."""
-    if _current is None:
-        if sp == 1:
-            return  # no SP set up: sp=1 is the plain packed attention anyway
-        raise RuntimeError(f"set_active_sp({sp}) before setup_sequence_parallel(model, pstate)")
-    _current.set_active(sp)
-
-
-def reduce_sp_loss(loss: torch.Tensor) -> torch.Tensor:
-    """Sum a rank's partial loss over its active SP group, differentiably; identity at sp=1 or without SP.
-
-    Scale the partial loss for the W/sp data-parallel replicas (normalize_loss's dp_world_size = W // sp): with
-    the all-reduce every rank of a group back-propagates the group's loss, and DeepSpeed averages over all W ranks.
-    """
-    return loss if _current is None else _current.reduce_loss(loss)
-
-
-def current() -> SequenceParallel | None:
-    """The installed `SequenceParallel`, or None when SP was never set up."""
-    return _current
+    sp = SequenceParallel(pstate, model)
+    if sp.wrappers:
+        sp.install(model)
+    return sp
 
 
 # ------------------------------------------------------------------------------------------------ collate
@@ -261,8 +242,8 @@ def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
     The pack is padded at the end to a multiple of ``sp`` (at most sp-1 tokens) and cut into sp equal slices;
     rank ``sp_rank`` gets slice ``sp_rank`` of every per-token tensor ([1, T]: input_ids, position_ids,
     shift_labels, and any other [1, T] tensor such as per-token sample ids or loss-token counts). Padding tokens
-    get shift_label -100 (no loss) and position_ids 0, 1, …, so they form their own dummy sample and never join
-    a real one. Labels must already be shifted per sample (shift_labels), because the shift crosses slice
+    get shift_label IGNORE_INDEX (no loss) and position_ids 0, 1, …, so they form their own dummy sample and never
+    join a real one. Labels must already be shifted per sample (shift_labels), because the shift crosses slice
     borders. Everything else (cu_seqlens of the real samples, max_seqlen, counts) is kept as is: it describes the
     whole pack. Adds ``num_pad_tokens`` (padding in the whole pack) and ``num_local_tokens`` (real tokens in this
     slice). sp == 1 returns the batch unchanged apart from those two keys.

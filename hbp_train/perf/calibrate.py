@@ -30,8 +30,10 @@ from datetime import date
 
 import numpy as np
 
-from hbp_train.perf.cost_model import TABLE_TOKENS, CostModel, ModelShape, parse_model_shape
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, write_output
+from hbp_train.perf.cost_model import TABLE_TOKENS, CostModel
+from hbp_train.perf.shape import ModelShape, parse_model_shape
 
 DEFAULT_DOC_LENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 NOOP_ATTENTION = "hbp_calibrate_noop"
@@ -118,13 +120,13 @@ def _noop_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def parse_doc_lens(text: str, tokens: int) -> list[int]:
-    """The --doc-lens list; ValueError naming the flag."""
+    """The --doc-lens list; UserError naming the flag."""
     try:
         doc_lens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--doc-lens must be comma-separated integers, got {text!r}") from None
+    except ValueError:  # int() of a piece that is not a number
+        raise UserError(f"--doc-lens must be comma-separated integers, got {text!r}") from None
     if not doc_lens or any(l < 1 or l > tokens for l in doc_lens):
-        raise ValueError(f"--doc-lens must be positive and <= --tokens ({tokens}), got {text}")
+        raise UserError(f"--doc-lens must be positive and <= --tokens ({tokens}), got {text}")
     return doc_lens
 
 
@@ -264,13 +266,13 @@ def main(argv=None) -> int:
         for flag, val in (("--tokens", args.tokens), ("--iters", args.iters), ("--max-samples", args.max_samples),
                           ("--num-packs", args.num_packs)):
             if val < 1:
-                raise ValueError(f"{flag} must be >= 1, got {val}")
+                raise UserError(f"{flag} must be >= 1, got {val}")
         if args.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+            raise UserError(f"--warmup must be >= 0, got {args.warmup}")
         if args.validate and args.max_samples > args.tokens:
-            raise ValueError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
+            raise UserError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:
-            raise ValueError("--out JSON is required to write the calibration")
+            raise UserError("--out JSON is required to write the calibration")
         if not args.validate:
             parse_doc_lens(args.doc_lens, args.tokens)
         out_path = args.out if args.out and not args.validate else None
@@ -278,7 +280,7 @@ def main(argv=None) -> int:
         check_output_file("--out", out_path)  # before the measurements, which take minutes
         check_output_file("--validate-out", report_path)
         if not torch.cuda.is_available() and not args.allow_cpu:  # after the flags: fix those on a CPU node first
-            raise ValueError("no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)")
+            raise UserError("no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)")
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.validate:
@@ -293,12 +295,9 @@ def main(argv=None) -> int:
             result = calibrate(shape, args, device, dtype)
             write_output("--out", out_path, lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"wrote {out_path}")
-    except ValueError as exc:
+    except UserError as exc:
         print(f"calibrate: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"calibrate: error: cannot write {exc.filename} ({exc.strerror})", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     return 0
 
 

@@ -18,15 +18,22 @@ step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_tr
 
 ``source`` says where the numbers come from: "measured" (the calibration's own shape), "scaled" (a calibration
 measured on another shape, scaled by FLOPs), "analytic" (FLOPs at a stated efficiency of peak, no measurement).
+Shapes come from hbp_train.perf.shape and FLOPs from hbp_train.perf.flops (the formula MFU uses too). A bad
+calibration file or shape is the user's: UserError naming the file or field.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
+from hbp_train.errors import UserError
+from hbp_train.perf.flops import (TRAIN_OVER_FORWARD, attention_fwd_flops, head_fwd_flops_per_token,
+                                  linear_fwd_flops_per_token)
+from hbp_train.perf.shape import ModelShape, parse_model_shape
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration" / "h100_llama3_8b_layer.json"
 # The calibration table's unit: a pack of this many tokens.
@@ -38,123 +45,6 @@ DEFAULT_INTRA_NODE_GBPS = 200.0
 DEFAULT_INTER_NODE_GBPS = 40.0
 # FlashAttention-style backward does 5 matmuls to the forward's 2: fwd+bwd = 3.5 x fwd.
 ATTN_FWDBWD_OVER_FWD = 3.5
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Shape of a decoder-only transformer, enough to count FLOPs and all-to-all bytes."""
-
-    name: str
-    """Label used in reports."""
-    hidden: int
-    """Hidden size."""
-    num_layers: int
-    """Number of decoder layers."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (GQA)."""
-    ffn: int
-    """Intermediate size of the gated MLP (3 matrices)."""
-    vocab: int
-    """Vocabulary size (LM head)."""
-    head_dim: int = 0
-    """Per-head dimension; 0 means hidden // num_heads."""
-
-    def __post_init__(self):
-        for field_name in ("hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab"):
-            if int(getattr(self, field_name)) <= 0:
-                raise ValueError(f"model_shape.{field_name} must be > 0, got {getattr(self, field_name)}")
-        if self.head_dim < 0:
-            raise ValueError(f"model_shape.head_dim must be >= 0, got {self.head_dim}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model_shape.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
-
-    @property
-    def attn_width(self) -> int:
-        """heads · head_dim: attention FLOPs per token pair are proportional to it."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of a Llama-style decoder (untied embeddings and LM head: the upper bound).
-
-        Used by the profiler's memory model and the simulator's ZeRO collectives and optimizer step.
-        """
-        attn = self.hidden * self.attn_width * 2 + 2 * self.hidden * self.num_kv_heads * self.head_dim
-        per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.num_layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
-
-    @property
-    def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token of one layer's linear parts: q, k, v, o projections and the gated MLP."""
-        q = self.hidden * self.attn_width
-        kv = 2 * self.hidden * self.num_kv_heads * self.head_dim
-        o = self.attn_width * self.hidden
-        mlp = 3 * self.hidden * self.ffn
-        return 2.0 * (q + kv + o + mlp)
-
-    @property
-    def head_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the LM head."""
-        return 2.0 * self.hidden * self.vocab
-
-    def a2a_width(self, sp: int) -> int:
-        """Elements per token moved by the four Ulysses all-to-alls of one layer forward (q, k, v, out).
-
-        k and v have num_kv_heads heads; Ulysses replicates kv heads up to sp when there are fewer.
-        """
-        kv = max(self.num_kv_heads, sp) * self.head_dim
-        return 2 * self.attn_width + 2 * kv
-
-
-MODEL_SHAPES = {
-    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
-    "llama3.2-1b": ModelShape("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64),
-    "llama3.2-3b": ModelShape("llama3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128),
-    "llama3.1-70b": ModelShape("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256),
-    "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064),
-}
-
-
-def parse_model_shape(spec) -> ModelShape:
-    """A ModelShape from a preset name, a dict, a JSON string or a JSON file path; ValueError names the problem."""
-    if isinstance(spec, ModelShape):
-        return spec
-    if isinstance(spec, str):
-        if spec in MODEL_SHAPES:
-            return MODEL_SHAPES[spec]
-        text = spec
-        if not spec.lstrip().startswith("{"):
-            path = Path(spec)
-            if not path.is_file():
-                raise ValueError(f"model shape {spec!r}: not a preset ({', '.join(MODEL_SHAPES)}), "
-                                 "not a JSON object and not a file")
-            text = path.read_text()
-        try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"model shape: invalid JSON ({exc})") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"model shape must be a preset name or a JSON object, got {type(spec).__name__}")
-    # Accept HF config.json key names too, so a model's config file works as a shape.
-    aliases = {"hidden_size": "hidden", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
-               "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
-    fields = {aliases.get(k, k): v for k, v in spec.items()}
-    fields.setdefault("name", "custom")
-    if "num_kv_heads" not in fields and "num_heads" in fields:
-        fields["num_kv_heads"] = fields["num_heads"]
-    wanted = {"name", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab", "head_dim"}
-    missing = {"hidden", "num_layers", "num_heads", "ffn", "vocab"} - set(fields)
-    if missing:
-        raise ValueError(f"model shape: missing field(s) {', '.join(sorted(missing))}")
-    try:
-        return ModelShape(**{k: (v if k == "name" else int(v)) for k, v in fields.items() if k in wanted})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"model shape: {exc}") from None
 
 
 class CostModel:
@@ -174,7 +64,8 @@ class CostModel:
         # Per token, per layer, in seconds.
         self.linear_fb_per_token = linear_fb_ms_per_table / 1e3 / TABLE_TOKENS
         # LM head: same matmul efficiency as the layer's linear part, scaled by FLOPs.
-        self.head_fb_per_token = self.linear_fb_per_token * shape.head_flops_per_token / shape.linear_flops_per_token
+        self.head_fb_per_token = (self.linear_fb_per_token * head_fwd_flops_per_token(shape)
+                                  / linear_fwd_flops_per_token(shape))
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -189,21 +80,21 @@ class CostModel:
         try:
             data = json.loads(path.read_text())
         except OSError as exc:
-            raise ValueError(f"calibration {path}: cannot read ({exc.strerror})") from None
+            raise UserError(f"calibration {path}: cannot read ({exc.strerror})") from None
         except json.JSONDecodeError as exc:
-            raise ValueError(f"calibration {path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
+            raise UserError(f"calibration {path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
         for key in ("linear_fwdbwd_ms_per_32768_tokens", "attention_fwdbwd_ms_32768_tokens_by_doc_len"):
             if key not in data:
-                raise ValueError(f"calibration {path}: missing field {key!r}")
+                raise UserError(f"calibration {path}: missing field {key!r}")
         measured_shape = parse_model_shape(data.get("model_shape", "llama3-8b"))
         table = data["attention_fwdbwd_ms_32768_tokens_by_doc_len"]
         try:
             lens = np.array([int(k) for k in table], dtype=np.float64)
             fb = np.array([float(v) for v in table.values()])
         except (TypeError, ValueError, AttributeError):  # AttributeError: a list or number instead of an object
-            raise ValueError(f"calibration {path}: attention table keys must be lengths and values ms") from None
+            raise UserError(f"calibration {path}: attention table keys must be lengths and values ms") from None
         if len(lens) < 2 or (fb <= 0).any() or (lens <= 0).any():
-            raise ValueError(f"calibration {path}: attention table needs >= 2 positive points")
+            raise UserError(f"calibration {path}: attention table needs >= 2 positive points")
         fwd_table = data.get("attention_fwd_ms_32768_tokens_by_doc_len")
         if fwd_table and set(fwd_table) == set(table):
             f = np.array([float(fwd_table[k]) for k in table])
@@ -214,7 +105,7 @@ class CostModel:
         except (TypeError, ValueError):
             linear = float("nan")
         if not linear > 0:  # also NaN and non-numbers
-            raise ValueError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
+            raise UserError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
         source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
         shape = measured_shape
         if model_shape is not None:
@@ -223,7 +114,7 @@ class CostModel:
             if not _same_layer(shape, measured_shape):
                 attn_scale = shape.attn_width / measured_shape.attn_width
                 fb, f = fb * attn_scale, f * attn_scale
-                linear = linear * shape.linear_flops_per_token / measured_shape.linear_flops_per_token
+                linear = linear * linear_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(measured_shape)
                 source = "scaled"
                 note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
         return cls(shape, lens, fb, f, linear, source, note)
@@ -236,16 +127,16 @@ class CostModel:
         Linear part: 3x the forward FLOPs (backward computes input and weight gradients).
         """
         if peak_tflops <= 0:
-            raise ValueError(f"peak_tflops must be > 0, got {peak_tflops}")
+            raise UserError(f"peak_tflops must be > 0, got {peak_tflops}")
         if not 0 < efficiency <= 1:
-            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+            raise UserError(f"efficiency must be in (0, 1], got {efficiency}")
         shape = parse_model_shape(model_shape)
         rate = peak_tflops * 1e12 * efficiency  # FLOP/s
         lens = 2.0 ** np.arange(4, 21)
         # ms for TABLE_TOKENS tokens made of documents of length l: (TABLE_TOKENS / l) docs of 2·l²·H·d FLOPs.
-        f_ms = 2.0 * lens * shape.attn_width * TABLE_TOKENS / rate * 1e3
+        f_ms = TABLE_TOKENS / lens * attention_fwd_flops(shape, lens) / rate * 1e3
         fb_ms = f_ms * ATTN_FWDBWD_OVER_FWD
-        linear_ms = 3.0 * shape.linear_flops_per_token * TABLE_TOKENS / rate * 1e3
+        linear_ms = TRAIN_OVER_FORWARD * linear_fwd_flops_per_token(shape) * TABLE_TOKENS / rate * 1e3
         return cls(shape, lens, fb_ms, f_ms, linear_ms, "analytic",
                    f"{efficiency:.0%} of {peak_tflops:g} TFLOP/s peak")
 

@@ -2,26 +2,22 @@
 
 Entry point: ``make_plan(lengths, config) -> Plan``. Strategies are a plain if/elif on ``config.strategy``:
 
-* ``isf`` — naive packing baseline (OmniBal's iterative shuffle-and-fill into the largest pack length), isf.py
 * ``hbp`` — hierarchical balance packing (GroupData, packing, GreedyFill, balanced steps, curriculum), hbp.py
-* ``sorted`` — LongAlign sorted batching, sorted_batching.py; ``wlb`` — WLB-LLM variable-length packing with
-  outlier delay, wlb.py; ``bytescale`` — unequal micro-batch counts per replica (ZeRO 0/1 only), bytescale.py
+* ``isf`` — naive packing baseline (OmniBal's iterative shuffle-and-fill into the largest pack length),
+  baselines/isf.py; ``sorted`` — LongAlign sorted batching, baselines/sorted.py; ``wlb`` — WLB-LLM variable-length
+  packing with outlier delay, baselines/wlb.py; ``bytescale`` — unequal micro-batch counts per replica (ZeRO 0/1
+  only), baselines/bytescale.py
 
-Shared pieces other strategies can reuse: ``balance.build_steps`` (packs -> balanced steps with the tail rule),
-``curriculum.order_steps``, ``metrics.compute_metrics`` (via ``Plan.compute_metrics``), ``plan.Plan``.
+Shared pieces other strategies can reuse, bottom layer first: ``csr`` (CSR helpers), ``plan.Plan`` (the types and
+their JSON), ``balance.build_steps`` (packs -> balanced steps with the tail rule), ``curriculum.order_steps``,
+``metrics.compute_metrics`` (via ``Plan.compute_metrics``).
 """
 
 from __future__ import annotations
 
-from hbp_train.planning.plan import (
-    DROP_TOO_LONG,
-    GroupSpec,
-    PackCostFn,
-    Plan,
-    PlanConfig,
-    check_lengths,
-    default_pack_cost,
-)
+from hbp_train.errors import UserError
+from hbp_train.planning.balance import default_pack_cost
+from hbp_train.planning.plan import DROP_TOO_LONG, GroupSpec, PackCostFn, Plan, PlanConfig, check_lengths
 
 __all__ = ["make_plan", "Plan", "PlanConfig", "GroupSpec", "PackCostFn", "DROP_TOO_LONG", "check_lengths",
            "default_pack_cost"]
@@ -35,7 +31,7 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
     """Plan the training steps for samples of the given token ``lengths`` (index i = dataset row i).
 
     Samples longer than the largest group's pack_len are dropped ("longer_than_max_pack_len"); a length <= 0
-    raises ValueError. The returned plan has its metrics computed and passes ``Plan.validate()``.
+    or an unknown strategy raises UserError. The returned plan has its metrics computed and passes ``Plan.validate()``.
     """
     lengths = check_lengths(lengths)
     if config.strategy == "hbp":
@@ -59,6 +55,6 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
 
         plan = plan_bytescale(lengths, config)
     else:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
+        raise UserError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
     return plan.compute_metrics()
 

@@ -19,9 +19,21 @@ the trainer runs a zero-loss dummy micro-batch for them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from hbp_train.planning.plan import PlanConfig, default_pack_cost, gather_ranges, pack_tokens
+from hbp_train.planning.csr import gather_ranges, pack_tokens
+
+if TYPE_CHECKING:  # annotations only: plan.py needs metrics.py, which needs this module
+    from hbp_train.planning.plan import GroupSpec, PlanConfig
+
+
+def default_pack_cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group: GroupSpec | None = None) -> np.ndarray:
+    """Attention cost of every pack: sum of len^2 over its samples (float64)."""
+    sq = pack_lengths.astype(np.float64) ** 2
+    csum = np.concatenate([[0.0], np.cumsum(sq)])
+    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
 
 
 def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig) -> np.ndarray:
@@ -143,7 +155,6 @@ def build_steps(
     pack_samples: np.ndarray,
     pack_group: np.ndarray,
     config: PlanConfig,
-    rng: np.random.Generator,
     balance: bool = True,
     refine: bool | None = None,
 ):
@@ -153,8 +164,7 @@ def build_steps(
     have been split or empty ones added, refined slots re-formed; see the module docstring) and the steps,
     slot-major (``step_packs[step_ptr[s] + k*R + r]``), ordered group by group (full steps in slot order, then
     the tail). Step order is decided later (curriculum.order_steps). ``refine`` defaults to
-    ``config.balance == "refine"`` (only used with ``balance``). ``rng`` is accepted for strategies that want
-    randomised tie-breaking; the current rules are deterministic given the packs.
+    ``config.balance == "refine"`` (only used with ``balance``). Deterministic given the packs.
     """
     if refine is None:
         refine = config.balance == "refine"

@@ -171,7 +171,7 @@ def plan_hbp(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr, pack_samples, pack_group = pack_hierarchical(lengths, kept, config, rng)
     bar.update()
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
-        lengths, pack_ptr, pack_samples, pack_group, config, rng, balance=True
+        lengths, pack_ptr, pack_samples, pack_group, config, balance=True
     )
     bar.update()
     order = order_steps(step_group, config.curriculum_steps, rng)

@@ -17,12 +17,15 @@ A step's ABR/DBR is the mean over its slots. A slot whose packs are all empty co
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hbp_train.planning.balance import pack_costs
+from hbp_train.planning.csr import gather_ranges
 
-from hbp_train.planning.plan import Plan, gather_ranges
+if TYPE_CHECKING:  # annotations only: Plan.compute_metrics calls this module
+    from hbp_train.planning.plan import Plan
 
 
 def slot_imbalance(values: np.ndarray) -> np.ndarray:

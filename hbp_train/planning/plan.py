@@ -22,7 +22,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hbp_train.errors import UserError
 from hbp_train.outputs import atomic_write
+from hbp_train.planning.csr import pack_tokens
 
 PLAN_VERSION = 1
 MAX_WORLD_SIZE = 1 << 20
@@ -40,21 +42,6 @@ def _is_power_of_two(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def gather_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Indices start[i] .. start[i]+size[i]-1 for all i, concatenated (vectorised): the rows of CSR segments."""
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    offs = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
-    return np.arange(total, dtype=np.int64) + offs
-
-
-def pack_tokens(lengths: np.ndarray, pack_ptr: np.ndarray, pack_samples: np.ndarray) -> np.ndarray:
-    """int64 [num_packs]: tokens in every pack of a CSR pack list."""
-    csum = np.concatenate([[0], np.cumsum(lengths[pack_samples])])
-    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
-
-
 @dataclass(frozen=True)
 class GroupSpec:
     """One hierarchical packing group: packs of up to ``pack_len`` tokens trained with SP degree ``sp``."""
@@ -68,11 +55,11 @@ class GroupSpec:
 
     def __post_init__(self):
         if not isinstance(self.pack_len, (int, np.integer)) or self.pack_len < 1:
-            raise ValueError(f"groups.pack_len must be a positive integer, got {self.pack_len!r}")
+            raise UserError(f"groups.pack_len must be a positive integer, got {self.pack_len!r}")
         if not isinstance(self.sp, (int, np.integer)) or not _is_power_of_two(int(self.sp)):
-            raise ValueError(f"groups.sp must be a power of two (1, 2, 4, ...), got {self.sp!r}")
+            raise UserError(f"groups.sp must be a power of two (1, 2, 4, ...), got {self.sp!r}")
         if self.ckpt_layers is not None and (not isinstance(self.ckpt_layers, (int, np.integer)) or self.ckpt_layers < 0):
-            raise ValueError(f"groups.ckpt_layers must be a non-negative integer or null, got {self.ckpt_layers!r}")
+            raise UserError(f"groups.ckpt_layers must be a non-negative integer or null, got {self.ckpt_layers!r}")
 
     def to_dict(self) -> dict:
         return {"pack_len": int(self.pack_len), "sp": int(self.sp), "ckpt_layers": self.ckpt_layers}
@@ -111,38 +98,38 @@ class PlanConfig:
     def __post_init__(self):
         self.groups = tuple(g if isinstance(g, GroupSpec) else GroupSpec(**g) for g in self.groups)
         if not isinstance(self.world_size, (int, np.integer)) or self.world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
+            raise UserError(f"world_size must be a positive integer, got {self.world_size!r}")
         if self.world_size > MAX_WORLD_SIZE:  # every step lists world_size/sp replicas: memory grows with it
-            raise ValueError(f"world_size={self.world_size} is larger than the {MAX_WORLD_SIZE} ranks supported")
+            raise UserError(f"world_size={self.world_size} is larger than the {MAX_WORLD_SIZE} ranks supported")
         if not self.groups:
-            raise ValueError("groups must hold at least one group")
+            raise UserError("groups must hold at least one group")
         lens = [g.pack_len for g in self.groups]
         if any(b <= a for a, b in zip(lens, lens[1:])):
-            raise ValueError(f"groups must be strictly ascending by pack_len, got {lens}")
+            raise UserError(f"groups must be strictly ascending by pack_len, got {lens}")
         for g in self.groups:
             if g.sp > self.world_size or self.world_size % g.sp:
-                raise ValueError(f"groups.sp={g.sp} (pack_len {g.pack_len}) must divide world_size={self.world_size}")
+                raise UserError(f"groups.sp={g.sp} (pack_len {g.pack_len}) must divide world_size={self.world_size}")
         if self.strategy not in STRATEGIES and not isinstance(self.strategy, str):
-            raise ValueError(f"strategy must be a string, got {self.strategy!r}")
+            raise UserError(f"strategy must be a string, got {self.strategy!r}")
         if not isinstance(self.global_tokens, (int, np.integer)) or self.global_tokens < 1:
-            raise ValueError(f"global_tokens must be a positive integer, got {self.global_tokens!r}")
+            raise UserError(f"global_tokens must be a positive integer, got {self.global_tokens!r}")
         if self.max_len is None:
             self.max_len = int(self.groups[-1].pack_len)
         if self.max_len < 1 or self.max_len > self.groups[-1].pack_len:
-            raise ValueError(
+            raise UserError(
                 f"max_len={self.max_len} must be between 1 and the largest pack_len ({self.groups[-1].pack_len}): "
                 "add a group whose pack_len is at least max_len"
             )
         if self.curriculum_steps < 0:
-            raise ValueError(f"curriculum_steps must be >= 0, got {self.curriculum_steps}")
+            raise UserError(f"curriculum_steps must be >= 0, got {self.curriculum_steps}")
         if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:  # numpy's RNG takes no negative seed
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise UserError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not 0 <= self.isf_rounds <= MAX_ISF_ROUNDS:  # each round is a pass over the data
-            raise ValueError(f"isf_rounds must be between 0 and {MAX_ISF_ROUNDS}, got {self.isf_rounds}")
+            raise UserError(f"isf_rounds must be between 0 and {MAX_ISF_ROUNDS}, got {self.isf_rounds}")
         if self.isf_threshold is not None and self.isf_threshold < 0:
-            raise ValueError(f"isf_threshold must be >= 0 or None, got {self.isf_threshold}")
+            raise UserError(f"isf_threshold must be >= 0 or None, got {self.isf_threshold}")
         if self.balance not in BALANCE_METHODS:
-            raise ValueError(f"balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
+            raise UserError(f"balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
 
     def replicas(self, group: int) -> int:
         """Number of replicas (SP groups) of a step in ``group``."""
@@ -254,7 +241,7 @@ class Plan:
     def validate(self) -> None:
         """Raise ValueError if the plan breaks the contract (docs/architecture.md): every index once in a pack or
         dropped, no pack over its pack_len, W/sp replicas with equal micro-batch counts, empty packs only in
-        one step per group."""
+        one step per group. A broken plan is a planner bug, not bad input, hence ValueError (never UserError)."""
         cfg, n = self.config, self.num_samples
         ng = len(cfg.groups)
         if self.pack_ptr[0] != 0 or self.pack_ptr[-1] != len(self.pack_samples) or np.any(np.diff(self.pack_ptr) < 0):
@@ -370,8 +357,8 @@ class Plan:
     def from_dict(cls, d: dict) -> "Plan":
         """Rebuild a plan (numpy arrays) from its JSON dict. Needs "lengths" (written by to_dict)."""
         if d.get("version", PLAN_VERSION) != PLAN_VERSION:
-            raise ValueError(f"plan version {d.get('version')!r} is not the version {PLAN_VERSION} this code reads; "
-                             "re-run python -m data_tools.pack to rebuild the plan")
+            raise UserError(f"plan version {d.get('version')!r} is not the version {PLAN_VERSION} this code reads; "
+                            "re-run python -m data_tools.pack to rebuild the plan")
         groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in d["groups"]]
         cfg = PlanConfig(
             world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),
@@ -417,30 +404,15 @@ class Plan:
 
 
 def check_lengths(lengths) -> np.ndarray:
-    """Lengths as int64; ValueError (one line) for non-integers, zero or negative lengths."""
+    """Lengths as int64; UserError (one line) for non-integers, zero or negative lengths."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D sequence, got shape {arr.shape}")
+        raise UserError(f"lengths must be a 1-D sequence, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if not np.issubdtype(arr.dtype, np.floating) or np.any(arr != np.round(arr)):
-            raise ValueError("lengths must be integers")
+            raise UserError("lengths must be integers")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero(arr <= 0)
     if len(bad):
-        raise ValueError(f"lengths: sample {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")
+        raise UserError(f"lengths: sample {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")
     return arr
-
-
-def pack_csr(packs: list[np.ndarray] | list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(pack_ptr, pack_samples) from a list of per-pack sample-index lists (small inputs / tests)."""
-    sizes = np.array([len(p) for p in packs], np.int64)
-    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    flat = np.concatenate([np.asarray(p, np.int64) for p in packs]) if packs else np.zeros(0, np.int64)
-    return ptr, flat.astype(np.int64)
-
-
-def default_pack_cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group: GroupSpec | None = None) -> np.ndarray:
-    """Attention cost of every pack: sum of len^2 over its samples (float64)."""
-    sq = pack_lengths.astype(np.float64) ** 2
-    csum = np.concatenate([[0.0], np.cumsum(sq)])
-    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]

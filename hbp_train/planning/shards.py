@@ -23,8 +23,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import replace_dir, staging_dir
-from hbp_train.planning.plan import Plan, gather_ranges
+from hbp_train.planning.csr import gather_ranges
+from hbp_train.planning.plan import Plan
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
 COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
@@ -69,7 +72,7 @@ def _pack_batch(plan: Plan, packs: np.ndarray, ids_off, ids_val, lab_off, lab_va
     sample_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
     position_ids = (np.arange(len(tok_idx)) - np.repeat(sample_start, lens)).astype(np.int32)
     # Targets after the per-sample shift: label at t counts when t is not a sample's first token.
-    counted = labels != -100
+    counted = labels != IGNORE_INDEX
     counted[sample_start[lens > 0]] = False
     pack_of_sample = np.repeat(np.arange(len(packs)), sizes)
     pack_tokens = np.bincount(pack_of_sample, lens, minlength=len(packs)).astype(np.int64)
@@ -108,7 +111,7 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
 
     The set is built in a staging folder beside OUT and replaces an earlier OUT as a whole only once complete
     (hbp_train.outputs.replace_dir); the caller checks that OUT is new, empty or an earlier output.
-    Raises ValueError if the dataset's ``length`` column does not match the plan's lengths. Returns
+    Raises UserError if the dataset's ``length`` column does not match the plan's lengths. Returns
     {group: number of rows}."""
     import datasets
     from tqdm.auto import tqdm
@@ -117,15 +120,15 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
     ds = datasets.load_from_disk(str(dataset_dir))
     for col in ("input_ids", "labels", "length"):
         if col not in ds.column_names:
-            raise ValueError(f"{dataset_dir}: tokenized dataset has no '{col}' column (columns: {ds.column_names})")
+            raise UserError(f"{dataset_dir}: tokenized dataset has no '{col}' column (columns: {ds.column_names})")
     ds_len = np.asarray(ds.data.column("length").to_numpy(), np.int64)
     if len(ds_len) != plan.num_samples or np.any(ds_len != plan.lengths):
-        raise ValueError(f"{dataset_dir}: 'length' column ({len(ds_len)} rows) does not match the plan's lengths "
-                         f"({plan.num_samples}); re-plan from this dataset")
+        raise UserError(f"{dataset_dir}: 'length' column ({len(ds_len)} rows) does not match the plan's lengths "
+                        f"({plan.num_samples}); re-plan from this dataset")
     ids_off, ids_val = _list_column(ds, "input_ids")
     lab_off, lab_val = _list_column(ds, "labels")
     if np.any(np.diff(ids_off) != ds_len) or np.any(np.diff(lab_off) != ds_len):
-        raise ValueError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
+        raise UserError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
     packs_by_group, step_rows = group_row_order(plan)
     tokens = plan.pack_tokens
     features = datasets.Features({

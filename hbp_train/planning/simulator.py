@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hbp_train.errors import UserError
 from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
 from hbp_train.planning.plan import Plan
 
@@ -85,22 +86,22 @@ class SimConfig:
 
     def __post_init__(self):
         if not (self.intra_node_gbps > 0 and self.inter_node_gbps > 0):  # also refuses NaN
-            raise ValueError("intra_node_gbps and inter_node_gbps must be > 0")
+            raise UserError("intra_node_gbps and inter_node_gbps must be > 0")
         if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+            raise UserError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.ckpt_layers < 0:
-            raise ValueError(f"ckpt_layers must be >= 0, got {self.ckpt_layers}")
+            raise UserError(f"ckpt_layers must be >= 0, got {self.ckpt_layers}")
         if self.sync is not None and self.sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES} or None, got {self.sync!r}")
+            raise UserError(f"sync must be one of {SYNC_MODES} or None, got {self.sync!r}")
         if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES} or None, got {self.zero_stage!r}")
+            raise UserError(f"zero_stage must be one of {ZERO_STAGES} or None, got {self.zero_stage!r}")
         if not 0.0 <= self.comm_overlap <= 1.0:
-            raise ValueError(f"comm_overlap must be in [0, 1], got {self.comm_overlap}")
+            raise UserError(f"comm_overlap must be in [0, 1], got {self.comm_overlap}")
         if not self.hbm_gbps > 0:
-            raise ValueError(f"hbm_gbps must be > 0, got {self.hbm_gbps}")
+            raise UserError(f"hbm_gbps must be > 0, got {self.hbm_gbps}")
         if self.zero_stage is not None and self.sync is not None and self.sync != stage_sync(self.zero_stage):
-            raise ValueError(f"sync {self.sync!r} contradicts zero_stage {self.zero_stage} (which synchronises "
-                             f"every {'micro-batch' if self.zero_stage >= 2 else 'step'}); leave sync unset")
+            raise UserError(f"sync {self.sync!r} contradicts zero_stage {self.zero_stage} (which synchronises "
+                            f"every {'micro-batch' if self.zero_stage >= 2 else 'step'}); leave sync unset")
 
     def comm_model(self) -> str:
         """One line naming the communication model, for tables, JSON and plot titles."""

@@ -1,6 +1,6 @@
-"""`python -m hbp_train.profiler`: the auto group selection profiler CLI."""
+"""`python -m hbp_train.profiler`: the auto group selection profiler CLI (hbp_train.profiler.cli)."""
 import sys
 
-from hbp_train.profiler.search import main
+from hbp_train.profiler.cli import main
 
 sys.exit(main())

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from hbp_train.errors import UserError
 from hbp_train.planning.curriculum import order_steps, sample_levels
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 from hbp_train.planning.baselines.wlb import first_fit_decreasing, sample_costs
@@ -33,13 +34,13 @@ ZERO_STAGES = (0, 1)
 
 
 def check_zero_stage(plan, zero_stage: int) -> None:
-    """ValueError (one line) when a plan with unequal micro-batch counts is run with a ZeRO stage that
+    """UserError (one line) when a plan with unequal micro-batch counts is run with a ZeRO stage that
     synchronises every micro-batch. ``plan``: a Plan or its JSON dict."""
     extra = plan if isinstance(plan, dict) else plan.extra
     # A plan marked only "unequal_micro_batches" (no "requires_zero_stage") has the same constraint.
     required = extra.get("requires_zero_stage", list(ZERO_STAGES) if extra.get("unequal_micro_batches") else None)
     if required is not None and int(zero_stage) not in required:
-        raise ValueError(
+        raise UserError(
             f"this plan has unequal micro-batch counts per replica (strategy bytescale) and needs ZeRO stage "
             f"{' or '.join(str(s) for s in required)}; stage {zero_stage} reduces gradients every micro-batch "
             "and would deadlock: set the ZeRO stage to 1 or plan with another strategy")

@@ -77,7 +77,7 @@ def plan_isf(lengths: np.ndarray, config: PlanConfig) -> Plan:
     bar.update()
     pack_group = np.full(len(pack_ptr) - 1, last, np.int32)
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
-        lengths, pack_ptr, pack_samples, pack_group, config, rng, balance=False
+        lengths, pack_ptr, pack_samples, pack_group, config, balance=False
     )
     bar.update()
     bar.close()

@@ -36,7 +36,7 @@ def plan_sorted(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr = np.r_[starts, len(order)].astype(np.int64)
     pack_group = np.full(len(starts), last, np.int32)
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
-        lengths, pack_ptr, order.astype(np.int64), pack_group, config, rng, balance=False
+        lengths, pack_ptr, order.astype(np.int64), pack_group, config, balance=False
     )
     if len(step_group):
         pack_max = np.maximum.reduceat(np.r_[lengths[pack_samples], 0], pack_ptr[:-1])

@@ -167,7 +167,7 @@ def plan_wlb(lengths: np.ndarray, config: PlanConfig) -> Plan:
         t_ptr = np.concatenate([[0], np.cumsum([len(p) for p in tail])]).astype(np.int64)
         t_flat = np.asarray([i for p in tail for i in p], np.int64)
         t_ptr, t_flat, _, ts_ptr, ts_packs, _ = build_steps(
-            lengths, t_ptr, t_flat, np.full(len(tail), g, np.int32), config, rng, balance=True)
+            lengths, t_ptr, t_flat, np.full(len(tail), g, np.int32), config, balance=True)
         for s in range(len(ts_ptr) - 1):
             for p in ts_packs[ts_ptr[s]:ts_ptr[s + 1]].tolist():
                 trained[t_flat[t_ptr[p]:t_ptr[p + 1]]] = num_main_steps + s

@@ -1,0 +1,309 @@
+"""The one build path: a training run's data, SP groups, model and DeepSpeed engine, from its config.
+
+``build(cfg)`` is what the trainer runs: it opens the packed shards (and the held-out shards), checks them against
+the run (world size, ZeRO stage), loads the tokenizer and hands the plan's packing groups to ``build_run``.
+``build_run(cfg, groups, total_steps)`` is the part that needs no shards on disk (bench/bench_trainer.py calls it
+with in-memory packs): the SP groups of every degree, the model (partitioned as it is built under ZeRO-3), the
+run's ``SequenceParallel`` (Ulysses attention when a group uses sp > 1), the checkpointed-layer checks, the GPU
+memory preflight, and the DeepSpeed engine around ``PackedCausalLM``. Every check of user input raises UserError
+before DeepSpeed allocates anything.
+
+DeepSpeed is initialised with gradient_accumulation_steps=1 and one pack per micro-batch: the trainer drives the
+accumulation boundary itself, because the number of micro-batches changes from step to step (trainer.py says why).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from hbp_train import model as modeling
+from hbp_train.data import PackedData
+from hbp_train.distributed import groups as dist_groups
+from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
+from hbp_train.errors import UserError
+from hbp_train.loss import chunked_token_losses
+
+# DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
+# FutureWarning out of every rank's training log.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                        category=FutureWarning)
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How DeepSpeed shards and places the model state (precision follows model.dtype)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 1 (shard optimizer state; gradients reduced once per step, which plans with unequal micro-batch
+    counts per replica, strategy bytescale, need), 2 (also gradients, reduced every micro-batch) or 3 (also
+    parameters)."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on the CPU (ZeRO-Offload); the optimizer step runs there (torch AdamW)."""
+    offload_param: bool = False
+    """Keep parameters on the CPU between uses (ZeRO-3 only)."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (GPU only; always off on the CPU)."""
+    reduce_bucket_size: int = 200_000_000
+    """Elements per gradient-reduction bucket."""
+    extra: dict = field(default_factory=dict)
+    """Raw DeepSpeed config entries merged last (advanced; e.g.
+    {"zero_optimization": {"stage3_max_live_parameters": 1e9}})."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (1, 2, 3):
+            raise UserError(f"deepspeed.zero_stage={self.zero_stage}: must be 1, 2 or 3")
+        if self.offload_param and self.zero_stage != 3:
+            raise UserError("deepspeed.offload_param: needs deepspeed.zero_stage=3")
+        if self.reduce_bucket_size < 1:
+            raise UserError(f"deepspeed.reduce_bucket_size={self.reduce_bucket_size}: must be >= 1")
+
+
+def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: int, bf16: bool) -> dict:
+    """The DeepSpeed JSON config (``train``: a trainer.TrainConfig): one pack per micro-batch,
+    gradient_accumulation_steps=1 (the trainer drives the accumulation boundary)."""
+    on_gpu = torch.cuda.is_available()
+    zero = {"stage": ds.zero_stage, "overlap_comm": bool(ds.overlap_comm and on_gpu), "contiguous_gradients": True,
+            "reduce_bucket_size": ds.reduce_bucket_size}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    warmup = max(1, train.warmup_steps)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": train.grad_clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        # torch AdamW: DeepSpeed's FusedAdam is a JIT build that fails on some images and takes ~90 s on a CPU.
+        "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
+                                                  "weight_decay": train.weight_decay, "torch_adam": True}},
+        # Linear warm-up from lr/warmup_steps, then cosine down to lr * min_lr_ratio (build_engine starts it at 0).
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total_steps, warmup + 1), "warmup_num_steps": warmup,
+            "warmup_min_ratio": 1.0 / warmup if train.warmup_steps > 0 else 1.0, "warmup_type": "linear",
+            "cos_min_ratio": train.min_lr_ratio}},
+        # A NaN/inf gradient makes ZeRO skip the update and clear the gradients (on_nan=skip relies on it).
+        "bf16": {"enabled": bf16, **({"check_grad_overflow": True} if bf16 else {})},
+    }
+    if ds.offload_optimizer:
+        config["zero_force_ds_cpu_optimizer"] = False
+    return _merge(config, ds.extra)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class PackedCausalLM(torch.nn.Module):
+    """The HF model plus the chunked LM-head loss: forward(batch) -> per-token losses [T] (0 where no label).
+
+    Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the LM-head weight, used here outside
+    its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
+    """
+
+    def __init__(self, model, chunk_size: int):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
+        kwargs = {}
+        if cu_seqlens is not None:
+            kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
+                      "max_length_k": max_seqlen}
+        hidden = modeling.forward_hidden(self.model, input_ids, position_ids, **kwargs)
+        head = self.model.get_output_embeddings()
+        return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
+                                    lm_head_bias=getattr(head, "bias", None))
+
+
+@dataclass
+class Run:
+    """Everything the training loop needs, built once by :func:`build` (or :func:`build_run`)."""
+
+    cfg: object
+    """The run config (config.HBPConfig; build_run reads its model, train, deepspeed and loss sections)."""
+    engine: object
+    """The DeepSpeed engine around PackedCausalLM."""
+    model: object
+    """The HF model (engine.module.model)."""
+    sp: SequenceParallel
+    """This rank's SP groups, the active SP degree, the Ulysses attention and the live CR counters."""
+    total_steps: int
+    """Optimizer steps of the whole run (every epoch, capped by train.max_steps)."""
+    data: Optional[PackedData] = None
+    """The packed training shards (None when built by build_run alone)."""
+    eval_data: Optional[PackedData] = None
+    """The held-out packed shards (data.eval_shards), or None."""
+    tokenizer: object = None
+    """Saved with every checkpoint, so that an export is a complete HF model directory."""
+    pad_token_id: int = 0
+    """The token id of empty (dummy) micro-batches."""
+    config_yaml: str = ""
+    """The resolved config, saved with every checkpoint."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def grad_divisor(self) -> int:
+        """How many ranks DeepSpeed averages gradients over (its data-parallel world: all ranks, no mpu)."""
+        return self.engine.dp_world_size
+
+
+def build(cfg, config_yaml: str = "") -> Run:
+    """The trainer's run: open the data (and held-out data), load the tokenizer, then :func:`build_run`."""
+    from transformers import AutoTokenizer
+
+    world_size = dist_groups.world_size()
+    data = _open_packed(cfg.data.shards, cfg, world_size, shuffle=True)
+    eval_data = _open_packed(cfg.data.eval_shards, cfg, world_size, shuffle=False) if cfg.data.eval_shards else None
+    total_steps = data.num_steps * cfg.data.epochs
+    if cfg.train.max_steps is not None:
+        total_steps = min(total_steps, cfg.train.max_steps)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    # SP: the groups of every degree either plan uses, built once, up front
+    sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
+    run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=len(tokenizer),
+                    plan=f"{cfg.data.shards}/plan.json")
+    run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
+    run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return run
+
+
+def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: Optional[int] = None,
+              init_device=None, plan: str = "the plan") -> Run:
+    """SP groups, model, SP attention and DeepSpeed engine for a plan's packing ``groups`` (dicts with pack_len,
+    sp, ckpt_layers); no data. ``sp_degrees``: the SP groups to build (default: the groups' degrees);
+    ``vocab_size``: grow the model's vocabulary to the tokenizer's; ``init_device``: build the weights directly on
+    this device (default: the host; deepspeed.initialize moves them); ``plan``: where ``groups`` came from, for
+    error messages."""
+    world_size = dist_groups.world_size()
+    ckpt_override = cfg.train.ckpt_layers
+    if ckpt_override is not None and len(ckpt_override) not in (1, len(groups)):
+        raise UserError(f"train.ckpt_layers has {len(ckpt_override)} values but the plan has {len(groups)} "
+                        "groups: give one per group or a single one")
+    _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
+    if sp_degrees is None:
+        sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
+    pstate = dist_groups.build_parallel_state(sp_degrees)
+    # Under ZeRO-3 the model is partitioned as it is built (no rank ever holds all of it, which a 70B model would not
+    # fit); the config equals the one build_engine gives deepspeed.initialize.
+    zero3_config = None
+    if cfg.deepspeed.zero_stage == 3:
+        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
+    with torch.device(init_device) if init_device is not None else nullcontext():
+        model = modeling.build_model(cfg.model, vocab_size=vocab_size, zero3_config=zero3_config)
+    sp = setup_sequence_parallel(model, pstate)  # SP: Ulysses attention when a degree > 1 is used
+    ckpt_layers = [ckpt_layers_for(ckpt_override, g, group.get("ckpt_layers")) for g, group in enumerate(groups)]
+    num_layers = len(modeling.decoder_layers(model))
+    if any(k > num_layers for k in ckpt_layers):
+        source = (f"train.ckpt_layers={list(ckpt_override)}" if ckpt_override is not None
+                  else f"{plan} groups[].ckpt_layers={[g.get('ckpt_layers') for g in groups]}")
+        raise UserError(f"{source}: the model has only {num_layers} decoder layers")
+    _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers)
+    engine = build_engine(cfg, model, total_steps, world_size)
+    return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps)
+
+
+def build_engine(cfg, model, total_steps: int, world_size: int):
+    """The DeepSpeed engine that trains ``model`` (an HF causal LM from model.build_model) with the chunked loss.
+
+    Needs cfg.model (precision), cfg.train (optimizer, schedule), cfg.deepspeed and cfg.loss (chunk size). Wraps
+    the model in PackedCausalLM, registers the LM head as a ZeRO-3 external parameter, initializes DeepSpeed with
+    ``deepspeed_config`` and starts the LR schedule at step 0. SP attention, if any, must already be installed.
+    """
+    import deepspeed
+
+    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
+    if cfg.deepspeed.zero_stage == 3:
+        head = model.get_output_embeddings()
+        deepspeed.zero.register_external_parameter(wrapper, head.weight)
+        if getattr(head, "bias", None) is not None:
+            deepspeed.zero.register_external_parameter(wrapper, head.bias)
+    engine, _, _, _ = deepspeed.initialize(
+        model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
+    if engine.lr_scheduler is not None:
+        # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
+        # A resumed run overwrites this with the checkpoint's scheduler state.
+        engine.lr_scheduler.step(0)
+    return engine
+
+
+def ckpt_layers_for(override: Optional[list], group: int, plan_value: Optional[int]) -> int:
+    """Activation-checkpointed layers of packing group ``group``: train.ckpt_layers (one value per group, or a
+    single one for all), else the plan's groups[g].ckpt_layers, else 0."""
+    if override is not None:
+        return int(override[0] if len(override) == 1 else override[group])
+    return int(plan_value or 0)
+
+
+def _bf16(cfg) -> bool:
+    return cfg.model.torch_dtype() == torch.bfloat16
+
+
+def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData:
+    """The packed shards of a directory, checked against this run: its world size and its ZeRO stage."""
+    from hbp_train.planning.baselines.bytescale import check_zero_stage
+
+    if shuffle:
+        packed = PackedData(shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
+    else:
+        packed = PackedData(shards, cfg.data.check_counts)
+    if packed.world_size != world_size:
+        raise UserError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
+                        f"{world_size} ranks: launch {packed.world_size} processes (NPROC={packed.world_size} "
+                        f"./launch.sh train ...), or re-plan with data_tools.pack --world-size {world_size}")
+    try:  # bytescale plans (unequal micro-batch counts per replica) need ZeRO-1
+        check_zero_stage(packed.plan, cfg.deepspeed.zero_stage)
+    except UserError as e:
+        raise UserError(f"{shards}/plan.json: {e} (deepspeed.zero_stage=1)") from None
+    return packed
+
+
+def _check_attention_backend(model_cfg) -> None:
+    """model.attention_backend must be usable on this machine (e.g. flash_varlen needs a GPU and bf16/fp16)."""
+    from hbp_train.attention import select_backend
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        select_backend(model_cfg.attention_backend, device, model_cfg.torch_dtype())
+    except UserError as e:
+        raise UserError(f"model.attention_backend={model_cfg.attention_backend}: {e}") from None
+
+
+def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_layers: list) -> None:
+    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit (before the
+    engine allocates anything). Advice only; models whose config is not Llama-like are not checked.
+    ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
+    if not torch.cuda.is_available():
+        return
+    from hbp_train.perf.memory import JobSettings, memory_preflight
+    from hbp_train.perf.shape import parse_model_shape
+
+    try:
+        shape = parse_model_shape(model.config)
+    except UserError:  # not a Llama-like config: no memory model for it
+        return
+    job = JobSettings(cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer, cfg.loss.chunk_size)
+    groups = [{**g, "ckpt_layers": k} for g, k in zip(groups, ckpt_layers)]
+    if dist_groups.rank() != 0:
+        return
+    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    for message in memory_preflight(groups, shape, world_size, job, device_bytes):
+        print(f"[train] warning: {message}", flush=True)

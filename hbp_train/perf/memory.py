@@ -1,0 +1,82 @@
+"""Analytic memory model of one training rank: ZeRO model states + kept activations + one loss chunk.
+
+Used by the profiler's dry run (``hbp_train.profiler.backends.AnalyticBackend``), by its GPU backend to turn
+the measured model's states into the training job's, and by the trainer's preflight (``memory_preflight``: one
+warning per packing group predicted not to fit, before the engine allocates anything). It is an estimate to plan
+with, not a measurement; docs/profiler.md states the model.
+
+Pure Python: the trainer imports it without the profiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hbp_train.perf.shape import ModelShape
+
+
+@dataclass
+class JobSettings:
+    """What the memory model takes from the training job's config (it must match the job being planned for)."""
+
+    zero_stage: int = 2
+    """deepspeed.zero_stage: which model states are sharded over the world size."""
+    offload_optimizer: bool = False
+    """deepspeed.offload_optimizer: optimizer states live on the CPU (not counted on the GPU)."""
+    loss_chunk_tokens: int = 4096
+    """loss.chunk_size: tokens per chunk of the chunked LM-head loss."""
+
+
+def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
+    """Per-GPU bytes of model states in bf16 mixed precision under ZeRO (the ZeRO paper's accounting):
+    bf16 params 2 B (sharded at stage 3), bf16 grads 2 B (stage >= 2), and fp32 master weights, Adam m and v and
+    DeepSpeed's fp32 gradient partition 16 B (stage >= 1; none on the GPU with optimizer offload)."""
+    w, stage = world_size, job.zero_stage
+    optimizer = 0 if job.offload_optimizer else 16 * params / (w if stage >= 1 else 1)
+    return int(2 * params / (w if stage >= 3 else 1) + 2 * params / (w if stage >= 2 else 1) + optimizer)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape) -> int:
+    """bf16 activations one non-checkpointed decoder layer keeps per (rank-local) token for backward:
+    two RMSNorm inputs+outputs (4h), q, rotated q, attention output (3 x heads*head_dim), k, v, rotated k
+    (3 x kv width) and the gated MLP's gate, up, act(gate) and product (4 x ffn). Ulysses moves heads, not
+    tokens, so per rank it is the same count at any SP degree."""
+    return 2 * (4 * shape.hidden + 3 * shape.attn_width + 3 * shape.kv_width + 4 * shape.ffn)
+
+
+def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,
+                          job: JobSettings) -> int:
+    """Modelled peak memory of one rank: model states + kept activations + one recomputed layer + loss chunk.
+
+    A checkpointed layer keeps only its bf16 input (2h bytes per token); in backward one checkpointed layer at a
+    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy).
+    """
+    tokens = -(-pack_len // sp)
+    full = activation_bytes_per_token_layer(shape)
+    kept = 2 * shape.hidden
+    layers = shape.num_layers
+    acts = tokens * ((layers - ckpt_layers) * full + ckpt_layers * kept)
+    recompute = tokens * full if ckpt_layers > 0 else 0
+    embed_and_final = tokens * 2 * shape.hidden * 3  # embedding output, final norm in/out
+    chunk = min(job.loss_chunk_tokens, tokens)
+    loss = chunk * shape.vocab * (4 + 4 + 2)
+    states = model_state_bytes(shape.num_params, world_size, job)
+    return int(states + acts + recompute + embed_and_final + loss)
+
+
+def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,
+                     device_bytes: int, headroom: float = 0.05) -> list[str]:
+    """Warnings for the packing groups that the memory model predicts will not fit one GPU of ``device_bytes``.
+
+    The trainer runs this before it builds anything on a GPU (a 128K group that cannot fit should not cost the
+    minutes of loading a large model first); it is advice from analytic_memory_bytes, not a measurement."""
+    warnings = []
+    for g, group in enumerate(groups):
+        pack_len, sp, ckpt = int(group["pack_len"]), int(group.get("sp", 1)), int(group.get("ckpt_layers") or 0)
+        need = analytic_memory_bytes(shape, pack_len, sp, ckpt, world_size, job)
+        if need > (1.0 - headroom) * device_bytes:
+            warnings.append(
+                f"group {g} ({pack_len} tokens, sp={sp}, {ckpt} checkpointed layers) is predicted to need "
+                f"{need / 2**30:.1f} GiB of the GPU's {device_bytes / 2**30:.1f} GiB: raise its ckpt_layers "
+                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
+    return warnings

@@ -1,0 +1,196 @@
+"""The shape of a decoder-only transformer, and the one place that reads it.
+
+``ModelShape`` holds what FLOPs, memory and all-to-all sizes depend on (hidden, layers, heads, kv heads, head dim,
+MLP width, vocabulary). ``parse_model_shape`` is the only reader: a preset name (``MODEL_SHAPES``), a JSON object
+given inline or as a file, a dict, or an HF config object — our own key names or HF ``config.json`` names.
+``model_shape_of`` reads the shape a run's ``ModelConfig`` will build, from its HF config alone (no weights).
+``sp_heads_problem`` is the one rule for which sequence-parallel degrees Ulysses can split the heads by.
+
+Pure Python (transformers is imported only by ``model_shape_of``): the planner and the simulator use this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hbp_train.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a decoder-only transformer, enough to count FLOPs, memory and all-to-all bytes."""
+
+    name: str
+    """Label used in reports."""
+    hidden: int
+    """Hidden size."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA)."""
+    ffn: int
+    """Intermediate size of the gated MLP (3 matrices)."""
+    vocab: int
+    """Vocabulary size (LM head)."""
+    head_dim: int = 0
+    """Per-head dimension; 0 means hidden // num_heads."""
+
+    def __post_init__(self):
+        for field_name in ("hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab"):
+            if int(getattr(self, field_name)) <= 0:
+                raise UserError(f"model shape: {field_name} must be > 0, got {getattr(self, field_name)}")
+        if self.head_dim < 0:
+            raise UserError(f"model shape: head_dim must be >= 0, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise UserError(f"model shape: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                            f"({self.num_kv_heads})")
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
+
+    @property
+    def attn_width(self) -> int:
+        """heads · head_dim: the width of q and of the attention output; attention FLOPs scale with it."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """kv_heads · head_dim: the width of k and of v."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a Llama-style decoder (untied embeddings and LM head: the upper bound).
+
+        Used by the memory model and the simulator's ZeRO collectives and optimizer step.
+        """
+        attn = self.hidden * self.attn_width * 2 + 2 * self.hidden * self.kv_width
+        per_layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return self.num_layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+
+    def a2a_width(self, sp: int) -> int:
+        """Elements per token moved by the four Ulysses all-to-alls of one layer forward (q, k, v, out).
+
+        k and v have num_kv_heads heads; Ulysses replicates kv heads up to sp when there are fewer.
+        """
+        return 2 * self.attn_width + 2 * max(self.num_kv_heads, sp) * self.head_dim
+
+
+MODEL_SHAPES = {
+    "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
+    "llama3.2-1b": ModelShape("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64),
+    "llama3.2-3b": ModelShape("llama3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128),
+    "llama3.1-70b": ModelShape("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064),
+}
+
+# HF config.json key names and ours, so a model's config file (or config object) works as a shape.
+HF_KEYS = {"hidden_size": "hidden", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+           "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
+_FIELDS = ("name", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab", "head_dim")
+
+
+def load_json_object(spec: str, what: str = "model shape") -> dict:
+    """A JSON object given inline (text starting with '{') or as a file path; UserError naming ``what``."""
+    text = spec
+    if not spec.lstrip().startswith("{"):
+        path = Path(spec)
+        if not path.is_file():
+            raise UserError(f"{what} {spec!r}: neither a JSON object nor a file")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"{what} {spec}: cannot read ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{what}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what}: the JSON must be an object, got {type(data).__name__}")
+    return data
+
+
+def parse_model_shape(spec) -> ModelShape:
+    """A ModelShape from a preset name, a JSON string or file, a dict, or an HF config object (its attributes).
+
+    Keys may be ours or HF config.json's (``hidden_size``, ``num_attention_heads``, ...); unknown keys are
+    ignored, a missing ``num_kv_heads`` means one kv head per query head (no GQA), a missing or null ``head_dim``
+    means hidden // num_heads. Bad input raises UserError naming the problem.
+    """
+    if isinstance(spec, ModelShape):
+        return spec
+    if not isinstance(spec, (str, dict)) and hasattr(spec, "num_hidden_layers"):  # a transformers config object
+        # Attributes, not to_dict(): the trainer reads the shape per micro-batch and to_dict deep-copies.
+        spec = {k: getattr(spec, k) for k in (*HF_KEYS, "head_dim") if hasattr(spec, k)}
+    if isinstance(spec, str):
+        if spec in MODEL_SHAPES:
+            return MODEL_SHAPES[spec]
+        if not spec.lstrip().startswith("{") and not Path(spec).is_file():
+            raise UserError(f"model shape {spec!r}: not a preset ({', '.join(MODEL_SHAPES)}), "
+                            "not a JSON object and not a file")
+        spec = load_json_object(spec)
+    if not isinstance(spec, dict):
+        raise UserError(f"model shape must be a preset name or a JSON object, got {type(spec).__name__}")
+    fields = {HF_KEYS.get(k, k): v for k, v in spec.items()}
+    fields.setdefault("name", "custom")
+    if fields.get("num_kv_heads") is None and "num_heads" in fields:
+        fields["num_kv_heads"] = fields["num_heads"]
+    if not fields.get("head_dim"):
+        fields["head_dim"] = 0
+    missing = {"hidden", "num_layers", "num_heads", "ffn", "vocab"} - {k for k, v in fields.items() if v is not None}
+    if missing:
+        raise UserError(f"model shape: missing field(s) {', '.join(sorted(missing))}")
+    try:
+        values = {k: (str(v) if k == "name" else int(v)) for k, v in fields.items() if k in _FIELDS}
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"model shape: {exc}") from None
+    return ModelShape(**values)
+
+
+def model_shape_of(model_cfg, vocab_size: Optional[int] = None) -> ModelShape:
+    """The ModelShape a ``hbp_train.model.ModelConfig`` builds, from its HF config alone (no weights are built).
+
+    ``vocab_size`` is the tokenizer's, applied as build_model does: a config-built model gets the larger of it and
+    a vocab_size given in model.config; a pretrained one grows to it, never shrinks.
+    """
+    from transformers import AutoConfig
+
+    overrides = dict(model_cfg.config)
+    try:  # what transformers raises for an unreadable config.json or an unknown model_type in it
+        if model_cfg.name_or_path is not None:
+            hf = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)
+            name = Path(model_cfg.name_or_path).name
+        else:
+            hf = AutoConfig.for_model(model_cfg.architecture, **overrides)
+            name = f"{model_cfg.architecture}-from-config"
+    except (OSError, ValueError) as exc:
+        where = model_cfg.name_or_path or f"model.architecture={model_cfg.architecture}"
+        raise UserError(f"model config {where}: cannot read it ({str(exc).strip().splitlines()[0]})") from None
+    fields = hf.to_dict()
+    if vocab_size is not None and model_cfg.name_or_path is None:
+        fields["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
+    elif vocab_size is not None and vocab_size > fields["vocab_size"]:
+        fields["vocab_size"] = vocab_size
+    fields["name"] = name
+    return parse_model_shape(fields)
+
+
+def sp_heads_problem(num_heads: int, num_kv_heads: int, sp: int) -> Optional[str]:
+    """Why Ulysses cannot split these heads at SP degree ``sp``, or None when it can.
+
+    Each SP rank gets num_heads/sp query heads, so sp must divide num_heads; kv heads are split (kv % sp == 0) or
+    replicated (sp % kv == 0), so sp and num_kv_heads must divide one another. sp = 1 splits nothing.
+    """
+    if sp == 1:
+        return None
+    if num_heads % sp:
+        return (f"sp={sp} does not divide the model's {num_heads} attention heads: Ulysses gives each SP rank "
+                f"num_heads/sp query heads; use only SP degrees that divide {num_heads}")
+    if num_kv_heads % sp and sp % num_kv_heads:
+        return (f"sp={sp} and the model's {num_kv_heads} key/value heads do not divide one another: Ulysses "
+                f"splits kv heads (kv % sp == 0) or replicates them (sp % kv == 0); use another SP degree")
+    return None

@@ -1,0 +1,382 @@
+"""Measurement back-ends of the profiler: how long one fwd+bwd of a pack takes and how much memory a rank uses.
+
+One small interface, `MeasureBackend.measure(pack_len, sp, ckpt_layers, iters) -> Measurement`; an OOM is a
+result (Measurement(oom=True)), never an exception.
+
+  GpuBackend       the real model (hbp_train.model) on this machine's GPU: fwd+bwd with the chunked loss on a
+                   synthetic pack; torch peak-allocated and NVML used memory. SP degrees above the GPUs present
+                   are *estimated* from the per-rank slice (pack_len/sp on one GPU) plus the cost model's
+                   attention and all-to-all terms (docs/profiler.md states the model).
+  AnalyticBackend  no GPU (profile.dry_run): hbp_train.perf.cost_model for time, hbp_train.perf.memory for memory.
+  CurveBackend     injected time/memory curves, for tests and what-if studies.
+
+The synthetic packs (one document, or documents drawn from the training data's lengths) are built here too.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+
+from hbp_train.errors import UserError
+from hbp_train.labels import IGNORE_INDEX
+from hbp_train.perf.cost_model import CostModel
+from hbp_train.perf.memory import JobSettings, analytic_memory_bytes, model_state_bytes
+from hbp_train.perf.shape import ModelShape
+from hbp_train.profiler.config import ProfileConfig
+from hbp_train.profiler.nvml import nvml_hardware, nvml_used_bytes
+
+
+# =============================================================================================== measurements
+@dataclass
+class Measurement:
+    """One profiled configuration: a pack of `pack_len` tokens run by an SP group of `sp` GPUs."""
+
+    pack_len: int
+    """Tokens in the pack (all SP ranks together)."""
+    sp: int
+    """SP degree."""
+    ckpt_layers: int
+    """Number of decoder layers with activation checkpointing."""
+    time_s: Optional[float]
+    """Seconds of one fwd+bwd of the pack (median over the timed iterations); None when it did not run (OOM)."""
+    peak_mem_bytes: Optional[int]
+    """Peak memory of one rank from torch's counters (max_memory_allocated), incl. the model-state correction to
+    the training job's ZeRO stage and world size; for analytic/curve backends the modelled peak."""
+    nvml_used_bytes: Optional[int]
+    """Device used memory from NVML after the iterations (None without NVML or when not measured on a GPU)."""
+    oom: bool = False
+    """The configuration ran out of memory: infeasible."""
+    estimated: bool = False
+    """Not measured as such: sp exceeds the GPUs present, derived from the per-rank slice + a comm model."""
+    source: str = "gpu"
+    """Where the numbers come from: "gpu", "analytic" or "curve"."""
+    purpose: str = ""
+    """Why it was measured: "ckpt-all", "ckpt-probe", "verify" (Alg. 4)."""
+    wall_s: float = 0.0
+    """Seconds the measurement itself took (profiler cost, not the configuration's speed)."""
+    note: str = ""
+    """Anything worth knowing (e.g. how an estimate was made)."""
+
+    def memory_bytes(self, metric: str = "torch") -> Optional[int]:
+        """The memory compared with the budget: NVML used when asked and present, else torch's peak."""
+        if metric == "nvml" and self.nvml_used_bytes is not None:
+            return self.nvml_used_bytes
+        return self.peak_mem_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> Optional[float]:
+        """Throughput normalised per GPU, the quantity Alg. 1 and 3 maximise."""
+        if self.oom or not self.time_s:
+            return None
+        return self.pack_len / (self.time_s * self.sp)
+
+
+class MeasureBackend(Protocol):
+    """What the profiler needs from a way of measuring. Implementations: GpuBackend, AnalyticBackend, CurveBackend."""
+
+    name: str
+    """"gpu", "analytic" or "curve": written next to every measurement."""
+    num_layers: int
+    """Decoder layers of the model (the range of ckpt_layers)."""
+    device_memory_bytes: int
+    """Memory of one device; the budget is headroom x this."""
+    num_gpus: int
+    """GPUs that can be measured together; larger SP degrees are estimated."""
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+        """Run (or model) the configuration; an OOM is returned as Measurement(oom=True), never raised."""
+        ...
+
+    def hardware(self) -> dict:
+        """Description of the device(s) for the report."""
+        ...
+
+
+# ========================================================================================= synthetic packs
+def load_doc_lengths(spec: str) -> Optional[np.ndarray]:
+    """Sample lengths to draw synthetic documents from (None for "single"); UserError names the file."""
+    if spec == "single":
+        return None
+    path = Path(spec)
+    try:
+        if path.is_dir():
+            from datasets import load_from_disk
+
+            lengths = np.asarray(load_from_disk(str(path))["length"])
+        elif path.suffix == ".npy":
+            lengths = np.load(path)
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+            lengths = np.asarray(data["lengths"] if isinstance(data, dict) else data)
+        else:
+            lengths = np.loadtxt(path, ndmin=1)
+    except (OSError, ValueError, KeyError) as exc:  # unreadable file, not numbers, a JSON object without "lengths"
+        raise UserError(f"profile.docs={spec}: cannot read sample lengths ({exc}); give a tokenized dataset dir "
+                        "or a .npy/.json/.txt list of lengths") from None
+    lengths = np.asarray(lengths, dtype=np.float64).ravel()
+    if lengths.size == 0 or (lengths < 1).any() or (lengths != np.round(lengths)).any():
+        raise UserError(f"profile.docs={spec}: sample lengths must be a non-empty list of positive integers")
+    return lengths.astype(np.int64)
+
+
+def synthetic_docs(pack_len: int, pool: Optional[np.ndarray], seed: int = 0) -> list[int]:
+    """Document lengths of a full synthetic pack: one document, or draws from `pool` (the last one cut to fit)."""
+    if pool is None:
+        return [int(pack_len)]
+    rng = np.random.default_rng([seed, pack_len])
+    docs, left = [], int(pack_len)
+    while left > 0:
+        length = min(int(pool[rng.integers(len(pool))]), left)
+        docs.append(length)
+        left -= length
+    return docs
+
+
+def slice_docs(docs: list[int], sp: int) -> list[int]:
+    """Documents of a pack shrunk by sp (each at least 1 token) summing to sum(docs)//sp: the per-rank stand-in
+    used to estimate an SP degree that cannot be measured."""
+    target = max(1, sum(docs) // sp)
+    if target < len(docs):  # more documents than the slice has tokens: as many 1-token documents as it has
+        return [1] * target
+    out = [max(1, d // sp) for d in docs]
+    # Fix the rounding on the longest documents so the slice has exactly `target` tokens.
+    order = np.argsort(out)[::-1]
+    diff, i = target - sum(out), 0
+    while diff != 0:
+        j = order[i % len(order)]
+        if diff > 0:
+            out[j] += 1
+            diff -= 1
+        elif out[j] > 1:
+            out[j] -= 1
+            diff += 1
+        i += 1
+    return [d for d in out if d > 0]
+
+
+# ================================================================================================ backends
+class CurveBackend:
+    """Injected curves: time_fn(l, sp, ckpt) -> s and mem_fn(l, sp, ckpt) -> bytes. A configuration whose memory
+    exceeds the device is an OOM. `sleep(seconds)` is called with the simulated cost of each measurement
+    ((warmup + iters) x time), so a fake clock can test the time budget."""
+
+    name = "curve"
+
+    def __init__(self, time_fn, mem_fn, num_layers: int, device_memory_bytes: int, num_gpus: int = 1,
+                 warmup_iters: int = 1, sleep: Optional[Callable[[float], None]] = None, nvml_fn=None):
+        self.time_fn, self.mem_fn, self.nvml_fn = time_fn, mem_fn, nvml_fn
+        self.num_layers = num_layers
+        self.device_memory_bytes = int(device_memory_bytes)
+        self.num_gpus = num_gpus
+        self.warmup_iters = warmup_iters
+        self.sleep = sleep
+        self.calls: list[tuple[int, int, int]] = []
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+        self.calls.append((pack_len, sp, ckpt_layers))
+        mem = int(self.mem_fn(pack_len, sp, ckpt_layers))
+        oom = mem > self.device_memory_bytes
+        t = None if oom else float(self.time_fn(pack_len, sp, ckpt_layers))
+        if self.sleep is not None:
+            self.sleep((self.warmup_iters + iters) * (t if t is not None else 0.0) + 0.1)
+        nvml = None if (oom or self.nvml_fn is None) else int(self.nvml_fn(pack_len, sp, ckpt_layers))
+        return Measurement(pack_len, sp, ckpt_layers, t, None if oom else mem, nvml, oom=oom,
+                           estimated=sp > self.num_gpus, source=self.name)
+
+    def hardware(self) -> dict:
+        return {"backend": "curve", "device_memory_bytes": self.device_memory_bytes, "gpu_count": self.num_gpus}
+
+
+class AnalyticBackend:
+    """--dry-run: time from hbp_train.perf.cost_model (calibrated and scaled, or analytic), memory from
+    `analytic_memory_bytes`. Nothing runs; every number is labelled "analytic"."""
+
+    name = "analytic"
+
+    def __init__(self, shape: ModelShape, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings):
+        self.shape, self.cfg, self.cost_model, self.job = shape, cfg, cost_model, job
+        self.num_layers = shape.num_layers
+        self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+        self.num_gpus = cfg.world_size  # nothing is measured, so nothing is "estimated" beyond being analytic
+        self.pool = load_doc_lengths(cfg.docs)
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+        cfg = self.cfg
+        mem = analytic_memory_bytes(self.shape, pack_len, sp, ckpt_layers, cfg.world_size, self.job)
+        oom = mem > self.device_memory_bytes
+        docs = synthetic_docs(pack_len, self.pool, cfg.seed)
+        t = None if oom else self.cost_model.pack_time(docs, sp, ckpt_layers, gpus_per_node=cfg.gpus_per_node)
+        return Measurement(pack_len, sp, ckpt_layers, t, mem, None, oom=oom, source="analytic",
+                           note=f"cost model: {self.cost_model.source}")
+
+    def hardware(self) -> dict:
+        return {"backend": "analytic", "device_memory_bytes": self.device_memory_bytes,
+                "gpu_count": self.cfg.world_size, "gpus_per_node": self.cfg.gpus_per_node,
+                "cost_model": self.cost_model.describe()["note"], "note": "assumed, nothing measured (--dry-run)"}
+
+
+class GpuBackend:
+    """Measure on this machine's first GPU (one process). sp=1 runs the whole pack; sp > 1 cannot be run on one
+    GPU and is estimated from the per-rank slice (see `_estimate`).
+
+    Each measurement: build a synthetic pack (random token ids, position_ids restarting per document, labels on
+    every token), set the checkpointed layers, run `warmup_iters` + `iters` fwd+bwd with the chunked LM-head loss,
+    time each with CUDA events (median), read torch's peak allocated memory and NVML used memory. Model states:
+    the GPU holds the bf16 params and grads in full; the training job holds its ZeRO shards plus fp32 optimizer
+    states, so `model_state_bytes(...) - 4 x params` is added to both memory readings (no optimizer is built:
+    its step costs the same per token for every configuration).
+    """
+
+    name = "gpu"
+
+    def __init__(self, model_cfg, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings,
+                 vocab_size: Optional[int] = None, device=None):
+        import torch
+
+        from hbp_train.model import build_model, decoder_layers
+        from hbp_train.model import num_params as model_num_params
+
+        self.torch = torch
+        self.cfg, self.cost_model, self.loss_chunk = cfg, cost_model, job.loss_chunk_tokens
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.on_gpu = self.device.type == "cuda"
+        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
+        self.model.train()
+        self.num_layers = len(decoder_layers(self.model))
+        self.params = model_num_params(self.model)
+        elem = next(self.model.parameters()).element_size()
+        self.state_correction = model_state_bytes(self.params, cfg.world_size, job) - 2 * elem * self.params
+        if self.on_gpu:
+            self.device_memory_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
+        else:  # CPU: only for exercising this code path in tests; memory is not measured there
+            self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+        self.num_gpus = 1
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.pool = load_doc_lengths(cfg.docs)
+
+    def hardware(self) -> dict:
+        torch = self.torch
+        if not self.on_gpu:
+            return {"backend": "gpu", "device": str(self.device), "note": "CPU run: times only, no memory"}
+        props = torch.cuda.get_device_properties(self.device)
+        info = {"backend": "gpu", "gpu_name": props.name, "device_memory_bytes": int(props.total_memory),
+                "gpus_measured": 1, "torch": torch.__version__, "cuda": torch.version.cuda}
+        info["nvml"] = nvml_hardware()
+        return info
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+        docs = synthetic_docs(pack_len, self.pool, self.cfg.seed)
+        if sp > self.num_gpus:
+            return self._estimate(pack_len, docs, sp, ckpt_layers, iters)
+        t, peak, used = self._run(docs, ckpt_layers, iters)
+        return self._measurement(pack_len, sp, ckpt_layers, t, peak, used, estimated=False)
+
+    def _measurement(self, pack_len, sp, ckpt, t, peak, used, estimated, note="") -> Measurement:
+        if t is None:
+            return Measurement(pack_len, sp, ckpt, None, None, None, oom=True, estimated=estimated, note=note)
+        fix = self.state_correction
+        return Measurement(pack_len, sp, ckpt, t, None if peak is None else peak + fix,
+                           None if used is None else used + fix, estimated=estimated, note=note)
+
+    def _estimate(self, pack_len, docs, sp, ckpt, iters) -> Measurement:
+        """One rank of an SP group runs pack_len/sp tokens through the linear layers and LM head, and attention of
+        the WHOLE pack for 1/sp of the heads, plus 4 all-to-alls per layer forward (again in backward and in each
+        recompute). Run the slice (documents shrunk by sp) on this GPU, then swap the slice's attention for the
+        pack's per-rank share and add the all-to-alls, both from the cost model (scaled to this shape)."""
+        part = slice_docs(docs, sp)
+        t, peak, used = self._run(part, ckpt, iters)
+        note = f"estimated from a {sum(part)}-token slice on 1 GPU + cost-model attention/all-to-all"
+        if t is None:
+            return self._measurement(pack_len, sp, ckpt, None, None, None, True, note)
+        cm, layers = self.cost_model, self.num_layers
+        attn = cm.attention_fwdbwd(docs).sum() / sp - cm.attention_fwdbwd(part).sum()
+        recompute = cm.attention_fwd(docs).sum() / sp - cm.attention_fwd(part).sum()
+        a2a = float(cm.a2a_seconds(pack_len, sp, gpus_per_node=self.cfg.gpus_per_node))
+        t = t + layers * attn + ckpt * recompute + (2 * layers + ckpt) * a2a
+        # All-to-all send + receive buffers of one layer's q, k, v, out for this rank's tokens.
+        buffers = 2 * (pack_len // sp) * cm.shape.a2a_width(sp) * 2
+        return self._measurement(pack_len, sp, ckpt, float(t), None if peak is None else peak + buffers,
+                                 None if used is None else used + buffers, True, note)
+
+    def _run(self, docs: list[int], ckpt: int, iters: int):
+        """(median seconds, peak allocated bytes, NVML used bytes) of fwd+bwd on one pack, or (None,)*3 on OOM."""
+        torch = self.torch
+        from hbp_train.loss import chunked_token_losses
+        from hbp_train.model import forward_hidden, set_checkpointed_layers
+
+        tokens = sum(docs)
+        gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
+        input_ids = torch.randint(0, self.vocab, (1, tokens), generator=gen).to(self.device)
+        position_ids = torch.cat([torch.arange(d) for d in docs])[None].to(self.device)
+        # Labels shifted within each document: the last token of a document has no target.
+        labels = torch.roll(input_ids, -1, dims=1)
+        ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
+        labels[0, ends] = IGNORE_INDEX
+        set_checkpointed_layers(self.model, ckpt)
+        weight = self.model.get_output_embeddings().weight
+        times, oom = [], False
+        self.model.zero_grad(set_to_none=True)
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            for i in range(self.cfg.warmup_iters + iters):
+                timer = _Timer(torch, self.on_gpu)
+                hidden = forward_hidden(self.model, input_ids, position_ids)
+                loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
+                loss.backward()
+                timer.stop()
+                del hidden, loss
+                if i >= self.cfg.warmup_iters:
+                    times.append(timer)
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; metrics.is_oom knows the others
+            from hbp_train.telemetry import is_oom
+
+            if not is_oom(exc):
+                raise
+            oom = True
+        hidden = loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
+        # Outside the except block, so the exception's frames (holding activations) are gone before freeing.
+        if oom:
+            result = (None, None, None)
+        elif self.on_gpu:
+            result = (float(np.median([t.seconds() for t in times])),
+                      int(torch.cuda.max_memory_allocated(self.device)), nvml_used_bytes(self.device.index or 0))
+        else:
+            result = (float(np.median([t.seconds() for t in times])), None, None)
+        self.model.zero_grad(set_to_none=True)
+        if oom:
+            gc.collect()  # reference cycles through the exception's frames may still hold activations
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+        return result
+
+
+class _Timer:
+    """Seconds of one iteration: CUDA events on a GPU (no sync inside the loop), perf_counter on the CPU."""
+
+    def __init__(self, torch, on_gpu: bool):
+        self.on_gpu = on_gpu
+        if on_gpu:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.on_gpu:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1e3 if self.on_gpu else self.t1 - self.t0

@@ -1,0 +1,167 @@
+"""`python -m hbp_train.profiler [OVERRIDES...]`: profile, choose the packing groups, write profile.json.
+
+Thin entry point: reads the run config (the trainer's, with profile.* overrides), builds the model shape, the cost
+model and a measurement back-end, runs hbp_train.profiler.search.Profiler, prints the report and writes the file
+``data_tools.pack --groups auto --profile profile.json`` reads. A user mistake (UserError) is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from typing import Optional
+
+from hbp_train.errors import EXIT_USER_ERROR, UserError
+from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.perf.cost_model import CostModel
+from hbp_train.perf.memory import JobSettings
+from hbp_train.perf.shape import ModelShape, model_shape_of, sp_heads_problem
+from hbp_train.profiler.backends import AnalyticBackend, GpuBackend
+from hbp_train.profiler.config import ProfileConfig
+from hbp_train.profiler.report import format_table
+from hbp_train.profiler.search import Profiler
+
+log = logging.getLogger(__name__)
+
+HELP = """usage: python -m hbp_train.profiler [OVERRIDES...]
+
+Auto group selection (HBP Alg. 1/3/4): profile (SP degree, checkpointed layers) for each candidate pack length and
+write the packing groups to profile.json for `python -m data_tools.pack --groups auto --profile profile.json`.
+The config is the trainer's (conf/config.yaml, Hydra overrides): model=..., deepspeed=... (ZeRO stage, optimizer
+offload), loss.chunk_size=..., and the profile.* fields below.
+
+profile.* options (defaults in brackets):
+  max_len [131072]          longest pack length (the longest training sample): l_max
+  min_len [8192]            shortest candidate; candidates = powers of two in [min_len, max_len] + max_len
+  lengths [[]]              explicit candidate lengths instead (e.g. profile.lengths=[4096,8192,16384])
+  world_size [8]            GPUs of the training job: SP degrees = powers of two dividing it; ZeRO shards over it
+  sp_degrees [[]]           SP degrees to try (default all of the above)
+  gpus_per_node [8]         SP groups larger than a node use the inter-node bandwidth (comm model)
+  headroom [0.9]            fraction of device memory a configuration may use
+  memory_metric [nvml]      nvml (device used memory, as the paper) or torch (peak allocated)
+  ckpt_probe_layers [null]  the 'fewer checkpointed layers' probe of Alg. 4 (null = half the layers)
+  warmup_iters [1] iters [3]  untimed and timed fwd+bwd iterations per measurement (median recorded)
+  time_budget_s [300]       stop starting measurements after this; choose from what was measured
+  prune [true]              skip larger SP for a length once one needs no checkpointing
+  docs [single]             synthetic pack: one document, or a tokenized dataset dir / .npy/.json/.txt lengths
+  seed [0]                  seed for document lengths and token ids
+  dry_run [false]           no GPU: analytic estimate (cost model + memory model), labelled "analytic"
+  calibration ['']          cost-model calibration JSON (default: the shipped H100 one, scaled to the model)
+  device_memory_gb [80]     device memory assumed by dry_run
+  output [profile.json]     where to write the profile
+  progress [true]           tqdm progress bar
+
+Without a GPU and without profile.dry_run=true: one line and exit code 2. Bad values: one line naming the field,
+exit code 2; so does a profile where nothing fits. A dry run needs only the model's config.json
+(model.name_or_path=DIR holding it; without a tokenizer the config's vocab_size is used) and no data.shards, e.g.
+  python -m hbp_train.profiler experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
+See docs/profiler.md.
+"""
+
+
+def tokenizer_vocab(tokenizer_dir: str, dry_run: bool) -> Optional[int]:
+    """The tokenizer's vocabulary size (what build_model sizes the embeddings by). A dry run without a loadable
+    tokenizer uses the model config's vocab_size (warned); a GPU run needs it (UserError naming the field)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    except (OSError, ValueError) as e:  # what transformers raises for a folder without a (readable) tokenizer
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not dry_run:
+            raise UserError(f"model.tokenizer: cannot load a tokenizer from {tokenizer_dir!r} ({reason}); set "
+                            "model.tokenizer=DIR (e.g. data_tools/assets/tokenizer)") from None
+        log.warning("model.tokenizer: no tokenizer in %r; the dry run uses the model config's vocab_size",
+                    tokenizer_dir)
+        return None
+
+
+def usable_sp_degrees(candidates: list[int], shape: ModelShape) -> list[int]:
+    """The SP degrees Ulysses can split this model's heads by (perf.shape.sp_heads_problem); logs the others."""
+    usable = []
+    for sp in candidates:
+        problem = sp_heads_problem(shape.num_heads, shape.num_kv_heads, sp)
+        if problem is None:
+            usable.append(sp)
+        else:
+            log.warning("skipping %s", problem.split(":")[0])
+    return usable
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP, end="")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return profile(argv)
+    except UserError as e:
+        print(f"profile: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # profile.json is written only at the end, in one atomic move
+        return interrupted("profile", "profile.output was left as it was")
+
+
+def profile(argv: list) -> int:
+    """The CLI's work: config, model shape, back-end, the search, the report and profile.json."""
+    t0 = time.monotonic()
+    from hbp_train import config as run_config
+
+    overrides = run_config.user_overrides(argv)
+    if not any(o.lstrip("+~").startswith("data.shards=") for o in overrides):
+        # The profiler reads no data (it runs before packing), but presets such as experiment=llama3_8b_128k
+        # leave data.shards required.
+        overrides.append("data.shards=unused-by-profiler")
+    try:
+        run = run_config.load(overrides)
+    except run_config.ConfigError as e:
+        hint = ""
+        if str(e).startswith("model.name_or_path"):
+            hint = ("; the profiler needs only the model's config.json (plus a tokenizer, or model.tokenizer=DIR): "
+                    "point model.name_or_path (or HBP_MODEL_DIR) at a directory holding it")
+        raise UserError(f"config error: {e}{hint}") from None
+    pcfg: ProfileConfig = run.profile
+    job = JobSettings(zero_stage=run.deepspeed.zero_stage, offload_optimizer=run.deepspeed.offload_optimizer,
+                      loss_chunk_tokens=run.loss.chunk_size)
+    if not pcfg.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("no CUDA GPU found: the profiler measures on a GPU; add profile.dry_run=true for the "
+                            "analytic estimate from the model config and the calibration")
+    check_output_file("profile.output", pcfg.output)  # now, not after the profiling
+    vocab = tokenizer_vocab(run.model.tokenizer, pcfg.dry_run)
+    shape = model_shape_of(run.model, vocab)
+    cost_model = CostModel.from_calibration(pcfg.calibration or None, model_shape=shape)
+    if pcfg.dry_run:
+        backend = AnalyticBackend(shape, pcfg, cost_model, job)
+    else:
+        try:
+            backend = GpuBackend(run.model, pcfg, cost_model, job, vocab_size=vocab)
+        except OSError as e:  # the weights under model.name_or_path are missing or unreadable
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"model.name_or_path: cannot load the model ({reason}); a GPU profile needs the "
+                            "weights, a dry run (profile.dry_run=true) only config.json") from None
+    setup_s = time.monotonic() - t0
+    profiler = Profiler(backend, pcfg, sp_degrees=usable_sp_degrees(pcfg.sp_candidates(), shape))
+    out = profiler.run()  # ProfileError (a UserError) when nothing fits
+    out["hardware"] = backend.hardware()
+    out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}
+    out["job"] = {"world_size": pcfg.world_size, **asdict(job)}
+    out["config"] = asdict(pcfg)
+    out["profiler"]["setup_s"] = round(setup_s, 3)
+    out["profiler"]["total_s"] = round(time.monotonic() - t0, 3)
+    if pcfg.dry_run:
+        # What the same profile would spend measuring on a GPU (iterations only: no model build, no OOM cost).
+        # GpuBackend runs every sp > 1 as its l/sp slice on one GPU: about time/sp of the SP configuration.
+        out["profiler"]["predicted_gpu_measure_s"] = round(sum(
+            (pcfg.warmup_iters + pcfg.iters) * m["time_s"] / m["sp"] for m in out["measurements"] if m["time_s"]), 1)
+    write_output("profile.output", pcfg.output, lambda p: p.write_text(json.dumps(out, indent=1) + "\n"))
+    print(format_table(out))
+    print(f"wrote {pcfg.output}: use it with  python -m data_tools.pack --groups auto --profile {pcfg.output} "
+          f"--world-size {pcfg.world_size} ...")
+    return 0

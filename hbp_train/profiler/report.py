@@ -1,0 +1,48 @@
+"""The profiler's text report: every measurement, the chosen groups, what was skipped and why.
+
+Reads only the profile dict that `Profiler.run` returns (the content of profile.json), so a saved profile can be
+printed again.
+"""
+
+from __future__ import annotations
+
+GIB = 1024 ** 3
+
+
+def format_table(profile: dict) -> str:
+    """Every measurement, then the chosen groups, as a fixed-width text table."""
+    budget = profile["memory_budget_bytes"]
+    rows = [f"{'pack_len':>9} {'sp':>3} {'ckpt':>4} {'purpose':<10} {'time ms':>9} {'tok/s/GPU':>10} "
+            f"{'peak GiB':>8} {'nvml GiB':>8} {'status':<11} source"]
+    for m in profile["measurements"]:
+        mem = m["nvml_used_bytes"] if (profile.get("memory_metric") == "nvml" and m["nvml_used_bytes"]) \
+            else m["peak_mem_bytes"]
+        status = "OOM" if m["oom"] else ("over budget" if mem is None or mem > budget else "ok")
+        tps = m["pack_len"] / (m["time_s"] * m["sp"]) if m["time_s"] else None
+        source = m["source"] + (" (estimated)" if m["estimated"] else "")
+        rows.append(f"{m['pack_len']:>9} {m['sp']:>3} {m['ckpt_layers']:>4} {m['purpose']:<10} "
+                    f"{_fmt(m['time_s'], 1e3, '.1f'):>9} {_fmt(tps, 1, ',.0f'):>10} "
+                    f"{_fmt(m['peak_mem_bytes'], 1 / GIB, '.1f'):>8} {_fmt(m['nvml_used_bytes'], 1 / GIB, '.1f'):>8} "
+                    f"{status:<11} {source}")
+    rows.append("")
+    label = " (ANALYTIC ESTIMATE, nothing measured)" if profile["source"] == "analytic" else ""
+    rows.append(f"chosen groups{label}: l_best={profile['l_best']} l_max={profile['l_max']}")
+    for g in profile["groups"]:
+        flags = (" estimated" if g["estimated"] else "") + (f" [{g['source']}]" if g["source"] != "gpu" else "")
+        rows.append(f"  pack_len={g['pack_len']:>7} sp={g['sp']} ckpt_layers={g['ckpt_layers']:<3} "
+                    f"tok/s/GPU={_fmt(g['tokens_per_s_per_gpu'], 1, ',.0f')}  ({g['role']}){flags}")
+    for s in profile["skipped"]:
+        rows.append(f"skipped: {s}")
+    for w in profile["warnings"]:
+        rows.append(f"warning: {w}")
+    p = profile["profiler"]
+    rows.append(f"profiler: {p['num_measurements']} measurements, {p['wall_s']:.1f} s "
+                f"(budget {p['time_budget_s']:g} s{', exhausted' if p['budget_exhausted'] else ''})")
+    if "predicted_gpu_measure_s" in p:
+        rows.append(f"predicted GPU measuring time for this profile: {p['predicted_gpu_measure_s']:.0f} s "
+                    "(timed iterations only)")
+    return "\n".join(rows)
+
+
+def _fmt(value, scale, spec) -> str:
+    return "-" if value is None else format(value * scale, spec)

@@ -97,14 +97,21 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
 
 
 def build_generation_config(hf_dir: str, config, tokenizer):
-    """The base model's generation config (``hf_dir/generation_config.json``, else derived from ``config``) with
-    the tokenizer's eos and the chat template's end-of-turn token added to its ``eos_token_id`` list."""
+    """The base model's generation config (``hf_dir/generation_config.json``) with the tokenizer's eos and the chat
+    template's end-of-turn token added to its ``eos_token_id`` list, and the KV cache on.
+
+    A generation config that was only derived from the model config (``_from_model_config``: a model built from a
+    config, or a base model that shipped none) holds the config class's default token ids, which need not match the
+    tokenizer, and training's ``use_cache=False``: it is derived again from ``config``, whose token ids the caller
+    took from the tokenizer."""
     from transformers import GenerationConfig
 
+    generation_config = None
     if os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
         generation_config = GenerationConfig.from_pretrained(hf_dir)
-    else:
+    if generation_config is None or getattr(generation_config, "_from_model_config", False):
         generation_config = GenerationConfig.from_model_config(config)
+    generation_config.use_cache = True  # training saved use_cache=False; generate() would recompute every step
     eos = generation_config.eos_token_id
     eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
     for token_id in [tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)]:

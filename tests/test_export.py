@@ -64,7 +64,7 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
     from tests.assets.packed_fixture import TINY_LLAMA
 
@@ -72,6 +72,9 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     shutil.copytree(tokenizer_dir, tag / "hf")
     config = LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tied}, vocab_size=4096, use_cache=False)
     config.save_pretrained(tag / "hf")
+    # As hbp_train/checkpoint.py saves it for a model built from a config: derived from the config, so with
+    # LlamaConfig's default token ids (bos 1, eos 2), which are not the tokenizer's, and use_cache=False.
+    GenerationConfig.from_model_config(config).save_pretrained(tag / "hf")
     torch.manual_seed(0)
     return tag, AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
@@ -103,7 +106,9 @@ def test_export_of_a_tied_model_enables_the_cache_and_reloads_the_same_weights(t
     # Training teaches the model to end its answer with ChatML's <|im_end|>; eos (<|endoftext|>) stops text.
     stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert (saved["eos_token_id"], saved["pad_token_id"]) == (stops, tokenizer.pad_token_id)
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["bos_token_id"]) == (stops, tokenizer.bos_token_id)
+    assert generation["use_cache"] is True
     assert json.loads((out / MARKER).read_text()) == {"checkpoint": str(tag), "dtype": "fp32"}
     loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     ids = torch.arange(1, 20)[None]
@@ -166,7 +171,8 @@ def test_exported_model_stops_generating_at_the_end_of_its_turn(tmp_path, tokeni
 
 
 def test_export_keeps_the_base_generation_config(tmp_path, tokenizer_dir, monkeypatch):
-    """The base model's sampling settings and eos list survive; eos and <|im_end|> are added once."""
+    """A base model's own generation config (not derived from its config) keeps its sampling settings and eos
+    list; eos and <|im_end|> are added once."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from hbp_train.export import export

@@ -111,6 +111,7 @@ def build_generation_config(hf_dir: str, config, tokenizer):
         generation_config = GenerationConfig.from_pretrained(hf_dir)
     if generation_config is None or getattr(generation_config, "_from_model_config", False):
         generation_config = GenerationConfig.from_model_config(config)
+        generation_config._from_model_config = False  # now the model's own: a later export keeps it
     generation_config.use_cache = True  # training saved use_cache=False; generate() would recompute every step
     eos = generation_config.eos_token_id
     eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]

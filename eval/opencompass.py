@@ -145,7 +145,8 @@ class Failure:
     reason: str = "failed"
 
     def describe(self) -> str:
-        return f"OpenCompass task {self.task} {self.reason}" + (f"; see {self.log}" if self.log else "")
+        who = f"OpenCompass task {self.task}" if "[" in self.task else f"OpenCompass's {self.task}"
+        return f"{who} {self.reason}" + (f"; see {self.log}" if self.log else "")
 
 
 @dataclass
@@ -401,10 +402,10 @@ def failures(out: Path, result: RunResult, lines: list[str], options: RunOptions
             found.append(Failure(match.group(1), (out / log).resolve() if log else None,
                                  "exited with an error"))
     if result.returncode:
-        found.append(Failure("opencompass", out / LOG_NAME, f"exited with code {result.returncode}"))
+        found.append(Failure("run", out / LOG_NAME, f"exited with code {result.returncode}"))
     if result.run_dir is None or not result.run_dir.is_dir():
         if not found:
-            found.append(Failure("opencompass", out / LOG_NAME, "started no run (no 'Current exp folder')"))
+            found.append(Failure("run", out / LOG_NAME, "started nothing (no 'Current exp folder' line)"))
         return found
     model = model_abbr(options.model_dir)
     results = result.run_dir / "results" / model

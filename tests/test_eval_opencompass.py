@@ -364,3 +364,37 @@ def test_help_documents_every_option(capsys):
             assert action.help and action.help.strip(), action.option_strings
             assert all(opt in text for opt in action.option_strings), action.option_strings
     assert set(subparsers.choices) == {"offline", "opencompass", "compare"}
+
+
+def test_failures_are_found_in_output_results_and_missing_files(tmp_path):
+    """Besides a task exiting non-zero (the e2e test's case): an evaluator that returned an error, a generated
+    dataset with no result, OpenCompass itself failing, and no summary; each names a log to read."""
+    out = tmp_path / "oc"
+    run = out / "work" / "20261125_120000"
+    (run / "results" / "export").mkdir(parents=True)
+    (run / "results" / "export" / "hbp_needle.json").write_text(json.dumps({"score": 50.0}))
+    (run / "results" / "export" / "hbp_demo_qa.json").write_text(json.dumps({"error": "predictions and references "
+                                                                                      "have different length"}))
+    (run / "logs" / "eval" / "export").mkdir(parents=True)
+    (run / "logs" / "eval" / "export" / "hbp_needle.out").write_text("")
+    lines = ["11/25 12:00:00 - OpenCompass - INFO - Current exp folder: work/20261125_120000",
+             "11/25 12:00:09 - OpenCompass - ERROR - .../local.py - _launch - 241 - task OpenICLInfer[export/hbp_multikey]"
+             " fail, see", "work/20261125_120000/logs/infer/export/hbp_multikey.out"]
+    options = oc.RunOptions(model_dir=tmp_path / "export", out=out, suite=["needle", "multikey", "demo_qa",
+                                                                           "variable_tracking"])
+    result = oc.RunResult(config=out / "opencompass_config.py", command=[], returncode=0,
+                          run_dir=oc.run_dir(out, lines))
+    assert result.run_dir == run
+    found = [f.describe() for f in oc.failures(out, result, lines, options)]
+    assert found == [
+        f"OpenCompass task OpenICLInfer[export/hbp_multikey] exited with an error; see "
+        f"{run / 'logs' / 'infer' / 'export' / 'hbp_multikey.out'}",
+        f"OpenCompass task OpenICLEval[export/hbp_demo_qa] reported an error (predictions and references have "
+        f"different length); see {run / 'logs' / 'eval' / 'export' / 'hbp_needle.out'}",
+        f"OpenCompass task OpenICLEval[export/hbp_variable_tracking] wrote no result; see "
+        f"{run / 'logs' / 'eval' / 'export' / 'hbp_needle.out'}",
+        f"OpenCompass's summarizer wrote no summary under {run / 'summary'}; see {out / 'opencompass.log'}",
+    ]
+    result.returncode = 1
+    assert oc.failures(out, result, [], options)[0].describe() == \
+        f"OpenCompass's run exited with code 1; see {out / 'opencompass.log'}"

@@ -2,7 +2,7 @@
 
 - ``eval/run.py``               the CLI (``python -m eval.run``, ``./launch.sh eval``): subcommands ``offline``,
                                 ``opencompass`` and ``compare``, plus ``--setup-opencompass``
-- ``eval/model_io.py``          loading an exported model and its tokenizer (one-line errors, device, dtype, stop tokens)
+- ``eval/model_io.py``          loading an exported model and tokenizer (one-line errors, device, dtype, stop tokens)
 - ``eval/tasks/``               tasks generated locally, one generator each (needle, variable tracking, demo QA)
 - ``eval/needle.py``            the offline needle check: generated samples scored by log-likelihood and greedy
 - ``eval/perplexity.py``        held-out loss and perplexity on a tokenized dataset (label tokens only)

@@ -3,7 +3,7 @@
 OpenCompass 0.5 pins numpy < 2 and datasets < 4, which conflict with the training stack, so it lives in its own
 venv (``.venv-opencompass`` in the repo root) and runs as a subprocess. ``setup`` builds it:
 
-1. ``python3 -m venv``; torch at the training venv's version (so a CPU machine gets the CPU build);
+1. ``python -m venv`` with the training venv's Python; torch at its version (so a CPU machine gets the CPU build);
 2. ``pip install -r eval/requirements-opencompass.txt`` (OpenCompass and the pins it needs);
 3. ``eval/opencompass_compat.py`` copied into its site-packages with a ``.pth`` that imports it (transformers 5
    lacks ``batch_encode_plus``, which OpenCompass calls);
@@ -96,8 +96,8 @@ def setup(venv: Path = DEFAULT_VENV) -> int:
     pip = [str(python), "-m", "pip", "install", "-q"]
     steps = []
     if not python.is_file():
-        steps.append(("create the virtual environment", [shutil.which("python3") or sys.executable, "-m", "venv",
-                                                         str(venv)]))
+        # From this interpreter: the same Python version as the training venv, so the same torch wheel exists.
+        steps.append(("create the virtual environment", [sys.executable, "-m", "venv", str(venv)]))
     steps.append(("upgrade pip", pip + ["--upgrade", "pip"]))
     if torch_requirement():
         steps.append((f"install {torch_requirement()}", pip + [torch_requirement()]))

@@ -10,7 +10,7 @@ user turn as the prompt, and OpenCompass's own evaluator). The run config import
 |---|---|---|---|
 | ``needle`` | lengths × depths × trials | ``RulerNiahEvaluator`` | % of samples whose answer contains the value |
 | ``multikey`` | lengths × depths × trials, 4 keys | ``RulerNiahEvaluator`` | the same, asked for one of 4 keys |
-| ``variable_tracking`` | lengths × depths × trials | ``RulerVtEvaluator`` | % of the chain's names the answer contains |
+| ``variable_tracking`` | lengths × depths × trials | ``RulerVtEvaluator`` | % of the chain's names in the answer |
 | ``demo_qa`` | ``--qa-samples`` | ``EMEvaluator`` | % of exact answers |
 
 OpenCompass reports one score per dataset; ``breakdown`` re-scores its saved predictions with the same rule to

@@ -2,9 +2,10 @@
 
 generate synthetic chats → preprocess (tokenized shards) → plan + packed shards (hbp, with the isf baseline
 printed beside it) → compare every strategy's simulated time → train a tiny Llama on 2 CPU processes
-(groups at sp 1 and 2) → export an HF checkpoint → offline long-context checks → OpenCompass on the generated offline
-suite (when its venv exists: ``./launch.sh eval --setup-opencompass``; skipped with that hint otherwise). Each stage
-is the same CLI a user would run, so the demo doubles as a worked example; the commands are printed as they run.
+(groups at sp 1 and 2) → export an HF checkpoint → offline long-context checks → OpenCompass on the generated
+offline suite (when its venv exists: ``./launch.sh eval --setup-opencompass``; skipped with that hint otherwise).
+Each stage is the same CLI a user would run, so the demo doubles as a worked example; the commands are printed as
+they run.
 """
 
 from __future__ import annotations

@@ -1,22 +1,21 @@
 """Loading an exported checkpoint (HF safetensors directory + tokenizer) for evaluation.
 
-User mistakes (a missing directory, no config.json, no tokenizer) raise ``UsageError`` with one line that names the
-path and the fix; ``eval/run.py`` prints it and exits with code 2.
+User mistakes (a missing directory, no config.json, no tokenizer) raise ``UserError`` (hbp_train/errors.py) with one
+line that names the path and the fix; ``eval/run.py`` prints it and exits with code 2.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+from hbp_train.errors import UserError
+
 # torch is imported inside the functions that need it: the opencompass subcommand never does, and starts fast.
-
-
-class UsageError(ValueError):
-    """A user mistake the CLI reports as one line (exit code 2), never as a traceback."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -26,11 +25,11 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: no CUDA GPU is visible; use --device cpu or auto")
+        raise UserError(f"--device {name}: no CUDA GPU is visible; use --device cpu or auto")
     try:
         return torch.device(name)
     except RuntimeError:  # torch's message lists every device type it knows; ours says what is meant
-        raise UsageError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+        raise UserError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -43,7 +42,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         return torch.float32
     if name not in names:
-        raise UsageError(f"--dtype {name}: choose one of auto, {', '.join(names)}")
+        raise UserError(f"--dtype {name}: choose one of auto, {', '.join(names)}")
     return names[name]
 
 
@@ -68,9 +67,9 @@ def check_model_dir(model_dir: Path) -> Path:
     """The model directory must exist and hold an HF ``config.json`` (what ``hbp_train.export`` writes)."""
     model_dir = Path(model_dir).expanduser().resolve()
     if not model_dir.is_dir():
-        raise UsageError(f"--model {model_dir}: no such directory; pass an exported checkpoint (hbp_train.export)")
+        raise UserError(f"--model {model_dir}: no such directory; pass an exported checkpoint (hbp_train.export)")
     if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: no config.json; pass an HF model directory (hbp_train.export output)")
+        raise UserError(f"--model {model_dir}: no config.json; pass an HF model directory (hbp_train.export output)")
     return model_dir
 
 
@@ -82,7 +81,7 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, TypeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--model {model_dir}: cannot load its tokenizer ({first}); "
+        raise UserError(f"--model {model_dir}: cannot load its tokenizer ({first}); "
                          "export the checkpoint with its tokenizer") from None
 
 
@@ -96,22 +95,38 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     except (OSError, ValueError, KeyError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--model {model_dir}: cannot load the model ({first})") from None
+        raise UserError(f"--model {model_dir}: cannot load the model ({first})") from None
     model.to(device).eval()
     return model, tokenizer
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
-    """Token ids that end an answer: the eos of tokenizer and generation config, plus common end-of-turn markers
-    (a chat model trained with ChatML ends its turn with ``<|im_end|>``, not with eos)."""
-    ids: set[int] = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+    """Token ids that end an answer: the eos of the tokenizer and of the generation config, and the token that
+    ends an assistant turn in the chat template (a chat model trained with ChatML ends its turn with
+    ``<|im_end|>``, not with eos)."""
+    return _stop_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
+
+
+def stop_token_ids_of_dir(model_dir: Path, tokenizer) -> set[int]:
+    """``stop_token_ids`` for a model directory without loading the weights (its ``generation_config.json``)."""
+    path = Path(model_dir) / "generation_config.json"
+    eos = None
+    if path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise UserError(f"--model {model_dir}: generation_config.json is unreadable ({err}); re-export the "
+                            "checkpoint") from None
+    return _stop_ids(tokenizer, eos)
+
+
+def _stop_ids(tokenizer, generation_eos) -> set[int]:
+    from hbp_train.export import end_of_turn_ids
+
+    ids: set[int] = set(end_of_turn_ids(tokenizer))
+    for value in (tokenizer.eos_token_id, generation_eos):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
-    vocab = tokenizer.get_vocab()
-    for marker in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>"):
-        if marker in vocab:
-            ids.add(vocab[marker])
     return ids

@@ -1,129 +1,87 @@
-"""OpenCompass benchmarks for an exported checkpoint: its own venv, config generation, data checks, results.
+"""OpenCompass on an exported checkpoint: the run config, the run in OpenCompass's venv, its failures, its scores.
 
-OpenCompass 0.5 needs numpy < 2 and datasets < 4, which conflict with the training stack, so it lives in its own
-virtual environment (``.venv-opencompass`` in the repo root, made by ``--setup-opencompass``) and runs as a
-subprocess. This module never imports OpenCompass: it writes a config file (valid Python in OpenCompass's
-``read_base`` style) that the ``opencompass`` CLI of that venv runs, then collects the summary CSV it writes into
-one markdown table and one JSON file.
+This module never imports OpenCompass. ``evaluate`` writes ``OUT/opencompass_config.py`` (ordinary OpenCompass
+config: ``models``, ``datasets``, ``infer``/``eval`` runners, ``summarizer``), the generated offline suite under
+``OUT/suite/`` when asked for, and runs ``<venv>/bin/opencompass`` with the current directory ``OUT`` (OpenCompass
+writes ``tmp/`` and ``.cache/`` there) and its work dir ``OUT/work``; its whole output goes to
+``OUT/opencompass.log``.
 
-Benchmarks follow the HBP paper's evaluation: general (MMLU, MMLU-Pro, CMMLU, BBH, GSM8K, MATH) and long-context
-(RULER, NeedleBench, LongBench), through OpenCompass's stock dataset configs. OpenCompass reads benchmark data
-from ``$COMPASS_DATA_CACHE/data/<name>`` and downloads the archive when it is missing; without a network this
-module says which archive to place where (exit 2) instead of letting OpenCompass fail deep inside a worker.
+The model is one ``HuggingFacewithChatTemplate`` (prompts rendered with the model's own template, as an SFT model is
+used; ``HuggingFaceBaseModel`` when the tokenizer has none) with the tokenizer's end-of-turn and eos tokens as stop
+words. On the CPU (``num_gpus=0``) it runs in fp32, one task at a time unless asked otherwise; on GPUs each task holds
+one model instance on ``num_gpus`` GPUs and ``max_num_workers`` tasks run side by side (OpenCompass's
+``NumWorkerPartitioner`` splits every dataset into that many parts).
+
+OpenCompass exits 0 even when its tasks fail. A run here fails (``RunResult.failures``) when OpenCompass reports a
+task that exited non-zero ("task ... fail, see <log>"), when a result file holds an ``error``, when a generated
+dataset has no result, or when no summary was written; each failure names the task and the log file to read.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib.metadata
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.model_io import UsageError
+from eval import benchmarks, suite
+from eval.report import make_out
+from eval.opencompass_venv import DEFAULT_VENV, check_install
+from hbp_train.errors import UserError
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_VENV = REPO / ".venv-opencompass"
-OPENCOMPASS_REQUIREMENT = "opencompass>=0.5.4,<0.6"
-DATA_HOST = "opencompass.oss-cn-shanghai.aliyuncs.com"
-DATA_URL = f"http://{DATA_HOST}/datasets/data/{{name}}.zip"  # OpenCompass's own archive URLs (datasets_info.py)
-# NeedleBench counts tokens with tiktoken's gpt-4 encoding, which tiktoken downloads once into its cache, under the
-# SHA-1 of the URL as the file name.
-TIKTOKEN_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
-TIKTOKEN_FILE = "9b5ad71b2ce5302211f9c61530b329a4922fc6a4"
-
-
-@dataclass(frozen=True)
-class Family:
-    """One benchmark as OpenCompass configures it."""
-
-    module: str
-    """Dataset config module; ``{length}`` is replaced by each context length for long-context benchmarks."""
-    variable: str
-    """The list of dataset dicts that module defines."""
-    data_dir: str
-    """Directory under ``$COMPASS_DATA_CACHE/data/``; the archive OpenCompass downloads is ``<data_dir>.zip``."""
-    summary_module: str | None = None
-    """Module with summary groups (averages over subsets), or None."""
-    summary_name: str | None = None
-    """Name imported from ``summary_module``; ``{length}`` as above."""
-    summary_expr: str | None = None
-    """Python expression giving the list of groups from the imported name (default: the name itself)."""
-    lengths: tuple[str, ...] = ()
-    """Context lengths OpenCompass ships configs for (long-context benchmarks only)."""
+LOG_NAME = "opencompass.log"
+CONFIG_NAME = "opencompass_config.py"
+SUITE_DIR = "suite"
+GROUPS = {"general": benchmarks.GENERAL, "long": benchmarks.LONG, "offline": suite.SUITE}
+# OpenCompass's lines worth showing while it runs (the rest stays in OUT/opencompass.log).
+_SHOWN = re.compile(r"launch |fail|failed with code|ERROR|Current exp folder|write (csv|summary)")
 
 
-FAMILIES: dict[str, Family] = {
-    "mmlu": Family("opencompass.configs.datasets.mmlu.mmlu_gen", "mmlu_datasets", "mmlu",
-                   "opencompass.configs.summarizers.groups.mmlu", "mmlu_summary_groups"),
-    "mmlu_pro": Family("opencompass.configs.datasets.mmlu_pro.mmlu_pro_gen", "mmlu_pro_datasets", "mmlu_pro",
-                       "opencompass.configs.summarizers.groups.mmlu_pro", "mmlu_pro_summary_groups"),
-    "cmmlu": Family("opencompass.configs.datasets.cmmlu.cmmlu_gen", "cmmlu_datasets", "cmmlu",
-                    "opencompass.configs.summarizers.groups.cmmlu", "cmmlu_summary_groups"),
-    "bbh": Family("opencompass.configs.datasets.bbh.bbh_gen", "bbh_datasets", "BBH",
-                  "opencompass.configs.summarizers.groups.bbh", "bbh_summary_groups"),
-    "gsm8k": Family("opencompass.configs.datasets.gsm8k.gsm8k_gen", "gsm8k_datasets", "gsm8k"),
-    "math": Family("opencompass.configs.datasets.math.math_gen", "math_datasets", "math"),
-    "ruler": Family("opencompass.configs.datasets.ruler.ruler_{length}_gen", "ruler_datasets", "ruler",
-                    "opencompass.configs.summarizers.groups.ruler", "ruler_summary_groups",
-                    lengths=("4k", "8k", "16k", "32k", "64k", "128k", "256k", "512k", "1m")),
-    "needlebench": Family("opencompass.configs.datasets.needlebench.needlebench_{length}.needlebench_{length}",
-                          "needlebench_datasets", "needlebench",
-                          "opencompass.configs.summarizers.needlebench", "needlebench_{length}_summarizer",
-                          "needlebench_{length}_summarizer['summary_groups']",
-                          lengths=("4k", "8k", "32k", "128k", "200k", "256k", "1000k")),
-    "longbench": Family("opencompass.configs.datasets.longbench.longbench", "longbench_datasets", "Longbench",
-                        "opencompass.configs.summarizers.groups.longbench", "longbench_summary_groups"),
-}
-GENERAL = ("mmlu", "mmlu_pro", "cmmlu", "bbh", "gsm8k", "math")
-LONG = ("ruler", "needlebench", "longbench")
-
-
-def parse_datasets(spec: str) -> list[str]:
-    """``general``, ``long`` or a comma list of those and benchmark names → ordered, de-duplicated names."""
-    names: list[str] = []
+def parse_datasets(spec: str) -> tuple[list[str], list[str]]:
+    """``--datasets``: ``offline``, ``general``, ``long`` or a comma list of those and single names →
+    ``(stock benchmarks, generated tasks)``, each in order and without repeats."""
+    stock: list[str] = []
+    generated: list[str] = []
     for token in (t.strip().lower() for t in spec.split(",")):
         if not token:
             continue
-        expanded = GENERAL if token == "general" else LONG if token == "long" else (token,)
-        for name in expanded:
-            if name not in FAMILIES:
-                raise UsageError(f"--datasets: unknown benchmark {token!r}; choose general, long or any of "
-                                 f"{', '.join(FAMILIES)}")
-            if name not in names:
-                names.append(name)
-    if not names:
-        raise UsageError("--datasets: empty; choose general, long or a comma list of benchmarks")
-    return names
+        for name in GROUPS.get(token, (token,)):
+            if name in suite.SUITE:
+                generated += [name] if name not in generated else []
+            elif name in benchmarks.FAMILIES:
+                stock += [name] if name not in stock else []
+            else:
+                raise UserError(f"--datasets: unknown benchmark {token!r}; choose offline, general, long or any of "
+                                f"{', '.join([*suite.SUITE, *benchmarks.FAMILIES])}")
+    if not stock and not generated:
+        raise UserError("--datasets: empty; choose offline, general, long or a comma list of benchmarks")
+    return stock, generated
 
 
-def parse_lengths(spec: str, families: list[str]) -> dict[str, list[str]]:
-    """Context lengths per long-context benchmark; a length a benchmark has no config for is skipped with a
-    warning, and a benchmark left with none is an error."""
-    wanted = [t.strip().lower() for t in spec.split(",") if t.strip()]
-    if not wanted:
-        raise UsageError("--long-lengths: empty; give e.g. 32k or 32k,128k")
-    chosen: dict[str, list[str]] = {}
-    for name in families:
-        family = FAMILIES[name]
-        if not family.lengths:
-            continue
-        have = [n for n in wanted if n in family.lengths]
-        lacking = [n for n in wanted if n not in family.lengths]
-        if not have:
-            raise UsageError(f"--long-lengths {spec}: {name} has configs only for {', '.join(family.lengths)}")
-        if lacking:
-            warnings.warn(f"--long-lengths: {name} has no config for {', '.join(lacking)}; running "
-                          f"{', '.join(have)} only", stacklevel=2)
-        chosen[name] = have
-    return chosen
+def visible_gpus() -> int:
+    """CUDA GPUs this process may use: ``nvidia-smi -L``'s count, limited by ``CUDA_VISIBLE_DEVICES``. Asks
+    nvidia-smi rather than torch, so the command starts without importing torch."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = []
+        for token in (t.strip() for t in visible.split(",")):
+            if not token or token.startswith("-"):
+                break  # CUDA ignores everything from the first invalid entry on
+            ids.append(token)
+        count = min(count, len(ids))
+    return count
 
 
 def has_chat_template(model_dir: Path) -> bool:
@@ -141,24 +99,138 @@ def has_chat_template(model_dir: Path) -> bool:
 
 def model_abbr(model_dir: Path) -> str:
     """Short name OpenCompass shows in its tables (the directory name, made identifier-safe)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model_dir.name) or "model"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model_dir).name) or "model"
 
 
-def build_config(model_dir: Path, families: list[str], lengths: dict[str, list[str]], *, max_seq_len: int,
-                 max_out_len: int, batch_size: int, num_gpus: int, dtype: str = "bfloat16") -> str:
-    """The OpenCompass config file text: ``models``, ``datasets`` and a ``summarizer`` with the benchmarks'
-    summary groups. A model with a chat template uses ``HuggingFacewithChatTemplate`` (prompts rendered with the
-    model's own template, as an SFT model is used); without one, ``HuggingFaceBaseModel``."""
-    model_dir = Path(model_dir).resolve()
+@dataclass
+class RunOptions:
+    """One OpenCompass evaluation of one checkpoint."""
+
+    model_dir: Path
+    out: Path
+    """Everything is written under it: config, generated suite, OpenCompass's work dir and log, results."""
+    venv: Path = DEFAULT_VENV
+    stock: list[str] = field(default_factory=list)
+    """OpenCompass's own benchmarks (``eval/benchmarks.py``)."""
+    long_lengths: dict[str, list[str]] = field(default_factory=dict)
+    """Context-length configs per long-context stock benchmark."""
+    suite: list[str] = field(default_factory=list)
+    """Generated tasks (``eval/suite.py``)."""
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 2
+    qa_samples: int = 40
+    seed: int = 0
+    max_seq_len: int | None = None
+    """Longest prompt (OpenCompass truncates longer ones from the left); default: max_position_embeddings."""
+    max_out_len: int = 1024
+    batch_size: int = 8
+    num_gpus: int = 0
+    """GPUs per model instance; 0 = the CPU."""
+    max_num_workers: int = 1
+    dtype: str = "float32"
+    data_root: Path | None = None
+    max_samples: int | None = None
+    """Only the first N rows of every dataset (``reader_cfg.test_range``)."""
+    check_stamp: bool = True
+    """Refuse a venv whose set-up did not finish (the set-up's own self-test runs before its stamp exists)."""
+
+
+@dataclass
+class Failure:
+    """A task OpenCompass did not finish, and where its log is."""
+
+    task: str
+    log: Path | None
+    reason: str = "failed"
+
+    def describe(self) -> str:
+        who = f"OpenCompass task {self.task}" if "[" in self.task else f"OpenCompass's {self.task}"
+        return f"{who} {self.reason}" + (f"; see {self.log}" if self.log else "")
+
+
+@dataclass
+class RunResult:
+    """What one run produced."""
+
+    config: Path
+    command: list[str]
+    returncode: int | None = None
+    run_dir: Path | None = None
+    """``OUT/work/<timestamp>``: predictions, results, logs and summary of this run."""
+    failures: list[Failure] = field(default_factory=list)
+    scores: list[dict] = field(default_factory=list)
+    """OpenCompass's summary: ``{"dataset", "version", "metric", "mode", "score"}`` (None = not computed)."""
+    breakdowns: dict[str, dict] = field(default_factory=dict)
+    """Per generated task, its predictions re-scored per group (``suite.breakdown``)."""
+    seconds: float = 0.0
+
+
+def max_positions(model_dir: Path) -> int | None:
+    """``max_position_embeddings`` of the export's config.json (None if it has none)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"--model {model_dir}: config.json is not valid JSON ({err}); re-export the checkpoint or "
+                        "pass --max-seq-len") from None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check(options: RunOptions) -> int:
+    """Refuse what cannot run (one-line UserError) before anything is written; returns the max_seq_len to use."""
+    model_dir = Path(options.model_dir)
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        # OpenCompass loads the tokenizer from the model directory only after its own (long) start-up.
+        raise UserError(f"--model {model_dir}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                        "export the checkpoint with its tokenizer (hbp_train.export copies it)")
+    for option, value in (("--max-out-len", options.max_out_len), ("--batch-size", options.batch_size),
+                          ("--max-num-workers", options.max_num_workers), ("--max-seq-len", options.max_seq_len),
+                          ("--max-samples", options.max_samples), ("--trials", options.trials)):
+        if value is not None and value < 1:
+            raise UserError(f"{option} {value}: need >= 1")
+    if options.num_gpus < 0:
+        raise UserError(f"--num-gpus {options.num_gpus}: need >= 0 (0 = run on the CPU)")
+    if options.num_gpus == 0 and options.dtype != "float32":
+        raise UserError(f"--dtype {options.dtype} with --num-gpus 0: the CPU runs the model in float32; use "
+                        "--dtype auto or float32")
+    positions = max_positions(model_dir)
+    max_seq_len = options.max_seq_len or positions or 32768
+    if options.suite and options.suite != ["demo_qa"]:
+        if not options.lengths or min(options.lengths) < 1:
+            raise UserError(f"--lengths: need positive token counts, got {options.lengths}")
+        if max(options.lengths) > max_seq_len:
+            where = "--max-seq-len" if options.max_seq_len else \
+                f"the model's max_position_embeddings ({model_dir / 'config.json'})"
+            raise UserError(f"--lengths: {max(options.lengths)} tokens exceed {max_seq_len}, {where}; use lengths "
+                            f"<= {max_seq_len}")
+    longest = max((benchmarks.length_tokens(n) for names in options.long_lengths.values() for n in names), default=0)
+    if longest > max_seq_len:
+        warnings.warn(f"--long-lengths: {longest} tokens exceed --max-seq-len {max_seq_len}; OpenCompass will "
+                      f"truncate those prompts", stacklevel=2)
+    return max_seq_len
+
+
+def stop_words(model_dir: Path, tokenizer) -> list[str]:
+    """The tokens that end an answer (end-of-turn of the chat template, eos of tokenizer and generation config),
+    as the strings OpenCompass cuts its outputs at."""
+    from eval.model_io import stop_token_ids_of_dir
+
+    words = {tokenizer.convert_ids_to_tokens(i) for i in stop_token_ids_of_dir(model_dir, tokenizer)}
+    return sorted(w for w in words if w)
+
+
+def build_config(options: RunOptions, *, max_seq_len: int, stop: list[str],
+                 generated: list[suite.SuiteDataset]) -> str:
+    """The OpenCompass config file text (see the module doc)."""
+    model_dir = Path(options.model_dir).resolve()
     model_type = "HuggingFacewithChatTemplate" if has_chat_template(model_dir) else "HuggingFaceBaseModel"
-    imports, dataset_vars, group_exprs = [], [], []
-    summary_imports: list[str] = []
-    for name in families:
-        family = FAMILIES[name]
-        for length in lengths.get(name, [None]):
-            module = family.module.format(length=length)
+    imports, dataset_vars, group_exprs, summary_imports = [], [], [], []
+    for name in options.stock:
+        family = benchmarks.FAMILIES[name]
+        for length in options.long_lengths.get(name, [None]):
             alias = f"{name}_{length}_datasets" if length else f"{name}_datasets"
-            imports.append(f"    from {module} import {family.variable} as {alias}")
+            imports.append(f"    from {family.module.format(length=length)} import {family.variable} as {alias}")
             dataset_vars.append(alias)
             if family.summary_module:
                 summary_name = family.summary_name.format(length=length)
@@ -166,155 +238,64 @@ def build_config(model_dir: Path, families: list[str], lengths: dict[str, list[s
                 if line not in summary_imports:
                     summary_imports.append(line)
                     group_exprs.append((family.summary_expr or summary_name).format(length=length))
+    for dataset in generated:
+        # Relative to this config file: OpenCompass's read_base resolves it to suite/<task>_gen.py.
+        imports.append(f"    from .{SUITE_DIR}.{dataset.config.stem} import {dataset.variable}")
+        dataset_vars.append(dataset.variable)
+    workers = options.max_num_workers
+    num_datasets = len(dataset_vars)
     model = {
         "abbr": model_abbr(model_dir),
         "path": str(model_dir),
         "tokenizer_path": str(model_dir),
-        "model_kwargs": {"torch_dtype": dtype},
+        "model_kwargs": {"torch_dtype": options.dtype},
         "max_seq_len": max_seq_len,
-        "max_out_len": max_out_len,
-        "batch_size": batch_size,
-        "run_cfg": {"num_gpus": num_gpus},
+        "max_out_len": options.max_out_len,
+        "batch_size": options.batch_size,
+        "stop_words": stop,
+        "run_cfg": {"num_gpus": options.num_gpus},
     }
-    model_lines = [f"        type={model_type},"] + [f"        {k}={v!r}," for k, v in model.items()]
-    return "\n".join([
-        '"""OpenCompass config generated by `python -m eval.run opencompass` (hbp-train). Re-run it with',
-        f"`{DEFAULT_VENV.name}/bin/opencompass THIS_FILE -w WORK_DIR`; edit freely.\"\"\"",
+    lines = [
+        '"""OpenCompass config generated by `python -m eval.run opencompass` (hbp-train). Re-run it from this',
+        f"folder with `{Path(options.venv).resolve() / 'bin' / 'opencompass'} {CONFIG_NAME} -w work`;",
+        'edit freely."""',
         "",
         "from mmengine.config import read_base",
         "",
         f"from opencompass.models import {model_type}",
+        "from opencompass.partitioners import NaivePartitioner, NumWorkerPartitioner",
+        "from opencompass.runners import LocalRunner",
+        "from opencompass.tasks import OpenICLEvalTask, OpenICLInferTask",
         "",
         "with read_base():",
         *imports,
         *summary_imports,
         "",
         f"datasets = [{', '.join('*' + v for v in dataset_vars)}]",
+    ]
+    if options.max_samples:
+        lines.append(f"datasets = [dict(d, reader_cfg=dict(d['reader_cfg'], test_range='[0:{options.max_samples}]'))"
+                     " for d in datasets]")
+    lines += [
         "",
         "models = [",
         "    dict(",
-        *model_lines,
+        f"        type={model_type},",
+        *[f"        {k}={v!r}," for k, v in model.items()],
         "    )",
         "]",
         "",
+        f"# {workers} task(s) side by side: inference split into {workers} part(s) (one model instance each), "
+        "scoring in as many processes.",
+        f"infer = dict(partitioner=dict(type=NumWorkerPartitioner, num_worker={workers}),",
+        f"             runner=dict(type=LocalRunner, max_num_workers={workers}, task=dict(type=OpenICLInferTask)))",
+        f"eval = dict(partitioner=dict(type=NaivePartitioner, n={max(1, -(-num_datasets // workers))}),",
+        f"            runner=dict(type=LocalRunner, max_num_workers={workers}, task=dict(type=OpenICLEvalTask)))",
+        "",
         f"summarizer = dict(summary_groups=[{', '.join('*' + e for e in group_exprs)}])",
         "",
-    ])
-
-
-def data_root(explicit: Path | None) -> Path:
-    """Where OpenCompass finds benchmark data: ``--data-cache``, else ``$COMPASS_DATA_CACHE``, else its own
-    default ``~/.cache/opencompass``. Archives unpack into ``<root>/data/``."""
-    if explicit is not None:
-        return Path(explicit).expanduser().resolve()
-    env = os.environ.get("COMPASS_DATA_CACHE")
-    return Path(env).expanduser().resolve() if env else Path("~/.cache/opencompass").expanduser()
-
-
-def tiktoken_dir(root: Path) -> Path:
-    """tiktoken's cache directory as the subprocess will see it (we pin it under the data root if unset)."""
-    env = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-    return Path(env).expanduser().resolve() if env else root / "tiktoken"
-
-
-def missing_data(families: list[str], root: Path) -> tuple[list[str], bool]:
-    """``(missing data directories, whether the tiktoken gpt-4 encoding is missing)`` for these benchmarks.
-    OpenCompass also looks in ``~/.cache/opencompass/data`` before downloading, so that counts as present."""
-    fallback = Path("~/.cache/opencompass").expanduser() / "data"
-    missing = []
-    for name in families:
-        data_dir = FAMILIES[name].data_dir
-        if not (root / "data" / data_dir).is_dir() and not (fallback / data_dir).is_dir() and data_dir not in missing:
-            missing.append(data_dir)
-    needs_tiktoken = "needlebench" in families and not (tiktoken_dir(root) / TIKTOKEN_FILE).is_file()
-    return missing, needs_tiktoken
-
-
-def have_network(host: str = DATA_HOST, port: int = 80, timeout: float = 3.0) -> bool:
-    """Whether OpenCompass's data host answers (it downloads missing archives from there)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def missing_data_message(missing: list[str], needs_tiktoken: bool, root: Path) -> str:
-    """One line saying exactly which archive (and tiktoken file) to place where."""
-    parts = []
-    if missing:
-        urls = " ".join(DATA_URL.format(name=d) for d in missing)
-        parts.append(f"download {urls} and unzip each into {root / 'data'}/ (so that "
-                     f"{', '.join(str(root / 'data' / d) + '/' for d in missing)} exist)")
-    if needs_tiktoken:
-        parts.append(f"save {TIKTOKEN_URL} as {tiktoken_dir(root) / TIKTOKEN_FILE} (NeedleBench's gpt-4 tokenizer)")
-    return (f"OpenCompass benchmark data is missing and {DATA_HOST} is unreachable: " + "; and ".join(parts)
-            + f"; the data root is --data-cache, else $COMPASS_DATA_CACHE (now {root})")
-
-
-def check_install(venv: Path) -> Path:
-    """The ``opencompass`` entry point of the venv, or a one-line UsageError telling how to install it."""
-    exe = Path(venv) / "bin" / "opencompass"
-    if not exe.is_file():
-        raise UsageError(f"OpenCompass is not installed in {venv}: run ./launch.sh eval --setup-opencompass")
-    return exe
-
-
-def setup_venv(venv: Path = DEFAULT_VENV) -> int:
-    """Create the OpenCompass venv with ``python3 -m venv`` and pip-install OpenCompass into it. torch is
-    installed first at the main venv's version, so a CPU machine gets the CPU build instead of a multi-GB CUDA one
-    (see shared/TECH-NOTES.md)."""
-    venv = Path(venv)
-    python = shutil.which("python3") or sys.executable
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install"]
-    steps = []
-    if not (venv / "bin" / "python").is_file():
-        steps.append(("create the virtual environment", [python, "-m", "venv", str(venv)]))
-    steps.append(("upgrade pip", pip + ["-q", "--upgrade", "pip"]))
-    try:
-        torch_version = importlib.metadata.version("torch").split("+")[0]
-        steps.append((f"install torch=={torch_version}", pip + ["-q", f"torch=={torch_version}"]))
-    except importlib.metadata.PackageNotFoundError:
-        pass  # OpenCompass then pulls its own torch
-    steps.append((f"install {OPENCOMPASS_REQUIREMENT}", pip + ["-q", OPENCOMPASS_REQUIREMENT]))
-    for title, command in steps:
-        print(f"[eval] {title}: {' '.join(command)}", flush=True)
-        if subprocess.run(command).returncode != 0:
-            print(f"error: OpenCompass set-up failed at '{title}' (output above); fix it and re-run "
-                  f"./launch.sh eval --setup-opencompass", file=sys.stderr)
-            return 2
-    print(f"[eval] OpenCompass installed in {venv}; run: ./launch.sh eval opencompass --model DIR --datasets general")
-    return 0
-
-
-def find_summary(work_dir: Path) -> Path | None:
-    """The newest ``summary_<time>.csv`` OpenCompass wrote under ``work_dir/<time>/summary/``."""
-    found = sorted(Path(work_dir).glob("*/summary/summary_*.csv"), key=lambda p: (p.parent.parent.name, p.name))
-    return found[-1] if found else None
-
-
-def collect(summary_csv: Path) -> list[dict]:
-    """Rows ``{"dataset", "metric", "mode", "version", "scores": {model: float or None}}`` from OpenCompass's CSV
-    (header ``dataset,version,metric,mode,<model>...``; ``-`` marks a score it could not compute)."""
-    with open(summary_csv, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if not header or header[:4] != ["dataset", "version", "metric", "mode"]:
-            raise UsageError(f"{summary_csv}: not an OpenCompass summary (header {header})")
-        models = header[4:]
-        rows = []
-        for line in reader:
-            if not line or not line[0].strip():
-                continue
-            scores = {}
-            for model, value in zip(models, line[4:]):
-                try:
-                    scores[model] = float(value)
-                except ValueError:
-                    scores[model] = None
-            rows.append({"dataset": line[0], "version": line[1], "metric": line[2], "mode": line[3],
-                         "scores": scores})
-    return rows
+    ]
+    return "\n".join(lines)
 
 
 def subprocess_env(model_dir: Path, root: Path) -> dict[str, str]:
@@ -322,8 +303,186 @@ def subprocess_env(model_dir: Path, root: Path) -> dict[str, str]:
     model's own (RULER's default is tiktoken's gpt-4, which would need a download)."""
     env = dict(os.environ)
     env["COMPASS_DATA_CACHE"] = str(root)
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(tiktoken_dir(root)))
+    env.setdefault("TIKTOKEN_CACHE_DIR", str(benchmarks.tiktoken_dir(root)))
     env["TOKENIZER_MODEL"] = str(model_dir)
     # Our venv's PYTHONPATH (set by launch.sh) must not leak into OpenCompass's interpreter.
     env.pop("PYTHONPATH", None)
     return env
+
+
+def prepare(options: RunOptions) -> RunResult:
+    """Check the options, write the suite and the config; the command is not run."""
+    from eval.model_io import check_model_dir, load_tokenizer
+
+    options.model_dir = check_model_dir(options.model_dir)
+    max_seq_len = check(options)
+    tokenizer = load_tokenizer(options.model_dir)
+    suite_config = suite.SuiteConfig(lengths=options.lengths, depths=options.depths, trials=options.trials,
+                                     qa_samples=options.qa_samples, seed=options.seed)
+    rows = {name: suite.generate(tokenizer, name, suite_config) for name in options.suite}  # may refuse a length
+    out = make_out(options.out)
+    options.out = out
+    generated = suite.write(out / SUITE_DIR, rows)
+    config_path = out / CONFIG_NAME
+    config_path.write_text(build_config(options, max_seq_len=max_seq_len, stop=stop_words(options.model_dir,
+                                                                                          tokenizer),
+                                        generated=generated))
+    command = [str(Path(options.venv).resolve() / "bin" / "opencompass"), CONFIG_NAME, "-w", "work"]
+    return RunResult(config=config_path, command=command)
+
+
+def check_ready(options: RunOptions) -> Path:
+    """The install, then the stock benchmarks' data; the first thing missing is a one-line UserError."""
+    root = benchmarks.data_root(options.data_root)
+    if options.check_stamp:
+        check_install(options.venv)
+    elif not (Path(options.venv) / "bin" / "opencompass").is_file():
+        raise UserError(f"OpenCompass is not installed in {options.venv}")
+    missing, needs_tiktoken = benchmarks.missing_data(options.stock, root)
+    if missing or needs_tiktoken:
+        if not benchmarks.have_network():
+            raise UserError(benchmarks.missing_data_message(missing, needs_tiktoken, root))
+        print(f"[eval] OpenCompass will download {', '.join(missing + ['tiktoken'] * needs_tiktoken)} into {root}")
+    return root
+
+
+def evaluate(options: RunOptions, echo: bool = True) -> RunResult:
+    """Write everything, run OpenCompass, and collect failures, scores and breakdowns (see the module doc).
+    ``echo`` prints OpenCompass's progress lines (its whole output is in ``OUT/opencompass.log`` either way)."""
+    root = check_ready(options)
+    result = prepare(options)
+    out = Path(options.out)
+    for stale in (".cache", "tmp"):  # OpenCompass caches dataset sizes by name; ours change between runs
+        shutil.rmtree(out / stale, ignore_errors=True)
+    start = time.time()
+    lines: list[str] = []
+    with open(out / LOG_NAME, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(result.command, cwd=out, env=subprocess_env(options.model_dir, root),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        for line in process.stdout:
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+            if echo and _SHOWN.search(line):
+                print("  " + line.rstrip()[-300:], flush=True)
+        result.returncode = process.wait()
+    result.seconds = time.time() - start
+    result.run_dir = run_dir(out, lines)
+    result.failures = failures(out, result, lines, options)
+    summary = find_summary(result.run_dir) if result.run_dir else None
+    if summary is not None:
+        result.scores = collect(summary)
+    failed_tasks = " ".join(f.task for f in result.failures)
+    for dataset in options.suite:
+        abbr = suite.ABBR_PREFIX + dataset
+        predictions = load_predictions(result.run_dir, model_abbr(options.model_dir), abbr) if result.run_dir \
+            else None
+        rows = suite.read_jsonl(out / SUITE_DIR / f"{dataset}.jsonl")
+        if options.max_samples:
+            rows = rows[:options.max_samples]
+        if predictions is not None and len(predictions) == len(rows) and abbr not in failed_tasks:
+            result.breakdowns[dataset] = suite.breakdown(dataset, rows, predictions)
+    return result
+
+
+def run_dir(out: Path, lines: list[str]) -> Path | None:
+    """This run's ``OUT/work/<timestamp>``, from OpenCompass's "Current exp folder" line."""
+    for line in lines:
+        match = re.search(r"Current exp folder: (\S+)", line)
+        if match:
+            return (out / match.group(1)).resolve()
+    return None
+
+
+def failures(out: Path, result: RunResult, lines: list[str], options: RunOptions) -> list[Failure]:
+    """Every task OpenCompass did not finish (see the module doc), with its log file."""
+    found: list[Failure] = []
+    for i, line in enumerate(lines):
+        match = re.search(r"task (\S+) fail, see", line)
+        if match:
+            log = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found.append(Failure(match.group(1), (out / log).resolve() if log else None,
+                                 "exited with an error"))
+    if result.returncode:
+        found.append(Failure("run", out / LOG_NAME, f"exited with code {result.returncode}"))
+    if result.run_dir is None or not result.run_dir.is_dir():
+        if not found:
+            found.append(Failure("run", out / LOG_NAME, "started nothing (no 'Current exp folder' line)"))
+        return found
+    model = model_abbr(options.model_dir)
+    results = result.run_dir / "results" / model
+    for path in sorted(results.glob("*.json")):
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError):
+            content = {"error": "unreadable result file"}
+        if isinstance(content, dict) and "error" in content:
+            found.append(Failure(f"OpenICLEval[{model}/{path.stem}]", _log(result.run_dir, "eval", model, path.stem),
+                                 f"reported an error ({str(content['error'])[:200]})"))
+    named = " ".join(f.task for f in found)
+    for dataset in options.suite:
+        abbr = suite.ABBR_PREFIX + dataset
+        if not (results / f"{abbr}.json").is_file() and abbr not in named:
+            found.append(Failure(f"OpenICLEval[{model}/{abbr}]", _log(result.run_dir, "eval", model, abbr)
+                                 or _log(result.run_dir, "infer", model, abbr), "wrote no result"))
+    if find_summary(result.run_dir) is None:
+        found.append(Failure("summarizer", out / LOG_NAME, f"wrote no summary under {result.run_dir / 'summary'}"))
+    return found
+
+
+def _log(run: Path, stage: str, model: str, abbr: str) -> Path | None:
+    """The log of the task that handled ``abbr`` (a task's log is named after its first dataset, or part 0)."""
+    for name in (f"{abbr}.out", f"{abbr}_0.out"):
+        if (run / "logs" / stage / model / name).is_file():
+            return run / "logs" / stage / model / name
+    logs = sorted((run / "logs" / stage / model).glob("*.out"))
+    return logs[0] if logs else None
+
+
+def find_summary(run: Path) -> Path | None:
+    """The ``summary_<time>.csv`` OpenCompass wrote under ``run/summary/`` (the newest if several)."""
+    found = sorted(Path(run).glob("summary/summary_*.csv"))
+    return found[-1] if found else None
+
+
+def collect(summary_csv: Path) -> list[dict]:
+    """Rows ``{"dataset", "version", "metric", "mode", "score"}`` from OpenCompass's CSV (header ``dataset,version,
+    metric,mode,<model>``; ``-`` marks a score it could not compute, kept as None)."""
+    with open(summary_csv, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header or header[:4] != ["dataset", "version", "metric", "mode"] or len(header) < 5:
+            raise UserError(f"{summary_csv}: not an OpenCompass summary (header {header})")
+        rows = []
+        for line in reader:
+            if not line or not line[0].strip():
+                continue
+            try:
+                score = float(line[4])
+            except (ValueError, IndexError):
+                score = None
+            rows.append({"dataset": line[0], "version": line[1], "metric": line[2], "mode": line[3], "score": score})
+    return rows
+
+
+def load_predictions(run: Path, model: str, abbr: str) -> list[str] | None:
+    """The predictions of dataset ``abbr`` in row order: ``predictions/<model>/<abbr>.json``, or its parts
+    ``<abbr>_0.json``, ``<abbr>_1.json``, ... when the dataset was split across tasks (as OpenCompass reads them)."""
+    folder = Path(run) / "predictions" / model
+    if (folder / f"{abbr}.json").is_file():
+        parts = [folder / f"{abbr}.json"]
+    else:
+        parts = []
+        while (folder / f"{abbr}_{len(parts)}.json").is_file():
+            parts.append(folder / f"{abbr}_{len(parts)}.json")
+    if not parts:
+        return None
+    predictions: list[str] = []
+    for part in parts:
+        content = json.loads(part.read_text())
+        predictions += [content[str(k)]["prediction"] for k in range(len(content))]
+    return predictions
+
+
+def echo_failures(result: RunResult) -> None:
+    for failure in result.failures:
+        print(f"error: {failure.describe()}", file=sys.stderr)

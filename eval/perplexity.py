@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eval.model_io import UsageError
+from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 
 REQUIRED_COLUMNS = ("input_ids", "labels")
@@ -33,20 +33,20 @@ def load_tokenized(dataset_dir: Path):
 
     dataset_dir = Path(dataset_dir).expanduser().resolve()
     if not dataset_dir.is_dir():
-        raise UsageError(f"--dataset {dataset_dir}: no such directory; pass a data_tools.preprocess output directory")
+        raise UserError(f"--dataset {dataset_dir}: no such directory; pass a data_tools.preprocess output directory")
     try:
         dataset = load_from_disk(str(dataset_dir))
     except (FileNotFoundError, ValueError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--dataset {dataset_dir}: not an HF dataset saved with save_to_disk ({first})") from None
+        raise UserError(f"--dataset {dataset_dir}: not an HF dataset saved with save_to_disk ({first})") from None
     if isinstance(dataset, DatasetDict):
-        raise UsageError(f"--dataset {dataset_dir}: is a DatasetDict; pass one split's directory")
+        raise UserError(f"--dataset {dataset_dir}: is a DatasetDict; pass one split's directory")
     missing = [c for c in REQUIRED_COLUMNS if c not in dataset.column_names]
     if missing:
-        raise UsageError(f"--dataset {dataset_dir}: missing column(s) {', '.join(missing)}; "
+        raise UserError(f"--dataset {dataset_dir}: missing column(s) {', '.join(missing)}; "
                          f"expected the data_tools.preprocess format (input_ids, labels, ...)")
     if len(dataset) == 0:
-        raise UsageError(f"--dataset {dataset_dir}: has no rows")
+        raise UserError(f"--dataset {dataset_dir}: has no rows")
     return dataset
 
 
@@ -91,14 +91,14 @@ def run_perplexity(model, dataset_dir: Path, max_samples: int | None = None, pro
         input_ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64)).to(device)
         labels = torch.from_numpy(np.asarray(row["labels"], dtype=np.int64)).to(device)
         if input_ids.shape != labels.shape:
-            raise UsageError(f"--dataset {dataset_dir}: a row has {len(input_ids)} input_ids but {len(labels)} labels")
+            raise UserError(f"--dataset {dataset_dir}: a row has {len(input_ids)} input_ids but {len(labels)} labels")
         nll, count = sample_nll(model, input_ids, labels)
         if count == 0:
             skipped += 1  # no trainable target: contributes nothing to a token mean; counted so it is not lost
         total_nll += nll
         total_targets += count
     if total_targets == 0:
-        raise UsageError(f"--dataset {dataset_dir}: no row has a label token (labels all -100)")
+        raise UserError(f"--dataset {dataset_dir}: no row has a label token (labels all -100)")
     loss = total_nll / total_targets
     return {
         "dataset": str(Path(dataset_dir).expanduser().resolve()),

@@ -1,8 +1,21 @@
-"""Presenting evaluation results: markdown tables and the needle heatmap (length × depth, matplotlib Agg)."""
+"""Presenting evaluation results: the output folder, markdown tables, and the length × depth heatmaps (matplotlib
+Agg) of the offline needle check and of the generated OpenCompass tasks."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from hbp_train.errors import UserError
+
+
+def make_out(path: Path) -> Path:
+    """The ``--out`` folder, created if missing; a one-line UserError if it cannot be."""
+    path = Path(path).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--out {path}: cannot create the directory ({err.strerror})") from None
+    return path
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -64,6 +77,79 @@ def plot_needle_heatmap(needle: dict, path: Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def score_table(scores: list[dict]) -> str:
+    """One checkpoint's scores: a row per (dataset, metric)."""
+    return markdown_table(["dataset", "metric", "mode", "score"],
+                          [[s["dataset"], s["metric"], s.get("mode", "-"), s["score"]] for s in scores])
+
+
+def breakdown_table(name: str, breakdown: dict) -> str:
+    """A generated task's score per group: a length × depth grid (rows lengths, columns depths, plus the mean
+    over depths), else a row per group (length, or kind of question) with its number of samples."""
+    keys = breakdown["group_by"]
+    if keys == ["length", "depth"]:
+        lengths = sorted({g["length"] for g in breakdown["groups"]})
+        depths = sorted({g["depth"] for g in breakdown["groups"]})
+        cell = {(g["length"], g["depth"]): g for g in breakdown["groups"]}
+        rows = []
+        for length in lengths:
+            cells = [cell.get((length, d)) for d in depths]
+            present = [c for c in cells if c]
+            mean = sum(c["score"] * c["samples"] for c in present) / sum(c["samples"] for c in present)
+            rows.append([length, *[c["score"] if c else None for c in cells], mean])
+        return markdown_table(["length \\ depth", *[f"{d:g}" for d in depths], "all depths"], rows)
+    return markdown_table([*keys, "samples", "score"],
+                          [[g[k] for k in keys] + [g["samples"], g["score"]] for g in breakdown["groups"]])
+
+
+def breakdown_scores(abbr: str, breakdown: dict) -> list[dict]:
+    """Score rows per length (or kind) of a generated task, for the results table and ``compare``."""
+    key = breakdown["group_by"][0]
+    values: dict = {}
+    for group in breakdown["groups"]:
+        values.setdefault(group[key], []).append((group["score"], group["samples"]))
+    return [{"dataset": abbr, "metric": f"{key} {value}", "mode": "breakdown",
+             "score": sum(s * n for s, n in pairs) / sum(n for _, n in pairs)} for value, pairs in values.items()]
+
+
+def plot_score_grids(breakdowns: dict[str, dict], path: Path) -> Path | None:
+    """Length × depth heatmaps of the generated tasks that have both (needle, multikey); None if none has."""
+    grids = {name: b for name, b in breakdowns.items() if b["group_by"] == ["length", "depth"]}
+    if not grids:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(grids), squeeze=False,
+                             figsize=(4 + 4 * len(grids), 1.5 + 0.6 * max(len({g["length"] for g in b["groups"]})
+                                                                          for b in grids.values())))
+    for ax, (name, b) in zip(axes[0], grids.items()):
+        lengths = sorted({g["length"] for g in b["groups"]})
+        depths = sorted({g["depth"] for g in b["groups"]})
+        grid = np.full((len(lengths), len(depths)), np.nan)
+        for g in b["groups"]:
+            grid[lengths.index(g["length"]), depths.index(g["depth"])] = g["score"]
+        image = ax.imshow(grid, vmin=0.0, vmax=100.0, cmap="RdYlGn", aspect="auto", origin="lower")
+        for i in range(len(lengths)):
+            for j in range(len(depths)):
+                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth (fraction of haystack)")
+        ax.set_ylabel("context length (tokens)")
+        ax.set_title(f"{name}: {b['score']:.1f}")
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.suptitle("OpenCompass, generated suite: % correct")
+    fig.tight_layout()
+    path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -1,23 +1,25 @@
 """Evaluation CLI: ``python -m eval.run`` (``./launch.sh eval``).
 
     python -m eval.run offline --model DIR [--dataset TOKENIZED_DIR] --out DIR      no download, CPU or GPU
-    python -m eval.run opencompass --model DIR --datasets general|long|LIST --out DIR
+    python -m eval.run opencompass --model DIR --datasets offline|general|long|LIST --out DIR
+    python -m eval.run compare RUN_A RUN_B ... --out DIR                             checkpoints side by side
     python -m eval.run --setup-opencompass                                            builds .venv-opencompass
 
-User mistakes print one ``error:`` line and exit with code 2; ``--help`` on each subcommand explains every option.
+User mistakes (``UserError``) print one ``error:`` line and exit with code 2; an OpenCompass task that failed exits 1
+naming the task and its log; ``--help`` on each subcommand explains every option.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from eval.model_io import UsageError
+from eval.report import make_out
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 
 DEFAULT_LENGTHS = "256,512,1024"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
@@ -31,39 +33,33 @@ def _int_list(option: str, text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise UsageError(f"{option} {text}: need comma-separated integers, e.g. {DEFAULT_LENGTHS}") from None
+        raise UserError(f"{option} {text}: need comma-separated integers, e.g. {DEFAULT_LENGTHS}") from None
 
 
 def _float_list(option: str, text: str) -> list[float]:
     try:
         return [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise UsageError(f"{option} {text}: need comma-separated fractions, e.g. {DEFAULT_DEPTHS}") from None
-
-
-def _make_out(path: Path) -> Path:
-    path = Path(path).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UsageError(f"--out {path}: cannot create the directory ({err.strerror})") from None
-    return path
+        raise UserError(f"{option} {text}: need comma-separated fractions, e.g. {DEFAULT_DEPTHS}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m eval.run",
         description="Evaluate an exported hbp-train checkpoint (an HF safetensors directory with its tokenizer).",
-        epilog="Subcommands: 'offline' (local long-context checks, no download) and 'opencompass' (benchmarks "
-               "in OpenCompass's own venv). Run 'python -m eval.run SUBCOMMAND --help' for their options.",
+        epilog="Subcommands: 'offline' (local long-context checks, no download), 'opencompass' (benchmarks in "
+               "OpenCompass's own venv) and 'compare' (evaluations side by side). Run 'python -m eval.run "
+               "SUBCOMMAND --help' for their options.",
     )
     parser.add_argument("--setup-opencompass", action="store_true",
-                        help="create the OpenCompass virtual environment (--venv) with python3 -m venv and "
-                             "pip-install OpenCompass there; it is kept apart because it needs numpy<2 and "
-                             "datasets<4. With no subcommand, exit after the set-up")
+                        help="build the OpenCompass virtual environment (--venv): python3 -m venv, torch at this "
+                             "venv's version, eval/requirements-opencompass.txt and the compatibility shim, then a "
+                             "self-test on a tiny model; a second call with nothing changed returns at once. It is "
+                             "kept apart because OpenCompass needs numpy<2 and datasets<4. With no subcommand, exit "
+                             "after the set-up")
     parser.add_argument("--venv", type=Path, default=None,
                         help="the OpenCompass virtual environment (default: .venv-opencompass in the repo root)")
-    sub = parser.add_subparsers(dest="command", metavar="{offline,opencompass}")
+    sub = parser.add_subparsers(dest="command", metavar="{offline,opencompass,compare}")
 
     off = sub.add_parser(
         "offline", help="needle-in-a-haystack retrieval and held-out perplexity, generated locally",
@@ -100,63 +96,95 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
     oc = sub.add_parser(
-        "opencompass", help="run OpenCompass benchmarks (general / long-context) in its own venv",
-        description="Generate an OpenCompass config for the checkpoint (HuggingFacewithChatTemplate when the "
-                    "tokenizer has a chat template, else HuggingFaceBaseModel), run it with the opencompass CLI "
-                    "of the OpenCompass venv, and collect the scores into OUT/summary.md and OUT/summary.json. "
-                    "Benchmark data is read from --data-cache / $COMPASS_DATA_CACHE; when some is missing and "
-                    "OpenCompass's data host is unreachable, the error says which archive to unzip where.")
+        "opencompass", help="run OpenCompass on the checkpoint: the generated offline suite or stock benchmarks",
+        description="Run OpenCompass (in its own venv, see --setup-opencompass) on an exported checkpoint: the "
+                    "offline suite we generate in OpenCompass's dataset format (needle grid, multi-key needle, "
+                    "variable tracking, demo QA; no download), and/or OpenCompass's stock benchmarks when their "
+                    "data is present. Writes everything under --out: the config, the suite, OpenCompass's work dir "
+                    "and log, and the results table (results.md, results.json). Runs on the CPU in float32 when no "
+                    "GPU is visible, else one model instance per GPU in bfloat16. Exits 1, naming the task and its "
+                    "log, when any OpenCompass task failed.")
     oc.add_argument("--model", type=Path, required=True, help="exported model directory (HF safetensors + tokenizer)")
-    oc.add_argument("--datasets", default="general",
-                    help="'general' (MMLU, MMLU-Pro, CMMLU, BBH, GSM8K, MATH), 'long' (RULER, NeedleBench, "
-                         "LongBench), or a comma list of those words and names: mmlu, mmlu_pro, cmmlu, bbh, gsm8k, "
-                         "math, ruler, needlebench, longbench (default general)")
-    oc.add_argument("--long-lengths", default="32k",
-                    help="context lengths for RULER / NeedleBench, comma-separated, e.g. 32k,128k (the paper "
-                         "reports RULER-128K); a length a benchmark has no config for is skipped with a warning "
-                         "(default 32k)")
     oc.add_argument("--out", type=Path, required=True,
-                    help="directory for the config, OpenCompass's work dir (OUT/work) and the summary")
+                    help="directory for everything the run writes (created if missing); OpenCompass runs in it")
+    oc.add_argument("--datasets", default="offline",
+                    help="'offline' (needle, multikey, variable_tracking, demo_qa: generated, no download), "
+                         "'general' (MMLU, MMLU-Pro, CMMLU, BBH, GSM8K, MATH), 'long' (RULER, NeedleBench, "
+                         "LongBench), or a comma list of those words and names: needle, multikey, "
+                         "variable_tracking, demo_qa, mmlu, mmlu_pro, cmmlu, bbh, gsm8k, math, ruler, needlebench, "
+                         "longbench (default offline)")
+    oc.add_argument("--lengths", default=DEFAULT_LENGTHS,
+                    help=f"prompt lengths in tokens of the generated long-context tasks, comma-separated (default "
+                         f"{DEFAULT_LENGTHS}); at most --max-seq-len")
+    oc.add_argument("--depths", default=DEFAULT_DEPTHS,
+                    help=f"needle depths of the generated needle tasks, 0 = start, 1 = end (default {DEFAULT_DEPTHS})")
+    oc.add_argument("--trials", type=int, default=2,
+                    help="generated samples per (length, depth) cell; variable tracking draws as many per length "
+                         "(default 2)")
+    oc.add_argument("--qa-samples", type=int, default=40, help="questions in the demo QA set (default 40)")
+    oc.add_argument("--seed", type=int, default=0, help="seed of the generated tasks (default 0)")
+    oc.add_argument("--long-lengths", default="32k",
+                    help="context lengths for the stock RULER / NeedleBench, comma-separated, e.g. 32k,128k (the "
+                         "paper reports RULER-128K); a length a benchmark has no config for is skipped with a "
+                         "warning (default 32k)")
     oc.add_argument("--data-cache", type=Path, default=None,
-                    help="benchmark data root (archives unzip into ROOT/data/); default $COMPASS_DATA_CACHE, "
+                    help="stock benchmark data root (archives unzip into ROOT/data/); default $COMPASS_DATA_CACHE, "
                          "else ~/.cache/opencompass")
+    oc.add_argument("--max-samples", type=int, default=None,
+                    help="evaluate only the first N rows of every dataset (OpenCompass's reader_cfg test_range), "
+                         "e.g. for a quick look at stock benchmarks on a CPU (default: all rows)")
     oc.add_argument("--max-seq-len", type=int, default=None,
                     help="longest prompt the model is given (default: max_position_embeddings of config.json)")
-    oc.add_argument("--max-out-len", type=int, default=1024, help="longest generated answer (default 1024)")
+    oc.add_argument("--max-out-len", type=int, default=1024,
+                    help="longest generated answer for stock benchmarks without their own limit; the generated "
+                         "tasks set theirs (default 1024)")
     oc.add_argument("--batch-size", type=int, default=8, help="inference batch size (default 8)")
-    oc.add_argument("--num-gpus", type=int, default=1, help="GPUs per model instance (default 1)")
-    oc.add_argument("--max-num-workers", type=int, default=1,
-                    help="OpenCompass tasks run in parallel, e.g. one per GPU (default 1)")
-    oc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "auto"],
-                    help="weights dtype OpenCompass loads the model in (default bfloat16, as trained)")
+    oc.add_argument("--num-gpus", type=int, default=None,
+                    help="GPUs per model instance; 0 = run on the CPU (default: 1 when a GPU is visible, else 0)")
+    oc.add_argument("--max-num-workers", type=int, default=None,
+                    help="OpenCompass tasks run side by side, each with its own model instance (default: visible "
+                         "GPUs / --num-gpus, 1 on the CPU)")
+    oc.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="weights dtype OpenCompass loads the model in (default auto: bfloat16 on GPUs, as trained; "
+                         "float32 on the CPU, the only choice there)")
     oc.add_argument("--venv", type=Path, default=argparse.SUPPRESS,
                     help="the OpenCompass virtual environment (default: .venv-opencompass in the repo root)")
     oc.add_argument("--dry-run", action="store_true",
-                    help="write the config and print the command, run nothing (needs no OpenCompass install)")
+                    help="write the suite and the config and print the command, run nothing (needs no OpenCompass "
+                         "install)")
+
+    cmp = sub.add_parser(
+        "compare", help="put evaluations of several checkpoints side by side (table + plot)",
+        description="Read the results.json of each evaluation folder (offline or opencompass) and write one table "
+                    "with a column per run (compare.md, compare.json) and a bar chart of the percentage scores "
+                    "(compare.png).")
+    cmp.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                     help="--out folders of earlier 'offline' or 'opencompass' evaluations (or their results.json)")
+    cmp.add_argument("--out", type=Path, required=True, help="directory for compare.md, compare.json, compare.png")
+    cmp.add_argument("--labels", default=None,
+                     help="comma-separated column names, one per RUN (default: the folder names)")
     return parser
 
 
 def run_offline(args) -> int:
     from eval.model_io import (check_model_dir, load_model, load_tokenizer, pick_device, pick_dtype,
                                set_cpu_threads, stop_token_ids)
-    from eval.needle import NeedleConfig, generate_samples, run_needle
+    from eval.needle import run_needle
     from eval.perplexity import load_tokenized, run_perplexity
-    from eval.report import needle_table, plot_needle_heatmap
+    from eval.report import needle_table, plot_needle_heatmap, score_table
+    from eval.suite import write_jsonl
+    from eval.tasks.needle import NeedleConfig, generate_samples, to_record
 
     start = time.time()
     lengths, depths = _int_list("--lengths", args.lengths), _float_list("--depths", args.depths)
-    try:
-        needle_config = NeedleConfig(lengths=lengths, depths=depths, trials=args.trials,
-                                     num_distractors=args.distractors, max_new_tokens=args.max_new_tokens,
-                                     seed=args.seed)
-    except ValueError as err:
-        field, _, rest = str(err).partition(":")
-        option = {"num_distractors": "distractors"}.get(field, field).replace("_", "-")
-        raise UsageError(f"--{option}:{rest}") from None
+    needle_config = NeedleConfig(lengths=lengths, depths=depths, trials=args.trials,
+                                 num_distractors=args.distractors, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: need >= 1")
     if args.max_samples is not None and args.max_samples < 1:
-        raise UsageError(f"--max-samples {args.max_samples}: need >= 1")
+        raise UserError(f"--max-samples {args.max_samples}: need >= 1")
     if args.no_needle and args.dataset is None:
-        raise UsageError("--no-needle without --dataset leaves nothing to evaluate; add --dataset DIR")
+        raise UserError("--no-needle without --dataset leaves nothing to evaluate; add --dataset DIR")
     # Everything that can be wrong with the input fails before the model loads.
     model_dir = check_model_dir(args.model)
     if not args.no_needle:
@@ -164,7 +192,7 @@ def run_offline(args) -> int:
     samples = None if args.no_needle else generate_samples(load_tokenizer(model_dir), needle_config)
     if args.dataset is not None:
         load_tokenized(args.dataset)
-    out = _make_out(args.out)
+    out = make_out(args.out)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
@@ -174,23 +202,35 @@ def run_offline(args) -> int:
     model, tokenizer = load_model(args.model, device, dtype)
     threads = set_cpu_threads(model, args.threads)
 
-    result = {"model": str(Path(args.model).resolve()), "device": str(device), "dtype": str(dtype).split(".")[-1],
-              "threads": threads,
-              "chat_template": bool(getattr(tokenizer, "chat_template", None)), "needle": None,
+    result = {"model": str(Path(args.model).resolve()), "kind": "offline", "device": str(device),
+              "dtype": str(dtype).split(".")[-1], "threads": threads,
+              "chat_template": bool(getattr(tokenizer, "chat_template", None)), "scores": [], "needle": None,
               "perplexity": None, "files": {}}
     report = [f"# Offline evaluation of {result['model']}\n"]
     if not args.no_needle:
+        # The samples as an OpenCompass dataset: the same rows `eval.run opencompass --datasets needle` generates.
+        result["files"]["needle_samples"] = str(write_jsonl(out / "needle.jsonl", [to_record(s) for s in samples]))
         needle = run_needle(model, tokenizer, needle_config, stop_token_ids(model, tokenizer),
-                            progress=not args.no_progress, samples=samples)
+                            max_new_tokens=args.max_new_tokens, progress=not args.no_progress, samples=samples)
         result["needle"] = needle
+        result["scores"] += [{"dataset": "needle (offline)", "metric": metric, "mode": "offline",
+                              "score": 100.0 * needle[metric]} for metric in ("loglik_acc", "greedy_acc")]
+        result["scores"] += [{"dataset": "needle (offline)", "metric": f"{metric} length {length}",
+                              "mode": "breakdown", "score": 100.0 * sum(c[metric] for c in cells) / len(cells)}
+                             for metric in ("loglik_acc", "greedy_acc") for length in needle["lengths"]
+                             for cells in [[c for c in needle["cells"] if c["length"] == length]]]
         result["files"]["heatmap"] = str(plot_needle_heatmap(needle, out / "needle_heatmap.png"))
         report += ["## Needle in a haystack\n", needle_table(needle)]
     if args.dataset is not None:
         ppl = run_perplexity(model, args.dataset, args.max_samples, progress=not args.no_progress)
         result["perplexity"] = ppl
+        result["scores"] += [{"dataset": "held-out", "metric": metric, "mode": "offline", "score": ppl[metric]}
+                             for metric in ("loss", "perplexity")]
         report += ["## Held-out perplexity\n",
                    f"{ppl['num_samples']} samples, {ppl['num_loss_tokens']} label tokens: "
                    f"loss {ppl['loss']:.4f}, perplexity {ppl['perplexity']:.3f}\n"]
+    report[1:1] = ["## Scores (%; perplexity and loss as they are)\n",
+                   score_table([s for s in result["scores"] if s["mode"] != "breakdown"])]
     result["seconds"] = round(time.time() - start, 2)
     result["files"]["json"] = str(out / "results.json")
     result["files"]["markdown"] = str(out / "results.md")
@@ -210,90 +250,113 @@ def _check_lengths_fit(model_dir: Path, lengths: list[int]) -> None:
     except (OSError, ValueError, AttributeError):
         return  # an unreadable config.json is reported by the tokenizer/model load with its own message
     if isinstance(limit, int) and limit > 0 and max(lengths) > limit:
-        raise UsageError(f"--lengths: {max(lengths)} tokens exceed the model's max_position_embeddings ({limit}, "
-                         f"{model_dir / 'config.json'}); use lengths <= {limit}")
+        raise UserError(f"--lengths: {max(lengths)} tokens exceed the model's max_position_embeddings ({limit}, "
+                        f"{model_dir / 'config.json'}); use lengths <= {limit}")
+
+
+def opencompass_options(args):
+    """The RunOptions of the opencompass subcommand: devices, dtype and workers resolved, input checked."""
+    from eval import benchmarks
+    from eval import opencompass as oc
+    from eval.model_io import check_model_dir
+    from eval.opencompass_venv import DEFAULT_VENV
+
+    model_dir = check_model_dir(args.model)
+    stock, generated = oc.parse_datasets(args.datasets)
+    gpus = oc.visible_gpus()
+    num_gpus = args.num_gpus if args.num_gpus is not None else (1 if gpus else 0)
+    if num_gpus > gpus:
+        raise UserError(f"--num-gpus {num_gpus}: {gpus} GPU(s) visible; use --num-gpus {gpus} "
+                        f"({'the CPU' if gpus == 0 else 'or fewer'})")
+    workers = args.max_num_workers if args.max_num_workers is not None else max(1, gpus // max(num_gpus, 1)) \
+        if num_gpus else 1
+    if num_gpus and workers * num_gpus > gpus:
+        raise UserError(f"--max-num-workers {workers} x --num-gpus {num_gpus}: {gpus} GPU(s) visible")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if num_gpus else "float32")
+    lengths = _int_list("--lengths", args.lengths)
+    depths = _float_list("--depths", args.depths)
+    if any(not 0.0 <= d <= 1.0 for d in depths) or not depths:
+        raise UserError(f"--depths {args.depths}: need fractions in [0, 1]")
+    if args.qa_samples < 1:
+        raise UserError(f"--qa-samples {args.qa_samples}: need >= 1")
+    return oc.RunOptions(
+        model_dir=model_dir, out=args.out, venv=Path(getattr(args, "venv", None) or DEFAULT_VENV), stock=stock,
+        long_lengths=benchmarks.parse_lengths(args.long_lengths, stock), suite=generated, lengths=lengths,
+        depths=depths, trials=args.trials, qa_samples=args.qa_samples, seed=args.seed, max_seq_len=args.max_seq_len,
+        max_out_len=args.max_out_len, batch_size=args.batch_size, num_gpus=num_gpus, max_num_workers=workers,
+        dtype=dtype, data_root=args.data_cache, max_samples=args.max_samples)
 
 
 def run_opencompass(args) -> int:
     from eval import opencompass as oc
-    from eval.model_io import check_model_dir
-    from eval.report import markdown_table
 
-    model_dir = check_model_dir(args.model)
-    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        # OpenCompass loads the tokenizer from the model directory only after its own (long) start-up.
-        raise UsageError(f"--model {model_dir}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
-                         "export the checkpoint with its tokenizer (hbp_train.export copies it)")
-    families = oc.parse_datasets(args.datasets)
-    for option, value in (("--max-out-len", args.max_out_len), ("--batch-size", args.batch_size),
-                          ("--num-gpus", args.num_gpus), ("--max-num-workers", args.max_num_workers),
-                          ("--max-seq-len", args.max_seq_len)):
-        if value is not None and value < 1:
-            raise UsageError(f"{option} {value}: need >= 1")
-    venv = Path(args.venv or oc.DEFAULT_VENV)
-    root = oc.data_root(args.data_cache)
-    if not args.dry_run:
-        # Install and data first: when either is missing, its one-line error is all the user sees.
-        oc.check_install(venv)
-        missing, needs_tiktoken = oc.missing_data(families, root)
-        if missing or needs_tiktoken:
-            if not oc.have_network():
-                raise UsageError(oc.missing_data_message(missing, needs_tiktoken, root))
-            print(f"[eval] OpenCompass will download {', '.join(missing + ['tiktoken'] * needs_tiktoken)} "
-                  f"into {root}")
-
-    lengths = oc.parse_lengths(args.long_lengths, families)
-    max_seq_len = args.max_seq_len
-    if max_seq_len is None:
-        try:
-            config = json.loads((model_dir / "config.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise UsageError(f"--model {model_dir}: config.json is not valid JSON ({err}); re-export the "
-                             "checkpoint or pass --max-seq-len") from None
-        max_seq_len = int(config.get("max_position_embeddings") or 32768)
-    longest = max((_length_tokens(n) for names in lengths.values() for n in names), default=0)
-    if longest > max_seq_len:
-        warnings.warn(f"--long-lengths: {longest} tokens exceed --max-seq-len {max_seq_len}; OpenCompass will "
-                      f"truncate those prompts", stacklevel=1)
-
-    out = _make_out(args.out)
-    config_path = out / "opencompass_config.py"
-    config_path.write_text(oc.build_config(model_dir, families, lengths, max_seq_len=max_seq_len,
-                                           max_out_len=args.max_out_len, batch_size=args.batch_size,
-                                           num_gpus=args.num_gpus, dtype=args.dtype))
-    work_dir = out / "work"
-    command = [str(venv / "bin" / "opencompass"), str(config_path), "-w", str(work_dir),
-               "--max-num-workers", str(args.max_num_workers)]
-    print(f"[eval] wrote {config_path}")
+    options = opencompass_options(args)
+    device = f"{options.max_num_workers} x {options.num_gpus} GPU" if options.num_gpus else "cpu"
     if args.dry_run:
-        print("[eval] dry run; would run: " + " ".join(command))
+        prepared = oc.prepare(options)
+        print(f"[eval] wrote {prepared.config}")
+        print(f"[eval] dry run; would run in {options.out}: " + " ".join(prepared.command))
         return 0
-    print("[eval] running: " + " ".join(command), flush=True)
-    returncode = subprocess.run(command, env=oc.subprocess_env(model_dir, root)).returncode
-    if returncode != 0:
-        print(f"error: OpenCompass exited with code {returncode}; its logs are under {work_dir}", file=sys.stderr)
+    print(f"[eval] OpenCompass on {device} ({options.dtype}): {', '.join(options.suite + options.stock)}; "
+          f"output in {Path(options.out).resolve()}", flush=True)
+    result = oc.evaluate(options)
+    write_opencompass_results(options, result, device)
+    if result.failures:
+        oc.echo_failures(result)
         return 1
-    summary_csv = oc.find_summary(work_dir)
-    if summary_csv is None:
-        print(f"error: OpenCompass wrote no summary under {work_dir}/*/summary/; see its logs there", file=sys.stderr)
-        return 1
-    rows = oc.collect(summary_csv)
-    models = list(rows[0]["scores"]) if rows else []
-    table = markdown_table(["dataset", "metric", "mode", *models],
-                           [[r["dataset"], r["metric"], r["mode"], *r["scores"].values()] for r in rows])
-    (out / "summary.md").write_text(f"# OpenCompass results for {model_dir}\n\n{table}")
-    (out / "summary.json").write_text(json.dumps(
-        {"model": str(model_dir), "benchmarks": families, "long_lengths": lengths, "source": str(summary_csv),
-         "rows": rows}, indent=2) + "\n")
-    print(table)
-    print(f"[eval] wrote {out / 'summary.md'} and {out / 'summary.json'}")
     return 0
 
 
-def _length_tokens(name: str) -> int:
-    """'32k' → 32768, '1m' → 1048576 (OpenCompass's naming of context lengths)."""
-    scale = {"k": 1024, "m": 1024 * 1024}[name[-1]]
-    return int(name[:-1]) * scale
+def write_opencompass_results(options, result, device: str) -> None:
+    """The results table of the checkpoint: OUT/results.md, OUT/results.json (and the needle heatmap)."""
+    from eval import report, suite
+
+    out = Path(options.out)
+    scores = list(result.scores)
+    for name, breakdown in result.breakdowns.items():
+        scores += report.breakdown_scores(suite.ABBR_PREFIX + name, breakdown)
+    files = {"json": str(out / "results.json"), "markdown": str(out / "results.md"), "config": str(result.config),
+             "log": str(out / "opencompass.log"), "work_dir": str(result.run_dir) if result.run_dir else None}
+    heatmap = report.plot_score_grids(result.breakdowns, out / "needle_heatmap.png")
+    if heatmap:
+        files["heatmap"] = str(heatmap)
+    content = {
+        "model": str(options.model_dir), "kind": "opencompass", "device": device, "dtype": options.dtype,
+        "num_gpus": options.num_gpus, "max_num_workers": options.max_num_workers,
+        "datasets": options.suite + options.stock, "long_lengths": options.long_lengths,
+        "scores": scores, "breakdowns": result.breakdowns,
+        "failures": [{"task": f.task, "log": str(f.log) if f.log else None, "reason": f.reason}
+                     for f in result.failures],
+        "seconds": round(result.seconds, 1), "files": files,
+    }
+    lines = [f"# OpenCompass results for {options.model_dir}\n",
+             f"{device}, {options.dtype}, {result.seconds:.0f} s; OpenCompass's work dir: {result.run_dir}\n",
+             report.score_table(result.scores) if result.scores else "No scores: OpenCompass wrote no summary.\n"]
+    for name, breakdown in result.breakdowns.items():
+        lines += [f"## {suite.ABBR_PREFIX + name} by {' and '.join(breakdown['group_by'])}\n",
+                  report.breakdown_table(name, breakdown)]
+    if result.failures:
+        lines += ["## Failed tasks\n", *[f"- {f.describe()}" for f in result.failures], ""]
+    (out / "results.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps(content, indent=2) + "\n")
+    print("\n".join(lines[:3]))
+    print(f"[eval] wrote {out / 'results.md'} and {out / 'results.json'}"
+          + (f", {heatmap}" if heatmap else "") + f"; OpenCompass's output: {out / 'opencompass.log'}")
+
+
+def run_compare(args) -> int:
+    from eval import compare
+
+    labels = [t.strip() for t in args.labels.split(",")] if args.labels else None
+    comparison = compare.compare(args.runs, labels)
+    out = make_out(args.out)
+    text = compare.table(comparison)
+    (out / "compare.md").write_text("# Checkpoints side by side\n\n" + text)
+    (out / "compare.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    plot = compare.plot(comparison, out / "compare.png")
+    print(text)
+    print(f"[eval] wrote {out / 'compare.md'}, {out / 'compare.json'}, {plot}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,19 +370,21 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     try:
         if args.setup_opencompass:
-            from eval.opencompass import DEFAULT_VENV, setup_venv
+            from eval.opencompass_venv import DEFAULT_VENV, setup
 
-            code = setup_venv(args.venv or DEFAULT_VENV)
+            code = setup(args.venv or DEFAULT_VENV)
             if code != 0 or args.command is None:
                 return code
         if args.command == "offline":
             return run_offline(args)
         if args.command == "opencompass":
             return run_opencompass(args)
-        parser.error("choose a subcommand (offline or opencompass) or --setup-opencompass; see --help")
-    except UsageError as err:
+        if args.command == "compare":
+            return run_compare(args)
+        parser.error("choose a subcommand (offline, opencompass or compare) or --setup-opencompass; see --help")
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

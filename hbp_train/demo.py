@@ -2,8 +2,10 @@
 
 generate synthetic chats → preprocess (tokenized shards) → plan + packed shards (hbp, with the isf baseline
 printed beside it) → compare every strategy's simulated time → train a tiny Llama on 2 CPU processes
-(groups at sp 1 and 2) → export an HF checkpoint → offline long-context checks. Each stage is the same CLI a user would run, so the
-demo doubles as a worked example; the commands are printed as they run.
+(groups at sp 1 and 2) → export an HF checkpoint → offline long-context checks → OpenCompass on the generated
+offline suite (when its venv exists: ``./launch.sh eval --setup-opencompass``; skipped with that hint otherwise).
+Each stage is the same CLI a user would run, so the demo doubles as a worked example; the commands are printed as
+they run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_tools" / "assets" / "tokenizer"
+OPENCOMPASS_STAGE = "OpenCompass offline suite"
 
 
 def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[str, list[str]]]:
@@ -55,6 +58,9 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
         ("export", [py, "-m", "hbp_train.export", "--checkpoint", str(run / "checkpoints"), "--out", str(export)]),
         ("offline evaluation", [py, "-m", "eval.run", "offline", "--model", str(export), "--dataset",
                                 str(held_tok), "--lengths", "128,256,512", "--out", str(out / "eval")]),
+        # The same checkpoint through OpenCompass (its own venv), on the suite generated in its dataset format.
+        (OPENCOMPASS_STAGE, [py, "-m", "eval.run", "opencompass", "--model", str(export), "--datasets", "offline",
+                             "--out", str(out / "opencompass")]),
     ]
 
 
@@ -93,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out / "train", ignore_errors=True)
         if "hbp_train.export" in cmd:
             shutil.rmtree(out / "export", ignore_errors=True)
+        if name == OPENCOMPASS_STAGE and not _opencompass_ready():
+            print(f"\n=== [{i}/{len(todo)}] {name}: skipped, OpenCompass's venv is not set up. Create it once with "
+                  f"./launch.sh eval --setup-opencompass (a few minutes, about 2 GB), then run this stage with "
+                  f"python -m hbp_train.demo --out {out} --only {i}", flush=True)
+            continue
         print(f"\n=== [{i}/{len(todo)}] {name}\n$ {shlex.join(cmd)}", flush=True)
         t0 = time.time()
         rc = subprocess.call(cmd, cwd=REPO, env=env)
@@ -108,7 +119,15 @@ def main(argv: list[str] | None = None) -> int:
           f"metrics.png; TensorBoard: tensorboard --logdir {out / 'train'})")
     print(f"  exported checkpoint   {out / 'export'}")
     print(f"  evaluation            {out / 'eval'} (results.json, results.md, needle_heatmap.png)")
+    if (out / "opencompass" / "results.md").is_file():
+        print(f"  OpenCompass           {out / 'opencompass'} (results.md, results.json, needle_heatmap.png)")
     return 0
+
+
+def _opencompass_ready() -> bool:
+    from eval.opencompass_venv import DEFAULT_VENV, is_ready
+
+    return is_ready(DEFAULT_VENV)
 
 
 if __name__ == "__main__":

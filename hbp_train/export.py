@@ -7,6 +7,11 @@ master weights, on the CPU, no GPU or process group needed); the HF config and t
 checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
 the standard attention (training used use_cache=False and the packed attention). ``--out`` must be new, empty or
 an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
+
+``generation_config.json`` starts from the base model's own (saved in ``hf/`` with its sampling settings and eos
+list; else the one derived from the config) and adds to its ``eos_token_id`` the tokenizer's eos and the token that
+ends an assistant turn in the chat template the model was trained with (``<|im_end|>`` for ChatML): a chat model
+ends its answer with that token, not with eos, so without it ``generate()`` runs to ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ import json
 import os
 import sys
 
-from hbp_train.errors import UserError
+from hbp_train.errors import EXIT_USER_ERROR, UserError
 
 DTYPES = ("fp32", "bf16", "fp16")
 MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it
 
 
 def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
-    """Write HF_DIR (config, safetensors weights, tokenizer); returns it. Raises UserError on bad input."""
+    """Write HF_DIR (config, safetensors weights, generation config, tokenizer); returns it. Raises UserError on
+    bad input."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -35,18 +41,18 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
         # Never write model files over another model (e.g. the base model's own directory).
         raise UserError(f"--out {out}: directory is not empty and holds no earlier export ({MARKER}); choose a "
-                         f"new or empty --out directory")
+                        f"new or empty --out directory")
     if not os.path.isdir(checkpoint):
         raise UserError(f"--checkpoint {checkpoint}: no such directory; pass RUN_DIR (train.out_dir), "
-                         f"RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>")
+                        f"RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>")
     try:
         root, tag = resolve(checkpoint)
-    except UserError:
+    except UserError:  # resolve's errors all describe the --checkpoint path
         ckpts = checkpoint if os.path.basename(os.path.normpath(checkpoint)) == "checkpoints" else \
             os.path.join(checkpoint, "checkpoints")
         if os.path.isdir(ckpts):
             raise UserError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
-                             f"train.save_every steps)") from None
+                            f"train.save_every steps)") from None
         raise
     hf_dir = os.path.join(root, tag, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
@@ -61,6 +67,8 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
+    generation_config = build_generation_config(hf_dir, config, tokenizer)
+    config.eos_token_id = generation_config.eos_token_id  # the same stop tokens for tools that read config.json
     try:  # before the (slow) consolidation of the shards
         os.makedirs(out, exist_ok=True)
     except OSError as e:
@@ -68,8 +76,8 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
-    except FileNotFoundError as e:  # a checkpoint folder missing its ZeRO shards
-        raise UserError(f"{os.path.join(root, tag)}: incomplete checkpoint ({e})") from None
+    except FileNotFoundError as e:  # shards missing from a copied or partly deleted checkpoint
+        raise UserError(f"{os.path.join(root, tag)}: incomplete checkpoint ({str(e).splitlines()[0]})") from None
     # The engine wraps the HF model as `model` (build.PackedCausalLM).
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -77,14 +85,75 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
         raise UserError(f"{os.path.join(root, tag)}: weights do not match the model config "
-                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+                        f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model = model.to(torch_dtype)
+    model.generation_config = generation_config
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"checkpoint": os.path.join(root, tag), "dtype": dtype}, f)
         f.write("\n")
     return out
+
+
+def build_generation_config(hf_dir: str, config, tokenizer):
+    """The base model's generation config (``hf_dir/generation_config.json``) with the tokenizer's eos and the chat
+    template's end-of-turn token added to its ``eos_token_id`` list, and the KV cache on.
+
+    A generation config that was only derived from the model config (``_from_model_config``: a model built from a
+    config, or a base model that shipped none) holds the config class's default token ids, which need not match the
+    tokenizer, and training's ``use_cache=False``: it is derived again from ``config``, whose token ids the caller
+    took from the tokenizer."""
+    from transformers import GenerationConfig
+
+    generation_config = None
+    if os.path.isfile(os.path.join(hf_dir, "generation_config.json")):
+        generation_config = GenerationConfig.from_pretrained(hf_dir)
+    if generation_config is None or getattr(generation_config, "_from_model_config", False):
+        generation_config = GenerationConfig.from_model_config(config)
+        generation_config._from_model_config = False  # now the model's own: a later export keeps it
+    generation_config.use_cache = True  # training saved use_cache=False; generate() would recompute every step
+    eos = generation_config.eos_token_id
+    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+    for token_id in [tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)]:
+        if token_id is not None and token_id not in eos:
+            eos.append(int(token_id))
+    generation_config.eos_token_id = eos
+    for name in ("pad_token_id", "bos_token_id"):
+        if getattr(generation_config, name, None) is None and getattr(tokenizer, name, None) is not None:
+            setattr(generation_config, name, getattr(tokenizer, name))
+    return generation_config
+
+
+_ANSWER = "\u2063hbp-answer\u2063"  # an answer text no template alters, found again in the rendered chat
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token that follows an assistant answer in the tokenizer's chat template (``<|im_end|>`` in
+    ChatML, ``<|eot_id|>`` in Llama 3, ``<end_of_turn>`` in Gemma), as a one-element list; ``[]`` if the answer is
+    followed by no special token. A tokenizer without a chat template was trained with data_tools.preprocess's
+    default ChatML template, so that template is read instead."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates: the default one renders chats
+        template = template.get("default") or next(iter(template.values()), None)
+    if not template:
+        from data_tools.preprocess import DEFAULT_CHAT_TEMPLATE
+
+        template = DEFAULT_CHAT_TEMPLATE
+    chat = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _ANSWER}]
+    try:
+        text = tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001 -- jinja raises arbitrary errors (templates call raise_exception)
+        return []
+    if _ANSWER not in text:
+        return []
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    for token_id in tokenizer.encode(text.split(_ANSWER, 1)[1], add_special_tokens=False):
+        if token_id in special:
+            return [int(token_id)]
+        if tokenizer.decode([token_id]).strip():
+            return []  # text, not a special token, follows the answer
+    return []
 
 
 def _is_tied(model, key: str) -> bool:
@@ -112,7 +181,7 @@ def main(argv: list | None = None) -> int:
         out = export(args.checkpoint, args.out, args.dtype)
     except UserError as e:
         print(f"export error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
     print(f"[export] wrote {out} (load with AutoModelForCausalLM.from_pretrained({out!r}))")
     return 0
 

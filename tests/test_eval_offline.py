@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from eval.model_io import load_model, stop_token_ids
-from eval.needle import FILLER_SENTENCES, INSTRUCTION, NeedleConfig, generate_samples, score_sample
+from eval.needle import score_sample
+from eval.tasks.haystack import FILLER_SENTENCES
+from eval.tasks.needle import INSTRUCTION, NeedleConfig, generate_samples
 from eval.perplexity import run_perplexity, sample_nll
 from eval.run import main
 
@@ -106,6 +108,18 @@ def test_offline_cli_end_to_end(checkpoint, dataset_dir, tmp_path, loaded):
         assert cell["length"] - 15 <= cell["mean_tokens"] <= cell["length"]
     assert 0.0 <= needle["loglik_acc"] <= 1.0 and 0.0 <= needle["greedy_acc"] <= 1.0
     assert needle["chance_loglik_acc"] == pytest.approx(1 / 5)
+
+    scores = {(s["dataset"], s["metric"]): s["score"] for s in result["scores"]}
+    assert scores[("needle (offline)", "loglik_acc")] == pytest.approx(100 * needle["loglik_acc"])
+    assert scores[("needle (offline)", "greedy_acc length 256")] == pytest.approx(
+        100 * sum(c["greedy_acc"] for c in needle["cells"] if c["length"] == 256) / 3)
+    assert scores[("held-out", "perplexity")] == result["perplexity"]["perplexity"]
+    # The samples it scored are the rows `eval.run opencompass --datasets needle` writes for the same settings.
+    from eval.suite import SuiteConfig, generate, read_jsonl
+
+    _, tokenizer = loaded
+    rows = generate(tokenizer, "needle", SuiteConfig(lengths=[128, 256], depths=[0, 0.5, 1], trials=2))
+    assert read_jsonl(out / "needle.jsonl") == rows and len(rows) == 12
 
     heatmap = Path(result["files"]["heatmap"])
     assert heatmap.is_file() and heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -229,7 +243,8 @@ def test_needle_cells_aggregate_each_score_per_length_and_depth(monkeypatch):
     from types import SimpleNamespace
 
     import eval.needle as needle
-    from eval.needle import NeedleSample, run_needle
+    from eval.needle import run_needle
+    from eval.tasks.needle import NeedleSample
 
     config = NeedleConfig(lengths=[100, 200], depths=[0.0, 1.0], trials=3, num_distractors=4)
     samples = [NeedleSample(list(range(length - t)), str(t), [], length, depth)

@@ -64,7 +64,7 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
     from tests.assets.packed_fixture import TINY_LLAMA
 
@@ -72,6 +72,9 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     shutil.copytree(tokenizer_dir, tag / "hf")
     config = LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tied}, vocab_size=4096, use_cache=False)
     config.save_pretrained(tag / "hf")
+    # As hbp_train/checkpoint.py saves it for a model built from a config: derived from the config, so with
+    # LlamaConfig's default token ids (bos 1, eos 2), which are not the tokenizer's, and use_cache=False.
+    GenerationConfig.from_model_config(config).save_pretrained(tag / "hf")
     torch.manual_seed(0)
     return tag, AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
@@ -100,7 +103,12 @@ def test_export_of_a_tied_model_enables_the_cache_and_reloads_the_same_weights(t
     saved = json.loads((out / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert saved["use_cache"] is True
-    assert (saved["eos_token_id"], saved["pad_token_id"]) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    # Training teaches the model to end its answer with ChatML's <|im_end|>; eos (<|endoftext|>) stops text.
+    stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert (saved["eos_token_id"], saved["pad_token_id"]) == (stops, tokenizer.pad_token_id)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["bos_token_id"]) == (stops, tokenizer.bos_token_id)
+    assert generation["use_cache"] is True
     assert json.loads((out / MARKER).read_text()) == {"checkpoint": str(tag), "dtype": "fp32"}
     loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     ids = torch.arange(1, 20)[None]
@@ -121,3 +129,76 @@ def test_export_of_an_untied_model_missing_its_head_is_refused(tmp_path, tokeniz
     with pytest.raises(UserError, match=r"weights do not match the model config \(missing \['lm_head.weight'\]"):
         export(str(tag), str(tmp_path / "hf_out"))
     assert not (tmp_path / "hf_out" / "model.safetensors").exists()
+
+
+def _always_ends_its_turn(model, end_id: int) -> None:
+    """Make ``model`` predict ``end_id`` after any prompt: every token gets the same embedding, so every position
+    has the same final hidden state h, and the LM head row of ``end_id`` is set to score h far above the rest."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight[5].expand_as(
+            model.model.embed_tokens.weight))
+        h = model.model(input_ids=torch.tensor([[7, 8, 9]])).last_hidden_state[0, -1]
+        model.lm_head.weight[end_id] = 50.0 * h / h.norm() ** 2
+
+
+def test_exported_model_stops_generating_at_the_end_of_its_turn(tmp_path, tokenizer_dir, monkeypatch):
+    """generate() with the exported generation config ends the answer at <|im_end|>; with eos alone (what the
+    export wrote before) the same model runs on to max_new_tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hbp_train.export import export
+
+    tag, reference = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=False)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    _always_ends_its_turn(reference, im_end)
+    _consolidated(monkeypatch, reference)
+    out = tmp_path / "hf_out"
+    export(str(tag), str(out))
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat these words: ba de"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        answer = model.generate(**prompt, max_new_tokens=12, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+        eos_only = model.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)[0, prompt["input_ids"].shape[1]:]
+    assert answer.tolist() == [im_end]
+    assert eos_only.tolist() == [im_end] * 12
+
+
+def test_export_keeps_the_base_generation_config(tmp_path, tokenizer_dir, monkeypatch):
+    """A base model's own generation config (not derived from its config) keeps its sampling settings and eos
+    list; eos and <|im_end|> are added once."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from hbp_train.export import export
+
+    tag, reference = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=False)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[77, im_end]).save_pretrained(tag / "hf")
+    _consolidated(monkeypatch, reference)
+    export(str(tag), str(tmp_path / "hf_out"))
+    saved = GenerationConfig.from_pretrained(tmp_path / "hf_out")
+    assert (saved.do_sample, saved.temperature, saved.top_p) == (True, 0.6, 0.9)
+    assert saved.eos_token_id == [77, im_end, tokenizer.eos_token_id]
+    assert saved.pad_token_id == tokenizer.pad_token_id
+
+
+@pytest.mark.parametrize("template, expected", [
+    (None, "<|im_end|>"),  # no template: data_tools.preprocess trained with its default ChatML template
+    ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|pad|>\n{% endfor %}", "<|pad|>"),
+    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", None),  # plain text ends a turn
+])
+def test_end_of_turn_token_is_read_from_the_chat_template(tokenizer_dir, template, expected):
+    from transformers import AutoTokenizer
+
+    from hbp_train.export import end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = template
+    assert end_of_turn_ids(tokenizer) == ([] if expected is None else [tokenizer.convert_tokens_to_ids(expected)])

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="FILE",
                    help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
                    "(default: none; --groups auto needs it)")
-    p.add_argument("--strategy", choices=["hbp", "isf", "sorted", "wlb", "bytescale"], default="hbp",
-                   help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; sorted = "
+    p.add_argument("--strategy", choices=["hbp", "isf", "bfd", "sorted", "wlb", "bytescale"], default="hbp",
+                   help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; bfd = "
+                   "best-fit decreasing into the largest pack_len (TRL / ms-swift packing); sorted = "
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
                    "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
     p.add_argument("--calibration", metavar="FILE", default=None,

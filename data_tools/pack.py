@@ -21,6 +21,7 @@ import numpy as np
 
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
 
 
 MAX_PACK_LEN = 2**31 - 1
@@ -93,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isf-threshold", type=int, default=None,
                    help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens (default: pack_len // 64)")
     p.add_argument("--out", metavar="FILE",
-                   help="where to write plan.json (required unless --shards is given); an existing file is replaced "
-                   "only if it is a plan (JSON starting with \"version\"), never other data")
+                   help="where to write the plan (required unless --shards is given): JSON, or the compact binary "
+                   "form (memory-mapped CSR arrays, for millions of samples) when it ends in .npz; an existing file "
+                   "is replaced only if it is a plan of that form, never other data")
     p.add_argument("--plot", metavar="PNG",
                    help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR (default: no plot)")
     p.add_argument("--no-baseline", action="store_true", help="hbp: skip planning the isf baseline for comparison")
@@ -290,7 +292,11 @@ def run(argv=None) -> int:
         raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
-    check_output_file("--out", args.out, json_key="version", kind="plan")
+    if args.out and is_binary_path(args.out):
+        check_binary_plan_target(args.out)
+        check_output_file("--out", args.out)
+    else:
+        check_output_file("--out", args.out, json_key="version", kind="plan")
     check_output_file("--plot", args.plot, image=True)
     if args.shards:
         check_shards_dir(args.shards)
@@ -340,7 +346,7 @@ def run(argv=None) -> int:
     if args.out:
         t0 = time.perf_counter()
         try:
-            plan.to_json(args.out)
+            save_plan(plan, args.out)
         except OSError as e:  # checked before the planning; a full disk or a folder that changed since
             raise CliError(f"--out {args.out}: cannot write ({e.strerror})") from None
         print(f"wrote {args.out} ({plan.num_steps} steps, {plan.num_packs} packs) in {time.perf_counter() - t0:.2f}s")

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,
                    help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens (default: pack_len // 64)")
+    p.add_argument("--plan-format", choices=["json", "npz"], default="json",
+                   help="with --shards: the plan inside OUT, OUT/plan.json or the compact binary OUT/plan.npz that "
+                   "the trainer memory-maps (for millions of samples) (default json)")
     p.add_argument("--out", metavar="FILE",
                    help="where to write the plan (required unless --shards is given): JSON, or the compact binary "
                    "form (memory-mapped CSR arrays, for millions of samples) when it ends in .npz; an existing file "
@@ -258,10 +261,11 @@ def check_shards_dir(path: str) -> None:
         raise CliError(f"--shards {path}: exists and is not a directory; pass a new or empty directory")
     if not p.is_dir() or not any(p.iterdir()):
         return
-    if not (p / "plan.json").is_file():
-        raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json); "
-                       "choose a new or empty --shards directory")
-    other = sorted(x.name for x in p.iterdir() if x.name != "plan.json" and not x.name.startswith("group_"))
+    plans = ("plan.json", "plan.npz")
+    if not any((p / name).is_file() for name in plans):
+        raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json or "
+                       "plan.npz); choose a new or empty --shards directory")
+    other = sorted(x.name for x in p.iterdir() if x.name not in plans and not x.name.startswith("group_"))
     if other:
         raise CliError(f"--shards {path}: holds {other[0]}, which is not part of the packed shards a re-pack "
                        "replaces; move it out or choose another --shards directory")
@@ -359,7 +363,8 @@ def run(argv=None) -> int:
         if silence:  # datasets' own "Saving the dataset" bars
             datasets.disable_progress_bars()
         try:
-            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet)
+            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet,
+                                plan_format=args.plan_format)
         except OSError as e:  # the --dataset files or the --shards folder: a full disk, no permission
             raise CliError(f"--shards {args.shards}: {e.filename or args.dataset}: {e.strerror}; check the --dataset "
                            "and --shards paths and their permissions") from None

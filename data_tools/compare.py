@@ -4,9 +4,11 @@
         --groups 16384:1,131072:8 [--calibration FILE] [--plot cmp.png] [--out cmp.json]
     python -m data_tools.compare --lengths lengths.txt --world-size 8 --groups auto --profile profile.json
 
-Plans the lengths with each strategy (isf, sorted, hbp, hbp-cost = hbp balancing predicted pack time from the
+Plans the lengths with each strategy (isf, bfd, sorted, hbp, hbp-cost = hbp balancing predicted pack time from the
 cost model instead of Σ len², wlb, bytescale), simulates each plan with the cost model (data_tools.simulate's
-model; nothing runs on a GPU) and prints one row per strategy with the speed-up over isf. bytescale is simulated
+model; nothing runs on a GPU) and prints one row per strategy with the speed-up over isf AND over the best
+baseline users run (the fastest of isf, bfd and sorted in this same run: beating the weak isf alone proves
+little), then one line naming that baseline and hbp's speed-up over it. bytescale is simulated
 with one synchronisation per step (ZeRO-0/1, the only stages it may run with); every other plan with one per
 micro-batch (ZeRO-2/3). By default compute only (an upper bound of the speed-ups); --zero-stage S adds ZeRO's
 collectives and the optimizer step (bytescale at stage 1 when S is 2 or 3), --comm-overlap F hides a share of the
@@ -28,13 +30,17 @@ from hbp_train.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
 
-STRATEGIES = ("isf", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
+STRATEGIES = ("isf", "bfd", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
 
 COLUMNS = [("name", "strategy", "s"), ("ABR", "ABR", ".4f"), ("DBR", "DBR", ".4f"), ("PR", "PR", ".4f"),
            ("CR", "CR", ".3f"), ("num_steps", "steps", "d"), ("num_slots", "slots", "d"), ("planning_seconds", "plan s", ".2f"),
            ("mean_deferred_wait_steps", "wait", ".2f"), ("sync", "sync", "s"),
            ("simulated_hours", "sim hours", ".3f"), ("idle_fraction", "idle", ".3f"),
-           ("speedup", "speed-up", ".3f")]
+           ("speedup", "speed-up", ".3f"), ("speedup_best", "vs best", ".3f")]
+
+# The single-group baselines users actually run (naive packing, TRL/ms-swift best fit, LongAlign sorting): every
+# comparison reports hbp against the fastest of those present as well as against isf.
+BASELINES = ("isf", "bfd", "sorted")
 
 
 def compare_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, strategies=STRATEGIES,
@@ -42,7 +48,7 @@ def compare_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config
     """Plan and simulate ``lengths`` with every strategy. Returns (rows, {name: (plan, SimResult)}).
 
     ``plan_kwargs``: PlanConfig fields except strategy and pack_cost. The speed-up is over isf when it is among
-    the strategies, else over the first one.
+    the strategies, else over the first one; ``speedup_best`` is over the best baseline (``best_baseline``).
     """
     plans = plan_strategies(lengths, plan_kwargs, model, sim_config, strategies, progress)
     return simulate_strategies(plans, model, sim_config)
@@ -89,14 +95,36 @@ def simulate_strategies(plans: dict, model, sim_config) -> tuple[list[dict], dic
         res.extra["planning_seconds"] = planning
         out[name], stages[name] = (plan, res), stage
     base = out["isf"][1] if "isf" in out else next(iter(out.values()))[1]
+    best = best_baseline(out)
     rows = []
     for name, (plan, res) in out.items():
         m = plan.metrics
         rows.append({"name": name, **{k: m.get(k) for k in ("ABR", "DBR", "PR", "CR", "num_dropped")},
                      "mean_deferred_wait_steps": m.get("mean_deferred_wait_steps") if plan.deferred else None,
                      "num_deferred": m.get("num_deferred", 0), **res.summary(), "zero_stage": stages[name],
-                     "speedup": speedup(base, res)})
+                     "speedup": speedup(base, res),
+                     "speedup_best": speedup(out[best][1], res) if best else None,
+                     "best_baseline": best})
     return rows, out
+
+
+def best_baseline(results: dict) -> str | None:
+    """Name of the fastest (simulated tokens/s) of the BASELINES among ``results`` ({name: (plan, SimResult)});
+    None if there is none."""
+    present = [n for n in BASELINES if n in results]
+    if not present:
+        return None
+    return max(present, key=lambda n: results[n][1].summary()["simulated_tokens_per_second"])
+
+
+def best_baseline_line(rows: list[dict]) -> str:
+    """One line: hbp's simulated speed-up over isf and over the best baseline of this run (named)."""
+    by = {r["name"]: r for r in rows}
+    if "hbp" not in by or not by["hbp"].get("best_baseline"):
+        return "no hbp row or no baseline (isf, bfd, sorted) to compare with"
+    hbp = by["hbp"]
+    return (f"hbp over isf {hbp['speedup']:.3f}x; over the best baseline ({hbp['best_baseline']}) "
+            f"{hbp['speedup_best']:.3f}x")
 
 
 def table_columns(sim_config) -> list[tuple[str, str, str]]:
@@ -182,6 +210,7 @@ def run(argv=None) -> int:
         print("note: bytescale (unequal micro-batch counts) can only run with ZeRO 0/1: simulated at ZeRO-1",
               file=sys.stderr)
     print(format_table(rows, table_columns(sim_cfg)))
+    print(best_baseline_line(rows))
     if args.out:
         write_output("--out", args.out, lambda path: path.write_text(json.dumps(
             {"simulated": True, "cost_model": model.describe(), "settings": {**vars(args)}, "rows": rows},

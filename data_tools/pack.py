@@ -21,6 +21,7 @@ import numpy as np
 
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
 
 
 MAX_PACK_LEN = 2**31 - 1
@@ -64,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="FILE",
                    help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
                    "(default: none; --groups auto needs it)")
-    p.add_argument("--strategy", choices=["hbp", "isf", "sorted", "wlb", "bytescale"], default="hbp",
-                   help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; sorted = "
+    p.add_argument("--strategy", choices=["hbp", "isf", "bfd", "sorted", "wlb", "bytescale"], default="hbp",
+                   help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; bfd = "
+                   "best-fit decreasing into the largest pack_len (TRL / ms-swift packing); sorted = "
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
                    "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
     p.add_argument("--calibration", metavar="FILE", default=None,
@@ -91,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,
                    help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens (default: pack_len // 64)")
+    p.add_argument("--plan-format", choices=["json", "npz"], default="json",
+                   help="with --shards: the plan inside OUT, OUT/plan.json or the compact binary OUT/plan.npz that "
+                   "the trainer memory-maps (for millions of samples) (default json)")
     p.add_argument("--out", metavar="FILE",
-                   help="where to write plan.json (required unless --shards is given); an existing file is replaced "
-                   "only if it is a plan (JSON starting with \"version\"), never other data")
+                   help="where to write the plan (required unless --shards is given): JSON, or the compact binary "
+                   "form (memory-mapped CSR arrays, for millions of samples) when it ends in .npz; an existing file "
+                   "is replaced only if it is a plan of that form, never other data")
     p.add_argument("--plot", metavar="PNG",
                    help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR (default: no plot)")
     p.add_argument("--no-baseline", action="store_true", help="hbp: skip planning the isf baseline for comparison")
@@ -255,10 +261,11 @@ def check_shards_dir(path: str) -> None:
         raise CliError(f"--shards {path}: exists and is not a directory; pass a new or empty directory")
     if not p.is_dir() or not any(p.iterdir()):
         return
-    if not (p / "plan.json").is_file():
-        raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json); "
-                       "choose a new or empty --shards directory")
-    other = sorted(x.name for x in p.iterdir() if x.name != "plan.json" and not x.name.startswith("group_"))
+    plans = ("plan.json", "plan.npz")
+    if not any((p / name).is_file() for name in plans):
+        raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json or "
+                       "plan.npz); choose a new or empty --shards directory")
+    other = sorted(x.name for x in p.iterdir() if x.name not in plans and not x.name.startswith("group_"))
     if other:
         raise CliError(f"--shards {path}: holds {other[0]}, which is not part of the packed shards a re-pack "
                        "replaces; move it out or choose another --shards directory")
@@ -289,7 +296,11 @@ def run(argv=None) -> int:
         raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
     if args.world_size < 1:
         raise CliError(f"--world-size must be >= 1, got {args.world_size}")
-    check_output_file("--out", args.out, json_key="version", kind="plan")
+    if args.out and is_binary_path(args.out):
+        check_binary_plan_target(args.out)
+        check_output_file("--out", args.out)
+    else:
+        check_output_file("--out", args.out, json_key="version", kind="plan")
     check_output_file("--plot", args.plot, image=True)
     if args.shards:
         check_shards_dir(args.shards)
@@ -339,7 +350,7 @@ def run(argv=None) -> int:
     if args.out:
         t0 = time.perf_counter()
         try:
-            plan.to_json(args.out)
+            save_plan(plan, args.out)
         except OSError as e:  # checked before the planning; a full disk or a folder that changed since
             raise CliError(f"--out {args.out}: cannot write ({e.strerror})") from None
         print(f"wrote {args.out} ({plan.num_steps} steps, {plan.num_packs} packs) in {time.perf_counter() - t0:.2f}s")
@@ -352,7 +363,8 @@ def run(argv=None) -> int:
         if silence:  # datasets' own "Saving the dataset" bars
             datasets.disable_progress_bars()
         try:
-            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet)
+            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet,
+                                plan_format=args.plan_format)
         except OSError as e:  # the --dataset files or the --shards folder: a full disk, no permission
             raise CliError(f"--shards {args.shards}: {e.filename or args.dataset}: {e.strerror}; check the --dataset "
                            "and --shards paths and their permissions") from None

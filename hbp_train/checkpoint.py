@@ -77,8 +77,10 @@ class Resumed(NamedTuple):
 
 
 def plan_fingerprint(shards: str) -> str:
-    """sha256 (16 hex digits) of a packed-shard directory's plan.json: which steps "step n" means."""
-    with open(os.path.join(shards, "plan.json"), "rb") as f:
+    """sha256 (16 hex digits) of a packed-shard directory's plan (plan.npz or plan.json): which steps "step n"
+    means."""
+    npz = os.path.join(shards, "plan.npz")
+    with open(npz if os.path.isfile(npz) else os.path.join(shards, "plan.json"), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 

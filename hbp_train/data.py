@@ -1,6 +1,6 @@
 """Packed-shard loader and collate: this rank's micro-batches for plan step ``s``.
 
-Reads ``OUT/plan.json`` and the memory-mapped ``OUT/group_<g>/`` datasets written by ``data_tools.pack --shards``
+Reads ``OUT/plan.json`` (or the binary ``OUT/plan.npz``, memory-mapped: planning/plan_npz.py) and the memory-mapped ``OUT/group_<g>/`` datasets written by ``data_tools.pack --shards``
 (formats: docs/architecture.md). For step ``s`` in group ``g`` (SP degree ``sp``), this rank serves replica
 ``r = rank // sp`` and gets that replica's packs, one micro-batch each. The step's global loss-token and sample
 counts come from the plan and the shard metadata, so every rank knows them without a collective.
@@ -146,10 +146,36 @@ def _is_empty_row(row) -> bool:
     return row is None or (isinstance(row, (int, np.integer)) and row < 0)
 
 
+class _LazyStepMetrics:
+    """plan.json's per-step metric dicts, read from a binary plan's per-step arrays one step at a time."""
+
+    def __init__(self, arrays: dict, num_steps: int):
+        self.arrays, self.num_steps = arrays, num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __getitem__(self, s: int) -> dict:
+        return {k: v[s].item() for k, v in self.arrays.items()}
+
+
 class PackedData:
-    """The packed shards of one plan: plan.json plus one memory-mapped HF dataset per group."""
+    """The packed shards of one plan: plan.json (or the binary plan.npz, memory-mapped) plus one memory-mapped HF
+    dataset per group."""
 
     def __init__(self, path: str, check_counts: bool = True, shuffle_epochs: bool = False, seed: int = 0):
+        self.path = path
+        self.check_counts = check_counts
+        self.shuffle_epochs = shuffle_epochs
+        self.seed = seed
+        self._orders: dict[int, np.ndarray] = {}
+        self._datasets = {}
+        self._loss_tokens = {}
+        self._npz: dict | None = None  # the memory-mapped arrays of a binary plan (plan.npz), else None
+        if os.path.isfile(os.path.join(path, "plan.npz")):
+            self._open_npz(os.path.join(path, "plan.npz"))
+            self._check_rows()
+            return
         plan_path = os.path.join(path, "plan.json")
         if not os.path.isfile(plan_path):
             hint = (" (it is a tokenized dataset: plan and pack it first)"
@@ -173,11 +199,6 @@ class PackedData:
                 or not isinstance(self.plan.get("steps"), list) or not isinstance(self.plan.get("groups"), list)):
             raise UserError(f"{plan_path}: not a version-{PLAN_VERSION} plan; rewrite the shards with "
                             f"data_tools.pack --shards {path}")
-        self.path = path
-        self.check_counts = check_counts
-        self.shuffle_epochs = shuffle_epochs
-        self.seed = seed
-        self._orders: dict[int, np.ndarray] = {}
         self.groups = self.plan["groups"]
         self.steps = self.plan["steps"]
         if not self.steps:
@@ -186,16 +207,51 @@ class PackedData:
             if "rows" not in step:
                 raise UserError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
                                 f"(run data_tools.pack --shards {path})")
-        self._datasets = {}
-        self._loss_tokens = {}
         self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
         self._check_rows()
+
+    def _open_npz(self, plan_path: str) -> None:
+        """Read a binary plan (planning/plan_npz.py): a small JSON header, the CSR arrays memory-mapped. Steps are
+        built on demand (``_step_entry``), so a 10M-sample plan opens in milliseconds on every rank."""
+        from hbp_train.planning.plan_npz import open_npz
+
+        header, arrays = open_npz(plan_path)
+        if "pack_row" not in arrays:
+            raise UserError(f"{plan_path}: a plan without shard rows, not packed shards (run data_tools.pack "
+                            f"--shards {self.path} --plan-format npz)")
+        if len(arrays["step_group"]) == 0:
+            raise UserError(f"{plan_path}: the plan has no steps")
+        self.plan = {**header, **header.get("extra", {})}  # extra keys top-level, as plan.json has them
+        self.groups = self.plan["groups"]
+        self._npz = arrays
+        self._replicas = np.array([self.world_size // int(g.get("sp", 1)) for g in self.groups], np.int64)
+        names = header.get("step_metrics", [])
+        self._step_metric_arrays = {k: arrays[f"step_metric_{k}"] for k in names}
+        self.step_metrics = _LazyStepMetrics(self._step_metric_arrays, len(arrays["step_group"]))
+
+    def _step_entry(self, s: int) -> dict:
+        """Step ``s`` as plan.json lists it: {"group", "replicas": [[samples of each pack]], "rows": [[row]]}."""
+        if self._npz is None:
+            return self.steps[s]
+        a = self._npz
+        g = int(a["step_group"][s])
+        r = int(self._replicas[g])
+        ids = np.asarray(a["step_packs"][int(a["step_ptr"][s]):int(a["step_ptr"][s + 1])], np.int64).reshape(-1, r).T
+        ptr, flat = a["pack_ptr"], a["pack_samples"]
+        packs = [[np.asarray(flat[int(ptr[p]):int(ptr[p + 1])]).tolist() for p in rep] for rep in ids.tolist()]
+        if self.plan.get("unequal_micro_batches"):  # as in plan.json: a replica lists its own packs only
+            packs = [[pk for pk in rep if pk] for rep in packs]
+        return {"group": g, "replicas": packs, "rows": np.asarray(a["pack_row"])[ids].tolist()}
 
     def _check_rows(self) -> None:
         """Open every group now and check that the plan's rows exist: damaged or stale shards fail here, in one
         line naming the directory, before any model is built, instead of at the first step that reads them."""
         wanted: dict[int, int] = {}
-        for step in self.steps:
+        if self._npz is not None:  # vectorised over the memory-mapped arrays: the highest row of every group
+            rows, group = np.asarray(self._npz["pack_row"]), np.asarray(self._npz["pack_group"])
+            for g in np.unique(group).tolist():
+                wanted[int(g)] = int(rows[group == g].max())
+        for step in (self.steps if self._npz is None else []):
             rows = [int(r) for replica in step["rows"] for r in replica if not _is_empty_row(r)]
             if rows:
                 g = int(step["group"])
@@ -212,7 +268,7 @@ class PackedData:
 
     @property
     def num_steps(self) -> int:
-        return len(self.steps)
+        return len(self.steps) if self._npz is None else len(self._npz["step_group"])
 
     def sp_degrees(self) -> list:
         return sorted({int(g.get("sp", 1)) for g in self.groups})
@@ -258,7 +314,7 @@ class PackedData:
         (ZeRO-2/3 meet in a collective after every micro-batch). False: only this replica's own packs, for plans
         with unequal counts (bytescale) under ZeRO-1, where ranks meet once per step."""
         plan_step = self.plan_step(step)
-        entry = self.steps[plan_step]
+        entry = self._step_entry(plan_step)
         group = int(entry["group"])
         sp = int(self.groups[group].get("sp", 1))
         replica = rank // sp

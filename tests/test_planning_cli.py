@@ -296,3 +296,24 @@ def test_every_option_of_every_planning_cli_says_its_default(module):
         if action.nargs != 0:  # flags (store_true) are off unless given
             assert "default" in text or "required" in text, (action.option_strings, text)
         assert text.count("default") <= 1, (action.option_strings, text)
+
+
+def test_out_npz_writes_the_binary_plan_and_refuses_other_npz(tmp_path, lengths_file, capsys):
+    """--out *.npz writes the binary form of the same plan --out *.json writes (here for bfd), and never replaces
+    an .npz that is not a binary plan."""
+    from hbp_train.planning.plan_npz import load_plan
+
+    path, lengths = lengths_file
+    outs = [tmp_path / "plan.json", tmp_path / "plan.npz"]
+    for out in outs:
+        assert main(["--lengths", str(path), *BASE, "--strategy", "bfd", "--out", str(out)]) == 0
+    a, b = (load_plan(o) for o in outs)
+    b.validate()
+    assert b.config.strategy == "bfd" and b.num_samples == len(lengths)
+    assert [sorted(map(tuple, (a.pack(p).tolist() for p in a.step_matrix(s).ravel()))) for s in range(a.num_steps)] \
+        == [sorted(map(tuple, (b.pack(p).tolist() for p in b.step_matrix(s).ravel()))) for s in range(b.num_steps)]
+    data = tmp_path / "weights.npz"
+    np.savez(data, w=np.arange(4))
+    before = data.read_bytes()
+    _error(capsys, ["--lengths", str(path), *BASE, "--out", str(data)], f"--out {data}: exists and is not a binary plan")
+    assert data.read_bytes() == before

@@ -128,3 +128,38 @@ def test_interrupted_repack_keeps_the_earlier_shards_whole(tmp_path, tokenized, 
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", save)
     assert main(common + ["--groups", "64:1,512:2", "--seed", "1"]) == 0  # a complete re-pack replaces it
     assert json.loads((out / "plan.json").read_text())["seed"] == 1 and _tree(out) != before
+
+
+@pytest.mark.parametrize("strategy", ["hbp", "bfd", "bytescale"])
+def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
+    """--plan-format npz writes OUT/plan.npz; the loader memory-maps it and serves every rank of every step the
+    same micro-batches, counts and step metrics as from the same shards with plan.json (bytescale: unequal
+    micro-batch counts)."""
+    import torch
+
+    from hbp_train.checkpoint import plan_fingerprint
+    from hbp_train.data import PackedData
+
+    src, _ = tokenized
+    common = ["--dataset", str(src), "--world-size", "4", "--groups", "64:1,256:2", "--global-tokens", "512",
+              "--quiet", "--strategy", strategy]
+    assert main(common + ["--shards", str(tmp_path / "j")]) == 0
+    assert main(common + ["--shards", str(tmp_path / "b"), "--plan-format", "npz"]) == 0
+    assert (tmp_path / "b" / "plan.npz").is_file() and not (tmp_path / "b" / "plan.json").exists()
+    a, b = PackedData(str(tmp_path / "j")), PackedData(str(tmp_path / "b"))
+    assert b._npz is not None and isinstance(b._npz["pack_samples"], np.memmap)
+    assert (a.num_steps, a.world_size, a.sp_degrees()) == (b.num_steps, b.world_size, b.sp_degrees())
+    assert b.plan.get("unequal_micro_batches", False) == (strategy == "bytescale")
+    for step in range(a.num_steps):
+        assert a._step_entry(step) == b._step_entry(step)
+        for rank in range(4):
+            x, y = a.step_batch(step, rank), b.step_batch(step, rank)
+            assert (x.group, x.sp, x.global_loss_tokens, x.global_num_samples, x.rank_loss_tokens) == \
+                (y.group, y.sp, y.global_loss_tokens, y.global_num_samples, y.rank_loss_tokens)
+            assert x.plan_metrics == pytest.approx(y.plan_metrics)
+            assert len(x.micro_batches) == len(y.micro_batches)
+            for mx, my in zip(x.micro_batches, y.micro_batches):
+                assert torch.equal(mx["input_ids"], my["input_ids"]) and mx["num_samples"] == my["num_samples"]
+    assert plan_fingerprint(str(tmp_path / "b")) != plan_fingerprint(str(tmp_path / "j"))
+    assert main(common + ["--shards", str(tmp_path / "b")]) == 0  # an earlier binary output is replaced
+    assert (tmp_path / "b" / "plan.json").is_file() and not (tmp_path / "b" / "plan.npz").exists()

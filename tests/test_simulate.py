@@ -330,8 +330,16 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
     for r in rows.values():
         assert r["tokens"] == int(lengths.sum()) and r["simulated_seconds"] > 0
         assert r["speedup"] == pytest.approx(rows["isf"]["simulated_seconds"] / r["simulated_seconds"])
+    # Every row is also compared with the fastest of the baselines users run (isf, bfd, sorted), named.
+    best = min(compare.BASELINES, key=lambda n: rows[n]["simulated_seconds"])
+    for r in rows.values():
+        assert r["best_baseline"] == best
+        assert r["speedup_best"] == pytest.approx(rows[best]["simulated_seconds"] / r["simulated_seconds"])
+    assert rows[best]["speedup_best"] == pytest.approx(1.0)
     assert rows["wlb"]["mean_deferred_wait_steps"] is not None
-    assert "speed-up" in capsys.readouterr().out and png.stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert f"over the best baseline ({best})" in printed
+    assert "speed-up" in printed and png.stat().st_size > 10_000
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:3"]) == 2
     # Groups from a profile (the profiler's JSON), as data_tools.pack reads them.
     profile = tmp_path / "profile.json"

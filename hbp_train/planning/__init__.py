@@ -6,7 +6,8 @@ Entry point: ``make_plan(lengths, config) -> Plan``. Strategies are a plain if/e
 * ``isf`` — naive packing baseline (OmniBal's iterative shuffle-and-fill into the largest pack length),
   baselines/isf.py; ``sorted`` — LongAlign sorted batching, baselines/sorted.py; ``wlb`` — WLB-LLM variable-length
   packing with outlier delay, baselines/wlb.py; ``bytescale`` — unequal micro-batch counts per replica (ZeRO 0/1
-  only), baselines/bytescale.py
+  only), baselines/bytescale.py; ``bfd`` — best-fit decreasing into the largest pack length (TRL / ms-swift
+  packing, the strongest single-group baseline), baselines/bfd.py
 
 Shared pieces other strategies can reuse, bottom layer first: ``csr`` (CSR helpers), ``plan.Plan`` (the types and
 their JSON), ``balance.build_steps`` (packs -> balanced steps with the tail rule), ``curriculum.order_steps``,
@@ -24,7 +25,7 @@ __all__ = ["make_plan", "Plan", "PlanConfig", "GroupSpec", "PackCostFn", "DROP_T
 
 
 # Every strategy make_plan knows (the first two are documented above; the others in their modules).
-ALL_STRATEGIES = ("hbp", "isf", "sorted", "wlb", "bytescale")
+ALL_STRATEGIES = ("hbp", "isf", "bfd", "sorted", "wlb", "bytescale")
 
 
 def make_plan(lengths, config: PlanConfig) -> Plan:
@@ -42,6 +43,10 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
         from hbp_train.planning.baselines.isf import plan_isf
 
         plan = plan_isf(lengths, config)
+    elif config.strategy == "bfd":
+        from hbp_train.planning.baselines.bfd import plan_bfd
+
+        plan = plan_bfd(lengths, config)
     elif config.strategy == "sorted":
         from hbp_train.planning.baselines.sorted import plan_sorted
 

@@ -36,7 +36,9 @@ SIZE_CLASS_TABLE_MAX = 1 << 22
 
 def size_classes(sizes: np.ndarray) -> np.ndarray:
     """int16 size class of every size (larger size -> larger class): floor(2 * log2(size))."""
-    sizes = np.maximum(np.asarray(sizes, np.int64), 1)
+    sizes = np.asarray(sizes)
+    if len(sizes) and sizes.min() < 1:  # planner lengths are >= 1 already: no 10M-element copy for them
+        sizes = np.maximum(sizes, 1)
     top = int(sizes.max()) if len(sizes) else 1
     if top > SIZE_CLASS_TABLE_MAX:
         # Absurdly long samples: a table over 1..top would need 8 * top bytes (3e9 tokens -> 24 GB). Same formula.
@@ -66,7 +68,7 @@ def fill_bins(
     a class. Returns ``(item_bin, gaps)``: the pack of every item (-1 = not placed; only when ``allow_new`` is
     False) and the updated free space, including packs opened here (ids continue after the existing ones)."""
     gaps = np.asarray(gaps, np.int64).copy()
-    item_bin = np.full(len(items), -1, np.int64)
+    item_bin = np.full(len(items), -1, np.int32 if len(items) < 2**31 else np.int64)  # pack ids < number of items
     if len(items) == 0:
         return item_bin, gaps
     sizes = lengths[items]
@@ -99,8 +101,7 @@ def fill_bins(
                 break
             # No pack can surely take another sample of this class: open packs for the rest, cap // hi each.
             per_bin = max(1, cap // hi)
-            rest = np.arange(pos, e)
-            new_bin = len(gaps) + (rest - pos) // per_bin
+            new_bin = len(gaps) + np.arange(e - pos, dtype=item_bin.dtype) // per_bin
             item_bin[pos:e] = new_bin
             num_new = int(new_bin[-1] - len(gaps) + 1)
             filled = np.bincount(new_bin - len(gaps), weights=sizes[pos:e], minlength=num_new).astype(np.int64)
@@ -116,9 +117,12 @@ def pack_hierarchical(lengths: np.ndarray, kept: np.ndarray, config: PlanConfig,
     # each GreedyFill pool are subsequences of it, taken with masks (O(n), no further sorting).
     cls_all = size_classes(lengths[kept])
     perm = rng.permutation(len(kept))
-    perm = perm[np.argsort(-cls_all[perm], kind="stable")]
-    order, order_cls = kept[perm], cls_all[perm]
-    level = sample_levels(lengths[order], pack_lens)  # GroupData (see group_data)
+    perm = perm[np.argsort(-cls_all[perm], kind="stable")]  # int16 keys: numpy's stable sort is a radix sort
+    # int32 indices (num_samples < 2^31) halve the memory of the 10M-sample working set; temporaries freed early.
+    order = kept[perm].astype(np.int32) if len(kept) < 2**31 else kept[perm]
+    order_cls = cls_all[perm]
+    del perm, cls_all
+    level = sample_levels(lengths[order], pack_lens)  # GroupData (see group_data), int8
     free = np.ones(len(order), bool)  # not yet packed
     group_items, group_bins = [None] * len(pack_lens), [None] * len(pack_lens)
     for i in range(len(pack_lens) - 1, -1, -1):

@@ -411,7 +411,7 @@ def check_lengths(lengths) -> np.ndarray:
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if not np.issubdtype(arr.dtype, np.floating) or np.any(arr != np.round(arr)):
             raise UserError("lengths must be integers")
-    arr = arr.astype(np.int64)
+    arr = arr.astype(np.int64, copy=False)  # no copy of an int64 input: a 10M-sample plan keeps one lengths array
     bad = np.flatnonzero(arr <= 0)
     if len(bad):
         raise UserError(f"lengths: sample {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")

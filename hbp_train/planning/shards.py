@@ -106,8 +106,11 @@ def _pack_batch(plan: Plan, packs: np.ndarray, ids_off, ids_val, lab_off, lab_va
 
 
 def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progress: bool = True,
-                 num_shards: int | None = None) -> dict[int, int]:
+                 num_shards: int | None = None, plan_format: str = "json") -> dict[int, int]:
     """Write OUT/plan.json (with per-step "rows") and OUT/group_<g>/ for every group that has steps.
+
+    ``plan_format="npz"`` writes the binary OUT/plan.npz instead (planning/plan_npz.py, with every pack's row),
+    which the loader memory-maps: for plans of millions of samples.
 
     The set is built in a staging folder beside OUT and replaces an earlier OUT as a whole only once complete
     (hbp_train.outputs.replace_dir); the caller checks that OUT is new, empty or an earlier output.
@@ -165,7 +168,15 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
                 part.save_to_disk(str(staged / f"group_{g}"), num_shards=min(shards, max(1, len(packs))))
                 rows_written[g] = len(packs)
                 del part
-        plan.to_json(staged / "plan.json", step_rows=step_rows)
+        if plan_format == "npz":
+            from hbp_train.planning.plan_npz import write_npz
+
+            pack_row = np.zeros(plan.num_packs, np.int64)
+            for packs in packs_by_group.values():
+                pack_row[packs] = np.arange(len(packs))
+            write_npz(plan, staged / "plan.npz", pack_row=pack_row)
+        else:
+            plan.to_json(staged / "plan.json", step_rows=step_rows)
         replace_dir(staged, out_dir)
     finally:
         bar.close()

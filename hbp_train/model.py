@@ -109,6 +109,7 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
         if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
             overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
         hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
+        _drop_pad_token_outside_vocab(hf_config)
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
@@ -118,6 +119,17 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     model.train()
     register_packed_attention(model, cfg.attention_backend)
     return model
+
+
+def _drop_pad_token_outside_vocab(hf_config) -> None:
+    """Unset a pad_token_id the vocabulary does not hold (e.g. Phi-3's default 32000 in a smaller vocabulary).
+
+    The embedding's padding_idx must lie inside it or the model cannot be built; packs have no padding, so the
+    only effect of padding_idx (a zero, never-updated row) is not needed: the tokenizer's pad id fills dummy packs.
+    """
+    pad = getattr(hf_config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < hf_config.vocab_size:
+        hf_config.pad_token_id = None
 
 
 @contextmanager

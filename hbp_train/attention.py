@@ -339,6 +339,9 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     if dropout:  # the model's config (attention_dropout), so the user's to fix
         raise UserError(
             f"packed attention does not implement attention dropout; set attention_dropout=0 (got {dropout})")
+    for feature in ("softcap", "s_aux"):  # hbp_train/compat.py refuses these before the model is built
+        if kwargs.get(feature) is not None:
+            raise UserError(f"packed attention does not implement {feature} (attention logit soft-capping or sinks)")
     cu_seqlens, max_seqlen = _boundaries_from_kwargs(kwargs)
     # A window at least as long as every sample is plain causal attention (e.g. Mistral's 4096 on short packs).
     window = kwargs.get("sliding_window")

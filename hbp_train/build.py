@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from hbp_train import model as modeling
+from hbp_train.compat import check_model_support
 from hbp_train.data import PackedData
 from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
@@ -179,19 +180,19 @@ def build(cfg, config_yaml: str = "") -> Run:
     # SP: the groups of every degree either plan uses, built once, up front
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
     run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=len(tokenizer),
-                    plan=f"{cfg.data.shards}/plan.json")
+                    plan=f"{cfg.data.shards}/plan.json", longest_sample=_longest_sample(data.plan))
     run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
     run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return run
 
 
 def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: Optional[int] = None,
-              init_device=None, plan: str = "the plan") -> Run:
+              init_device=None, plan: str = "the plan", longest_sample: Optional[int] = None) -> Run:
     """SP groups, model, SP attention and DeepSpeed engine for a plan's packing ``groups`` (dicts with pack_len,
     sp, ckpt_layers); no data. ``sp_degrees``: the SP groups to build (default: the groups' degrees);
     ``vocab_size``: grow the model's vocabulary to the tokenizer's; ``init_device``: build the weights directly on
     this device (default: the host; deepspeed.initialize moves them); ``plan``: where ``groups`` came from, for
-    error messages."""
+    error messages; ``longest_sample``: the longest sample a pack may hold (default: the longest pack_len)."""
     world_size = dist_groups.world_size()
     ckpt_override = cfg.train.ckpt_layers
     if ckpt_override is not None and len(ckpt_override) not in (1, len(groups)):
@@ -200,6 +201,10 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     if sp_degrees is None:
         sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
+    # Before any weight is loaded: a feature the packed path cannot honour is refused in one line.
+    check_model_support(modeling.hf_config_for(cfg.model, vocab_size),
+                        longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
+                        cfg.model.attention_backend)
     pstate = dist_groups.build_parallel_state(sp_degrees)
     # Under ZeRO-3 the model is partitioned as it is built (no rank ever holds all of it, which a 70B model would not
     # fit); the config equals the one build_engine gives deepspeed.initialize.
@@ -251,6 +256,15 @@ def ckpt_layers_for(override: Optional[list], group: int, plan_value: Optional[i
     if override is not None:
         return int(override[0] if len(override) == 1 else override[group])
     return int(plan_value or 0)
+
+
+def _longest_sample(plan: dict) -> Optional[int]:
+    """The longest sample a plan packs: its samples' lengths (dropped ones excluded) or its max_len, if recorded."""
+    dropped = {d.get("index") for d in plan.get("dropped") or []}
+    lengths = [n for i, n in enumerate(plan.get("lengths") or []) if i not in dropped]
+    if lengths:
+        return int(max(lengths))
+    return int(plan["max_len"]) if plan.get("max_len") else None
 
 
 def _bf16(cfg) -> bool:

@@ -85,13 +85,11 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     stage 3; torch.distributed initialized) builds the model already partitioned across the ranks, so no rank ever
     holds all of its weights: the initial weights equal those of the unpartitioned build with the same seed.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = cfg.torch_dtype()
-    overrides = dict(cfg.config)
-    overrides["use_cache"] = False
+    hf_config = hf_config_for(cfg, vocab_size)
     if cfg.name_or_path is not None:
-        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
         with _hf_zero3(zero3_config):  # from_pretrained loads each rank's shards only; resizing gathers as needed
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
@@ -106,10 +104,6 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
 
                     deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config)
     else:
-        if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
-            overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
-        hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
-        _drop_pad_token_outside_vocab(hf_config)
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
@@ -130,6 +124,22 @@ def _drop_pad_token_outside_vocab(hf_config) -> None:
     pad = getattr(hf_config, "pad_token_id", None)
     if isinstance(pad, int) and not 0 <= pad < hf_config.vocab_size:
         hf_config.pad_token_id = None
+
+
+def hf_config_for(cfg: ModelConfig, vocab_size: int | None = None):
+    """The HF config build_model builds from (no weights read): use_cache=False, cfg.config's overrides, and for a
+    model built from a config the larger of the tokenizer's and the config's vocabulary."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config)
+    overrides["use_cache"] = False
+    if cfg.name_or_path is not None:
+        return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+    if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
+        overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
+    hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
+    _drop_pad_token_outside_vocab(hf_config)
+    return hf_config
 
 
 @contextmanager

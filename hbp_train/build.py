@@ -28,6 +28,7 @@ from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.errors import UserError
 from hbp_train.loss import chunked_token_losses
+from hbp_train.moe import RouterAux, router_aux_of
 
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
 # FutureWarning out of every rank's training log.
@@ -115,17 +116,22 @@ class PackedCausalLM(torch.nn.Module):
     its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
     """
 
-    def __init__(self, model, chunk_size: int):
+    def __init__(self, model, chunk_size: int, router_aux: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.router_aux = router_aux
+        self.router_logits = None
+        """With router_aux: the last forward's router logits (one [T, E] per MoE layer) for moe.pack_aux_loss."""
 
     def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
         kwargs = {}
         if cu_seqlens is not None:
             kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
                       "max_length_k": max_seqlen}
-        hidden = modeling.forward_hidden(self.model, input_ids, position_ids, **kwargs)
+        self.router_logits = [] if self.router_aux else None
+        hidden = modeling.forward_hidden(self.model, input_ids, position_ids, router_logits=self.router_logits,
+                                         **kwargs)
         head = self.model.get_output_embeddings()
         return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
                                     lm_head_bias=getattr(head, "bias", None))
@@ -155,6 +161,8 @@ class Run:
     """The token id of empty (dummy) micro-batches."""
     config_yaml: str = ""
     """The resolved config, saved with every checkpoint."""
+    router_aux: Optional[RouterAux] = None
+    """The MoE router loss settings of the model's config (moe.py), or None."""
 
     @property
     def device(self) -> torch.device:
@@ -222,7 +230,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
         raise UserError(f"{source}: the model has only {num_layers} decoder layers")
     _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers)
     engine = build_engine(cfg, model, total_steps, world_size)
-    return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps)
+    return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps,
+               router_aux=router_aux_of(model.config))
 
 
 def build_engine(cfg, model, total_steps: int, world_size: int):
@@ -235,7 +244,7 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
     import deepspeed
 
     ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
-    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux_of(model.config) is not None)
     if cfg.deepspeed.zero_stage == 3:
         head = model.get_output_embeddings()
         deepspeed.zero.register_external_parameter(wrapper, head.weight)

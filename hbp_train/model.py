@@ -236,12 +236,17 @@ def set_checkpointed_layers(model, num_layers: int) -> None:
         layer.gradient_checkpointing = index < num_layers
 
 
-def forward_hidden(model, input_ids, position_ids, **attn_kwargs) -> torch.Tensor:
+def forward_hidden(model, input_ids, position_ids, router_logits: list | None = None, **attn_kwargs) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (the model without its LM head).
 
     attn_kwargs go to the attention function (e.g. cu_seq_lens_q / max_length_q); position_ids restart per sample.
+    router_logits (a list) receives an MoE model's router logits, one [T, E] tensor per MoE layer (moe.py).
     """
+    if router_logits is not None:
+        attn_kwargs["output_router_logits"] = True
     out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
+    if router_logits is not None:
+        router_logits.extend(out.router_logits)
     return out.last_hidden_state
 
 

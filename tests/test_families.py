@@ -14,9 +14,11 @@ from hbp_train.build import PackedCausalLM
 from hbp_train.families import FAMILIES, tiny_config
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.model import ModelConfig, build_model
+from hbp_train.moe import pack_aux_loss, router_aux_of
 
 VOCAB = 128
 LENGTHS = (7, 12, 5)  # samples of one pack
+AUX_COEF = 0.5  # MoE router loss weight in the SP test (large, so that a wrong aux gradient shows)
 
 
 def tiny_model(family: str, **overrides):
@@ -44,15 +46,21 @@ def pack_of(samples):
     return ids, positions, labels, cu, max(len(s[0]) for s in samples)
 
 
-def losses_and_grads(model, runs):
+def losses_and_grads(model, runs, with_aux=False):
     """Per-token losses of each forward in ``runs`` (input_ids, position_ids, shift_labels, cu, max_len), and the
-    gradients of their sum."""
-    wrapper = PackedCausalLM(model, chunk_size=16)
+    gradients of their sum (``with_aux``: plus an MoE model's router loss, coef x aux per loss token)."""
+    aux_cfg = router_aux_of(model.config) if with_aux else None
+    wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
     model.zero_grad(set_to_none=True)
     out = []
     for ids, positions, labels, cu, max_len in runs:
         loss_T = wrapper(ids, positions, labels, cu, max_len)
-        loss_T.sum().backward()
+        objective = loss_T.sum()
+        if aux_cfg is not None:
+            aux = pack_aux_loss(wrapper.router_logits, ids.shape[1], aux_cfg, lambda t: t)
+            objective = objective + aux_cfg.coef * aux * (labels != IGNORE_INDEX).sum()
+            out.append(aux.detach()[None])
+        objective.backward()
         out.append(loss_T.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return torch.cat(out), grads
@@ -95,9 +103,10 @@ def _sp_worker(rank, world_size, families):
     pstate = build_parallel_state([1, 2])
     out = {}
     for family in families:
-        model = tiny_model(family)
+        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)  # MoE: the router loss, made to matter
+        aux_cfg = router_aux_of(model.config)
         sp = setup_sequence_parallel(model, pstate)
-        wrapper = PackedCausalLM(model, chunk_size=16)
+        wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
         batch = _pack_batch(seed=1)
         for degree in (2, 1):  # sp=1 after sp=2: nothing the SP step changed in the model may leak
             sp.set_active(degree)
@@ -106,7 +115,12 @@ def _sp_worker(rank, world_size, families):
             whole = degree == 1
             loss_T = wrapper(local["input_ids"], local["position_ids"], local["shift_labels"],
                              local["cu_seqlens"] if whole else None, local["max_seqlen"] if whole else None)
-            sp.reduce_loss(loss_T.sum()).backward()
+            objective = loss_T.sum()
+            aux = None
+            if aux_cfg is not None:  # as the trainer: the pack's aux (summed over the SP group) per loss token
+                aux = pack_aux_loss(wrapper.router_logits, local["num_local_tokens"], aux_cfg, sp.reduce_loss)
+                objective = objective + aux_cfg.coef * aux * (local["shift_labels"] != IGNORE_INDEX).sum()
+            sp.reduce_loss(objective).backward()
             pieces = [torch.empty_like(loss_T) for _ in range(world_size)]
             dist.all_gather(pieces, loss_T.detach())
             grads = {}
@@ -115,6 +129,8 @@ def _sp_worker(rank, world_size, families):
                 dist.all_reduce(grad)  # DeepSpeed's average over the W ranks (the loss above is the group's)
                 grads[name] = grad / world_size
             losses = torch.cat(pieces)[: batch["input_ids"].shape[1]] if degree > 1 else loss_T.detach()
+            if aux is not None:
+                losses = torch.cat([aux.detach()[None], losses])
             out[family, degree] = (losses, grads)
         sp.uninstall(model)
     return out if rank == 0 else None
@@ -122,15 +138,16 @@ def _sp_worker(rank, world_size, families):
 
 @pytest.mark.slow
 def test_sp2_equals_sp1_for_every_family():
-    """2 gloo processes, every family in one spawn: SP=2 (kv heads split or replicated; MLA's unequal head dims)
-    and the following SP=1 step give the single-process losses and gradients."""
+    """2 gloo processes, every family in one spawn: SP=2 (kv heads split or replicated; MLA's unequal head dims;
+    MoE with the router loss summed over the SP group) and the following SP=1 step give the single-process losses
+    (and router loss) and gradients."""
     from tests.distributed import run_distributed
 
     families = sorted(FAMILIES)
     result = run_distributed(_sp_worker, 2, families, timeout=900)[0]
     for family in families:
-        model = tiny_model(family)
-        ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())])
+        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)
+        ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())], with_aux=True)
         for degree in (2, 1):
             loss, grads = result[family, degree]
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"{family} sp={degree}")

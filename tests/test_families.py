@@ -154,3 +154,96 @@ def test_sp2_equals_sp1_for_every_family():
             for name, ref in ref_grads.items():
                 torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-5,
                                            msg=f"{family} sp={degree}: {name}")
+
+
+# ------------------------------------------------------------------------ (c) the trainer over an SP1/SP2 plan
+# Two ranks; group 0 at sp=1 (two replicas), group 1 at sp=2 (one replica split over both ranks).
+SP_PLAN_STEPS = [
+    {"group": 0, "replicas": [[[0, 1], [2]], [[3], [4, 5]]]},
+    {"group": 1, "replicas": [[[6, 7], [8]]]},
+    {"group": 0, "replicas": [[[9]], [[10, 11]]]},
+    {"group": 1, "replicas": [[[12, 13]]]},
+]
+TRAIN_FAMILIES = ("mistral", "mixtral", "deepseek_v3")  # dense (1 kv head, replicated at sp=2), MoE, MLA
+TRAIN_STEPS = 10
+
+
+def _hydra_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def model_overrides(family: str, **overrides) -> list:
+    """The command-line overrides that train the tiny ``family`` model (``++``: set or add each HF field)."""
+    config = tiny_config(family, **overrides)
+    return [f"model.architecture={family}", *(f"++model.config.{k}={_hydra_value(v)}" for k, v in config.items())]
+
+
+def _train_worker(rank, world_size, shards, out):
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    ended = {}
+    for family in TRAIN_FAMILIES:
+        cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{family}",
+                           "logging=quiet", "data.epochs=3", f"train.max_steps={TRAIN_STEPS}", "train.lr=1e-2",
+                           "train.warmup_steps=0", "train.save_final=false", *model_overrides(family)])
+        summary = trainer.train(cfg)
+        ended[family] = (summary["ended"], summary["end_step"])
+    return ended
+
+
+@pytest.mark.slow
+def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
+    """10 steps of the trainer on 2 ranks for a dense, an MoE and the MLA family over a plan whose groups run at
+    sp=1 and sp=2: every step finite, the SP degree switches, the loss falls, MoE logs its router loss."""
+    import json
+
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
+    from tests.distributed import run_distributed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2)
+    with open(f"{shards}/plan.json") as f:
+        plan = json.load(f)
+    plan["groups"][1]["sp"] = 2
+    with open(f"{shards}/plan.json", "w") as f:
+        json.dump(plan, f)
+    ended = run_distributed(_train_worker, 2, shards, str(tmp_path / "runs"), timeout=900)
+    for family in TRAIN_FAMILIES:
+        assert ended[0][family] == ended[1][family] == ("finished", TRAIN_STEPS), family
+        with open(tmp_path / "runs" / family / "metrics.jsonl") as f:
+            logged = [json.loads(line) for line in f]
+        assert len(logged) == TRAIN_STEPS and sorted({m["plan/sp"] for m in logged}) == [1, 2], family
+        losses = [m["loss/train"] for m in logged]
+        assert all(0 < x < 20 for x in losses) and not any(m["optim/skipped"] for m in logged), (family, losses)
+        # the same four plan steps, once per epoch (shuffled): the later epochs' loss is lower
+        assert sum(losses[4:8]) < sum(losses[:4]), (family, losses)
+        has_aux = ["loss/aux" in m for m in logged]
+        assert all(has_aux) if family == "mixtral" else not any(has_aux), family
+        assert all(m["loss/aux"] > 0 for m in logged if "loss/aux" in m)
+
+
+@pytest.mark.slow
+def test_an_unsupported_feature_stops_the_trainer_before_the_model_in_one_line(tmp_path, tokenizer_dir):
+    """python -m hbp_train.train with a window shorter than the plan's samples: exit 2, one line, nothing built."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.assets.packed_fixture import ONE_RANK_STEPS, synthetic_samples, write_packed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(12, 4096, seed=1), ONE_RANK_STEPS, world_size=1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hbp_train.train", "experiment=cpu_demo", f"data.shards={shards}",
+         f"train.out_dir={tmp_path / 'run'}", "logging=quiet", *model_overrides("gemma3_text", sliding_window=4)],
+        cwd=repo, env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gemma3_text" in lines[0] and "sliding_window=4" in lines[0] and "--max-len 4" in lines[0], lines[0]

@@ -16,6 +16,7 @@ import torch
 
 from hbp_train.attention import BACKENDS, register_packed_attention
 from hbp_train.errors import UserError
+from hbp_train.lora import LoraSettings, apply_lora
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,6 +47,9 @@ class ModelConfig:
 
     seed: int = 0
     """Seed for the initial weights of a model built from `config`."""
+
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA/DoRA adapters (hbp_train/lora.py): r > 0 trains only the adapters."""
 
     def __post_init__(self):
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -108,6 +112,7 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
         with _partitioned_init(zero3_config):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    apply_lora(model, cfg.lora)  # r > 0: adapters injected, every other weight frozen
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()

@@ -5,7 +5,12 @@ the loss shifts). If the template marks the assistant with ``{% generation %}`` 
 used. Otherwise each assistant turn is found incrementally: the text rendered up to that turn with
 ``add_generation_prompt=True`` and the text rendered up to the end of the turn must be prefixes of the full render;
 the characters in between (minus trailing whitespace) are the assistant's, and the tokens that overlap them are
-labelled. A tokenizer without a chat template gets ``DEFAULT_CHAT_TEMPLATE``: ChatML
+labelled. Templates that rewrite earlier turns (Qwen3 drops the reasoning of earlier assistant turns, so rendering
+up to a turn is not a prefix of the whole) fall back, turn by turn, to substitution: the conversation is rendered
+with that turn's content replaced by a sentinel; the text before and after the sentinel must then frame the turn's
+content in the full render, and the template's end-of-turn text (e.g. ``<|im_end|>``, found by rendering one
+assistant turn) is labelled with it. Header tokens (Llama 3), an injected default system prompt (Qwen2.5) and renamed
+roles (Gemma's ``model``) need nothing special: they are the same in every render. A tokenizer without a chat template gets ``DEFAULT_CHAT_TEMPLATE``: ChatML
 (``<|im_start|>role\\ncontent<|im_end|>\\n``, the tokenizer's bos first if it has one) with the assistant's
 ``content<|im_end|>`` in generation markers (the shipped tokenizer, data_tools.train_tokenizer, carries the same).
 
@@ -71,6 +76,9 @@ def load_tokenizer(tokenizer_dir: str):
     return tokenizer
 
 
+_SENTINEL = "\u2063HBP_ASSISTANT_TURN\u2063"  # invisible separators: text no conversation or template holds
+
+
 class ChatEncoder:
     """Renders chat turns with a tokenizer's chat template and labels the assistant tokens (see module docstring)."""
 
@@ -113,11 +121,16 @@ class ChatEncoder:
                 continue
             before = self._render(turns[:i], add_generation_prompt=True)
             through = self._render(turns[: i + 1])
-            if not (through.startswith(before) and full.startswith(through)):
+            if through.startswith(before) and full.startswith(through):
+                spans.append((len(before), max(len(before), len(through.rstrip()))))
+                continue
+            span = self._span_by_substitution(turns, i, full)
+            if span is None:
                 raise FormatError("template_not_incremental",
-                                  f"rendering turn {i} changes earlier text, so assistant tokens cannot be located",
-                                  "use a chat template with {% generation %} markers")
-            spans.append((len(before), max(len(before), len(through.rstrip()))))
+                                  f"rendering turn {i} changes earlier text and its content cannot be located by "
+                                  "substitution, so its assistant tokens cannot be found",
+                                  "use a chat template with {% generation %} markers around the assistant's text")
+            spans.append(span)
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(encoded["input_ids"], dtype=np.int32)
         offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -127,3 +140,30 @@ class ChatEncoder:
             # answer token, which the model must still learn to produce.
             mask |= (offsets[:, 1] > lo) & (offsets[:, 0] < hi)
         return ids, mask
+
+    def _span_by_substitution(self, turns: list[dict], i: int, full: str):
+        """(start, end) of assistant turn i's text in ``full`` (its end-of-turn text included), found by rendering
+        the conversation with the turn's content replaced by a sentinel; None if that does not frame it."""
+        probe = [*turns[:i], {**turns[i], "content": _SENTINEL}, *turns[i + 1:]]
+        text = self._render(probe)
+        if text.count(_SENTINEL) != 1:
+            return None
+        before, after = text.split(_SENTINEL)
+        if not (len(before) + len(after) <= len(full) and full.startswith(before) and full.endswith(after)):
+            return None
+        end = len(full) - len(after)
+        closing = self._end_of_turn()
+        if closing and after.startswith(closing):
+            end += len(closing)
+        return len(before), end
+
+    def _end_of_turn(self) -> str:
+        """The text the template puts after an assistant turn's content (e.g. ``<|im_end|>``), trailing whitespace
+        removed; "" if a one-turn render does not show it."""
+        if not hasattr(self, "_closing"):
+            try:
+                text = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
+                self._closing = text.split(_SENTINEL)[1].rstrip() if text.count(_SENTINEL) == 1 else ""
+            except Exception:  # noqa: BLE001 -- a template that cannot render the probe: label the content only
+                self._closing = ""
+        return self._closing

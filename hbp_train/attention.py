@@ -258,9 +258,9 @@ _BACKEND_FNS = {"flash_varlen": _flash_varlen, "torch_varlen": _torch_varlen, "f
 
 
 def packed_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, backend, scale=None) -> torch.Tensor:
-    """Causal attention within each sample of a pack, never across samples. Returns out [T, H, D].
+    """Causal attention within each sample of a pack, never across samples. Returns out [T, H, Dv].
 
-    q [T, H, D], k and v [T, K, D] with K dividing H (GQA); cu_seqlens int32 [n+1] with cu_seqlens[-1] == T;
+    q and k [T, H|K, D], v [T, K, Dv] (Dv may be smaller than D: MLA) with K dividing H (GQA); cu_seqlens int32 [n+1] with cu_seqlens[-1] == T;
     scale defaults to 1/sqrt(D); backend is a concrete name from BACKENDS (see `select_backend`).
     """
     if backend not in _BACKEND_FNS:
@@ -279,7 +279,12 @@ def packed_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, backend, scale
     if scale is None:
         scale = q_THD.shape[-1] ** -0.5
     cu_seqlens = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    return _BACKEND_FNS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, int(max_seqlen), scale)
+    v_head_dim = v_TKD.shape[-1]
+    if backend in ("flash_varlen", "torch_varlen") and v_head_dim != q_THD.shape[-1]:
+        # MLA (v narrower than q/k): the varlen kernels take one head size; zero columns of v give zero outputs.
+        v_TKD = F.pad(v_TKD, (0, q_THD.shape[-1] - v_head_dim))
+    out_THD = _BACKEND_FNS[backend](q_THD, k_TKD, v_TKD, cu_seqlens, int(max_seqlen), scale)
+    return out_THD[..., :v_head_dim]
 
 
 # ------------------------------------------------------------------------------------------ transformers glue
@@ -334,6 +339,9 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
     if dropout:  # the model's config (attention_dropout), so the user's to fix
         raise UserError(
             f"packed attention does not implement attention dropout; set attention_dropout=0 (got {dropout})")
+    for feature in ("softcap", "s_aux"):  # hbp_train/compat.py refuses these before the model is built
+        if kwargs.get(feature) is not None:
+            raise UserError(f"packed attention does not implement {feature} (attention logit soft-capping or sinks)")
     cu_seqlens, max_seqlen = _boundaries_from_kwargs(kwargs)
     # A window at least as long as every sample is plain causal attention (e.g. Mistral's 4096 on short packs).
     window = kwargs.get("sliding_window")

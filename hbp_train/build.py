@@ -22,11 +22,13 @@ from typing import Optional
 import torch
 
 from hbp_train import model as modeling
+from hbp_train.compat import check_model_support
 from hbp_train.data import PackedData
 from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.errors import UserError
 from hbp_train.loss import chunked_token_losses
+from hbp_train.moe import RouterAux, router_aux_of
 
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
 # FutureWarning out of every rank's training log.
@@ -114,17 +116,22 @@ class PackedCausalLM(torch.nn.Module):
     its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
     """
 
-    def __init__(self, model, chunk_size: int):
+    def __init__(self, model, chunk_size: int, router_aux: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.router_aux = router_aux
+        self.router_logits = None
+        """With router_aux: the last forward's router logits (one [T, E] per MoE layer) for moe.pack_aux_loss."""
 
     def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
         kwargs = {}
         if cu_seqlens is not None:
             kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
                       "max_length_k": max_seqlen}
-        hidden = modeling.forward_hidden(self.model, input_ids, position_ids, **kwargs)
+        self.router_logits = [] if self.router_aux else None
+        hidden = modeling.forward_hidden(self.model, input_ids, position_ids, router_logits=self.router_logits,
+                                         **kwargs)
         head = self.model.get_output_embeddings()
         return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
                                     lm_head_bias=getattr(head, "bias", None))
@@ -154,6 +161,8 @@ class Run:
     """The token id of empty (dummy) micro-batches."""
     config_yaml: str = ""
     """The resolved config, saved with every checkpoint."""
+    router_aux: Optional[RouterAux] = None
+    """The MoE router loss settings of the model's config (moe.py), or None."""
 
     @property
     def device(self) -> torch.device:
@@ -179,19 +188,19 @@ def build(cfg, config_yaml: str = "") -> Run:
     # SP: the groups of every degree either plan uses, built once, up front
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
     run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=len(tokenizer),
-                    plan=f"{cfg.data.shards}/plan.json")
+                    plan=f"{cfg.data.shards}/plan.json", longest_sample=_longest_sample(data.plan))
     run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
     run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return run
 
 
 def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: Optional[int] = None,
-              init_device=None, plan: str = "the plan") -> Run:
+              init_device=None, plan: str = "the plan", longest_sample: Optional[int] = None) -> Run:
     """SP groups, model, SP attention and DeepSpeed engine for a plan's packing ``groups`` (dicts with pack_len,
     sp, ckpt_layers); no data. ``sp_degrees``: the SP groups to build (default: the groups' degrees);
     ``vocab_size``: grow the model's vocabulary to the tokenizer's; ``init_device``: build the weights directly on
     this device (default: the host; deepspeed.initialize moves them); ``plan``: where ``groups`` came from, for
-    error messages."""
+    error messages; ``longest_sample``: the longest sample a pack may hold (default: the longest pack_len)."""
     world_size = dist_groups.world_size()
     ckpt_override = cfg.train.ckpt_layers
     if ckpt_override is not None and len(ckpt_override) not in (1, len(groups)):
@@ -200,6 +209,10 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     if sp_degrees is None:
         sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
+    # Before any weight is loaded: a feature the packed path cannot honour is refused in one line.
+    check_model_support(modeling.hf_config_for(cfg.model, vocab_size),
+                        longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
+                        cfg.model.attention_backend)
     pstate = dist_groups.build_parallel_state(sp_degrees)
     # Under ZeRO-3 the model is partitioned as it is built (no rank ever holds all of it, which a 70B model would not
     # fit); the config equals the one build_engine gives deepspeed.initialize.
@@ -217,7 +230,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
         raise UserError(f"{source}: the model has only {num_layers} decoder layers")
     _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers)
     engine = build_engine(cfg, model, total_steps, world_size)
-    return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps)
+    return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps,
+               router_aux=router_aux_of(model.config))
 
 
 def build_engine(cfg, model, total_steps: int, world_size: int):
@@ -230,7 +244,7 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
     import deepspeed
 
     ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
-    wrapper = PackedCausalLM(model, cfg.loss.chunk_size)
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux_of(model.config) is not None)
     if cfg.deepspeed.zero_stage == 3:
         head = model.get_output_embeddings()
         deepspeed.zero.register_external_parameter(wrapper, head.weight)
@@ -251,6 +265,15 @@ def ckpt_layers_for(override: Optional[list], group: int, plan_value: Optional[i
     if override is not None:
         return int(override[0] if len(override) == 1 else override[group])
     return int(plan_value or 0)
+
+
+def _longest_sample(plan: dict) -> Optional[int]:
+    """The longest sample a plan packs: its samples' lengths (dropped ones excluded) or its max_len, if recorded."""
+    dropped = {d.get("index") for d in plan.get("dropped") or []}
+    lengths = [n for i, n in enumerate(plan.get("lengths") or []) if i not in dropped]
+    if lengths:
+        return int(max(lengths))
+    return int(plan["max_len"]) if plan.get("max_len") else None
 
 
 def _bf16(cfg) -> bool:

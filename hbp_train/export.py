@@ -5,7 +5,8 @@
 The weights are consolidated from the DeepSpeed ZeRO-1/2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
 checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
-the standard attention (training used use_cache=False and the packed attention). ``--out`` must be new, empty or
+the standard attention (training used use_cache=False and the packed attention). LoRA/DoRA adapters
+(model.lora) are merged into the base weights (hbp_train/lora.py). ``--out`` must be new, empty or
 an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
 
 ``generation_config.json`` starts from the base model's own (saved in ``hf/`` with its sampling settings and eos
@@ -35,6 +36,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hbp_train.checkpoint import resolve
+    from hbp_train.lora import apply_lora, lora_settings_of, merge_lora
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"--out {out}: exists and is not a directory")
@@ -81,11 +83,16 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     # The engine wraps the HF model as `model` (build.PackedCausalLM).
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora = lora_settings_of(config)
+    if lora is not None:  # trained with adapters: rebuild them to load the checkpoint, merged below
+        apply_lora(model, lora)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
         raise UserError(f"{os.path.join(root, tag)}: weights do not match the model config "
                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    if lora is not None:
+        merge_lora(model)  # full HF weights: base + the adapters' update
     model = model.to(torch_dtype)
     model.generation_config = generation_config
     model.save_pretrained(out, safe_serialization=True)

@@ -16,6 +16,7 @@ import torch
 
 from hbp_train.attention import BACKENDS, register_packed_attention
 from hbp_train.errors import UserError
+from hbp_train.lora import LoraSettings, apply_lora
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,6 +47,9 @@ class ModelConfig:
 
     seed: int = 0
     """Seed for the initial weights of a model built from `config`."""
+
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA/DoRA adapters (hbp_train/lora.py): r > 0 trains only the adapters."""
 
     def __post_init__(self):
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -85,13 +89,11 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     stage 3; torch.distributed initialized) builds the model already partitioned across the ranks, so no rank ever
     holds all of its weights: the initial weights equal those of the unpartitioned build with the same seed.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = cfg.torch_dtype()
-    overrides = dict(cfg.config)
-    overrides["use_cache"] = False
+    hf_config = hf_config_for(cfg, vocab_size)
     if cfg.name_or_path is not None:
-        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
         with _hf_zero3(zero3_config):  # from_pretrained loads each rank's shards only; resizing gathers as needed
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
@@ -106,18 +108,43 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
 
                     deepspeed.zero.Init(module=model, config_dict_or_path=zero3_config)
     else:
-        if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
-            overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
-        hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
+    apply_lora(model, cfg.lora)  # r > 0: adapters injected, every other weight frozen
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()
     register_packed_attention(model, cfg.attention_backend)
     return model
+
+
+def _drop_pad_token_outside_vocab(hf_config) -> None:
+    """Unset a pad_token_id the vocabulary does not hold (e.g. Phi-3's default 32000 in a smaller vocabulary).
+
+    The embedding's padding_idx must lie inside it or the model cannot be built; packs have no padding, so the
+    only effect of padding_idx (a zero, never-updated row) is not needed: the tokenizer's pad id fills dummy packs.
+    """
+    pad = getattr(hf_config, "pad_token_id", None)
+    if isinstance(pad, int) and not 0 <= pad < hf_config.vocab_size:
+        hf_config.pad_token_id = None
+
+
+def hf_config_for(cfg: ModelConfig, vocab_size: int | None = None):
+    """The HF config build_model builds from (no weights read): use_cache=False, cfg.config's overrides, and for a
+    model built from a config the larger of the tokenizer's and the config's vocabulary."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config)
+    overrides["use_cache"] = False
+    if cfg.name_or_path is not None:
+        return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+    if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
+        overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
+    hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
+    _drop_pad_token_outside_vocab(hf_config)
+    return hf_config
 
 
 @contextmanager
@@ -214,12 +241,17 @@ def set_checkpointed_layers(model, num_layers: int) -> None:
         layer.gradient_checkpointing = index < num_layers
 
 
-def forward_hidden(model, input_ids, position_ids, **attn_kwargs) -> torch.Tensor:
+def forward_hidden(model, input_ids, position_ids, router_logits: list | None = None, **attn_kwargs) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (the model without its LM head).
 
     attn_kwargs go to the attention function (e.g. cu_seq_lens_q / max_length_q); position_ids restart per sample.
+    router_logits (a list) receives an MoE model's router logits, one [T, E] tensor per MoE layer (moe.py).
     """
+    if router_logits is not None:
+        attn_kwargs["output_router_logits"] = True
     out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
+    if router_logits is not None:
+        router_logits.extend(out.router_logits)
     return out.last_hidden_state
 
 

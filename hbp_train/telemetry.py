@@ -168,6 +168,8 @@ class MetricsLogger:
             "plan/micro_batches": num_micro_batches,
             "tokens/ave_t": tokens / world,
         }
+        if "aux_sum" in col and float(col["aux_sum"].sum()) > 0:  # MoE router loss (hbp_train/moe.py)
+            metrics["loss/aux"] = float(col["aux_sum"].sum()) / max(loss_tokens, 1.0)
         if pack_len and num_packs:
             metrics["tokens/pad_ratio"] = 1.0 - tokens / (pack_len * num_packs)
         return metrics

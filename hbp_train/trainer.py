@@ -33,6 +33,7 @@ from hbp_train.labels import IGNORE_INDEX
 from hbp_train.loss import normalize_loss
 from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
+from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
 from hbp_train.telemetry import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
 
@@ -116,7 +117,7 @@ class TrainConfig:
 # One row per rank in the per-step all-gather. booked_tokens / sp_tokens: the live CR (tokens the SP attention
 # dispatcher booked, and those of them that went through the all-to-all).
 STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib",
-                "booked_tokens", "sp_tokens"]
+                "booked_tokens", "sp_tokens", "aux_sum"]
 
 
 def train(cfg, config_yaml: str = "") -> dict:
@@ -222,7 +223,8 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
         torch.cuda.synchronize()
     compute_time = time.perf_counter() - start
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
-              local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts()]
+              local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts(),
+              local["aux_sum"]]
     gathered = all_gather_floats(values, run.device)
     any_nonfinite = bool(gathered[:, STAT_COLUMNS.index("nonfinite")].max() > 0)
     if any_nonfinite and run.cfg.train.on_nan == "abort":
@@ -246,6 +248,7 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     shape = parse_model_shape(run.model.config)
     num_micro = len(step_batch.micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # MoE: Σ pack aux x its local loss tokens
     tokens = flops = loss_tokens = 0.0
     for k, micro_batch in enumerate(step_batch.micro_batches):
         if micro_batch["num_samples"]:
@@ -261,10 +264,16 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
                         else float((batch["shift_labels"] != IGNORE_INDEX).sum()))
         loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                         batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
-        engine.backward(_normalized_loss(run, loss_T, batch, step_batch))
         loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
+        if run.router_aux is not None:  # MoE: the pack's router loss, given to its loss tokens (moe.py)
+            aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]
+                                else 0, run.router_aux, run.sp.reduce_loss)
+            has_label_T = (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)
+            loss_T = loss_T + run.router_aux.coef * aux * has_label_T
+            aux_sum += aux.detach().double() * has_label_T.sum()
+        engine.backward(_normalized_loss(run, loss_T, batch, step_batch))
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
-    return {"loss_sum": float(loss_sum), "loss_tokens": loss_tokens, "tokens": tokens,
+    return {"loss_sum": float(loss_sum), "aux_sum": float(aux_sum), "loss_tokens": loss_tokens, "tokens": tokens,
             "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum)))}
 
 

@@ -75,3 +75,56 @@ def test_model_shape_follows_build_model_vocabulary_rule():
     assert model_shape_of(ModelConfig(config=tiny), 4096).vocab == 4096  # the tokenizer's, as build_model
     assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 128256}), 4096).vocab == 128256  # the larger
     assert model_shape_of(ModelConfig(config={**tiny, "vocab_size": 100}), 4096).vocab == 4096
+
+
+# ------------------------------------------------------------------------------- MoE and MLA: against HF modules
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "deepseek_v3"])
+def test_params_and_flops_match_the_hf_module(family):
+    """Total and active matmul weights (MoE: top-k of the routed experts) and the forward linear FLOPs per token
+    (counted by torch's FLOP counter on the real forward) equal what the shape reader says."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hbp_train.families import tiny_config
+    from hbp_train.model import ModelConfig, build_model, decoder_layers
+    from hbp_train.perf.flops import linear_fwd_flops_per_token
+
+    model = build_model(ModelConfig(config=tiny_config(family), architecture=family), vocab_size=128)
+    shape = parse_model_shape(model.config)
+    weights = {n: p.numel() for n, p in decoder_layers(model).named_parameters() if p.dim() >= 2}
+    experts = sum(n for name, n in weights.items() if ".experts." in name)  # routed experts (not shared_experts)
+    assert sum(weights.values()) == shape.linear_params(active=False)
+    if shape.num_experts:
+        assert experts > 0 and shape.active_params < shape.num_params
+        active = sum(weights.values()) - experts + experts * shape.experts_per_token // shape.num_experts
+    else:
+        assert experts == 0 and shape.active_params == shape.num_params
+        active = sum(weights.values())
+    assert shape.linear_params(active=True) == active
+    if shape.num_experts:  # a loop over the experts each token was routed to: the FLOP counter sees their matmuls
+        model.set_experts_implementation("eager")
+    tokens = 5
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.base_model(input_ids=torch.arange(tokens)[None], position_ids=torch.arange(tokens)[None])
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    linear = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+    assert linear == tokens * shape.num_layers * linear_fwd_flops_per_token(shape)
+
+
+def test_mla_and_moe_fields_from_hf_names():
+    deepseek = parse_model_shape({**HF_TINY, "num_key_value_heads": 4, "qk_nope_head_dim": 16,
+                                  "qk_rope_head_dim": 8, "v_head_dim": 12, "kv_lora_rank": 32, "q_lora_rank": None,
+                                  "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                                  "n_shared_experts": 2, "first_k_dense_replace": 1})
+    assert (deepseek.head_dim, deepseek.v_head_dim, deepseek.kv_lora_rank, deepseek.q_lora_rank) == (24, 12, 32, 0)
+    assert (deepseek.num_experts, deepseek.experts_per_token, deepseek.moe_ffn) == (8, 2, 24)
+    assert (deepseek.shared_ffn, deepseek.dense_layers, deepseek.active_ffn) == (48, 1, 128)
+    qwen_moe = parse_model_shape({**HF_TINY, "num_experts": 4, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
+                                  "decoder_sparse_step": 2, "mlp_only_layers": []})
+    assert qwen_moe.dense_layers == 1 and qwen_moe.active_ffn == 128  # layer 0 dense, layer 1 MoE
+    # our own names round-trip, and a dense shape keeps the old Llama counts
+    assert parse_model_shape({k: getattr(deepseek, k) for k in ("name", *deepseek.__dataclass_fields__)
+                              if k != "name"}) == deepseek.__class__(**{**deepseek.__dict__, "name": "custom"})
+    assert MODEL_SHAPES["llama3-8b"].num_params == MODEL_SHAPES["llama3-8b"].active_params == 8_030_261_248
+    with pytest.raises(UserError, match="experts_per_token"):
+        ModelShape("x", 64, 2, 4, 2, 128, 100, num_experts=4, experts_per_token=5)

@@ -22,6 +22,12 @@ Deliberately NOT used (docs/sequence_parallel.md): `UlyssesSPAttentionHF.registe
 `mpu`. The former allows one SP group per process and drops non-BlockMask masks; an mpu makes ZeRO divide
 gradients by a divisor fixed at `deepspeed.initialize`, which is wrong as soon as the degree changes.
 
+Unequal head dims (MLA, e.g. DeepSeek-V3: q/k 192, v 128): DeepSpeed's wrapper moves q, k and v at one head
+size (it asserts k and v shapes equal). The dispatcher pads v with zeros to the q/k head size before the
+all-to-all, the core attention (`_core_attention`) strips the padding, attends, and pads its output again for the
+way back; the dispatcher then drops the padded part of the output. Zero columns of v give zero output columns, so
+this is exact (forward and backward); the cost is v and the output travelling at the q/k head size.
+
 Head limits (checked at start-up by `check_sp_heads`, whose rule is `perf.shape.sp_heads_problem`): sp must divide
 the number of query heads, and sp and the number of key/value heads must divide one another (kv heads are
 replicated when sp exceeds them, e.g. 1 kv head at sp=4).
@@ -41,7 +47,7 @@ from hbp_train.attention import ATTN_IMPLEMENTATION as PACKED_ATTN_IMPLEMENTATIO
 from hbp_train.attention import hf_packed_attention, use_attention
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
-from hbp_train.perf.shape import sp_heads_problem
+from hbp_train.perf.shape import parse_model_shape, sp_heads_problem
 
 ATTN_IMPLEMENTATION = "hbp_ulysses"
 
@@ -64,14 +70,6 @@ def check_sp_heads(num_heads: int, num_kv_heads: int, sp_degrees) -> None:
         problem = sp_heads_problem(num_heads, num_kv_heads, sp)
         if problem:
             raise UserError(problem)
-
-
-def _model_config(model):
-    config = model.config
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return num_heads, num_kv_heads, head_dim, config.num_hidden_layers
 
 
 class SPStats:
@@ -135,16 +133,17 @@ class SequenceParallel:
         self._kv_groups = []
         self._pending_tokens = 0
         self._installed = False
+        self._v_head_dim = None  # this call's v head dim when it is padded to the q/k head dim (MLA), else None
         if model is None or max(pstate.sp_degrees) == 1:
             return
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-        num_heads, num_kv_heads, head_dim, num_layers = _model_config(model)
-        check_sp_heads(num_heads, num_kv_heads, pstate.sp_degrees)
+        shape = parse_model_shape(model.config)  # MLA: q/k head dim, and k/v per query head
+        check_sp_heads(shape.num_heads, shape.num_kv_heads, pstate.sp_degrees)
         self.wrappers = {
             sp: UlyssesSPAttentionHF(
-                attn=hf_packed_attention, batch_size=1, attn_head_count=num_heads,
-                attn_head_size=head_dim, kv_head_count=num_kv_heads, num_hidden_layers=num_layers,
+                attn=self._core_attention, batch_size=1, attn_head_count=shape.num_heads,
+                attn_head_size=shape.head_dim, kv_head_count=shape.num_kv_heads, num_hidden_layers=shape.num_layers,
                 process_group=pstate.sp_group(sp),
                 seq_length_is_variable=True,  # pack lengths change every step
             )
@@ -204,7 +203,26 @@ class SequenceParallel:
             return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
         for name in _LOCAL_BOUNDARY_KWARGS:
             kwargs.pop(name, None)
-        return self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
+        head_dim, v_head_dim = query.shape[-1], value.shape[-1]
+        if v_head_dim == head_dim:
+            return self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
+        # MLA: DeepSpeed's wrapper moves one head size; pad v for the trip (module docstring).
+        self._v_head_dim = v_head_dim
+        try:
+            value = torch.nn.functional.pad(value, (0, head_dim - v_head_dim))
+            out, weights = self.wrappers[self.active_sp](module, query, key, value, attention_mask, **kwargs)
+        finally:
+            self._v_head_dim = None
+        return out.unflatten(-1, (-1, head_dim))[..., :v_head_dim], weights
+
+    def _core_attention(self, module, query, key, value, attention_mask, **kwargs):
+        """The packed attention DeepSpeed's wrapper calls on the whole pack; strips v's padding (MLA) first and
+        pads the output back to the head size the wrapper's all-to-all expects."""
+        if self._v_head_dim is None:
+            return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
+        head_dim = value.shape[-1]
+        out, weights = hf_packed_attention(module, query, key, value[..., :self._v_head_dim], attention_mask, **kwargs)
+        return torch.nn.functional.pad(out, (0, head_dim - self._v_head_dim)), weights
 
     # -------------------------------------------------------------------------------------------- loss
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:

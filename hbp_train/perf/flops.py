@@ -1,9 +1,10 @@
 """The one FLOPs formula of a decoder-only transformer, used by MFU (trainer, benchmarks) and the cost model.
 
-Forward FLOPs are 2 per multiply-add. Per token and layer the linear parts are the q, k, v, o projections and
-the gated MLP's three matrices; the LM head is one more matmul (also when tied to the embeddings). Causal
-attention of a document of length l costs, per layer forward, QK^T and PV over the l²/2 visible pairs:
-2·l²·heads·head_dim. Documents of a pack never attend to each other, so attention sums l² per document, never T².
+Forward FLOPs are 2 per multiply-add. Per token the linear parts are 2 per weight a token uses
+(``ModelShape.linear_params(active=True)``: q, k, v, o projections or MLA's down/up projections, the gated MLP, or
+an MoE layer's router, top-k experts and shared experts); the LM head is one more matmul (also when tied to the
+embeddings). Causal attention of a document of length l costs, per layer forward, QK^T and PV over the l²/2
+visible pairs: l²·heads·(head_dim + v_head_dim) (= 2·l²·heads·head_dim when v and q/k heads are as wide). Documents of a pack never attend to each other, so attention sums l² per document, never T².
 Training (forward + backward) is 3 x forward: backward computes the input and the weight gradients. Embedding
 lookups, norms, biases and the recompute of checkpointed layers are not counted (the MFU convention).
 
@@ -21,11 +22,9 @@ TRAIN_OVER_FORWARD = 3.0
 
 
 def linear_fwd_flops_per_token(shape: ModelShape) -> float:
-    """Forward FLOPs per token of ONE layer's linear parts: q, k, v, o projections and the gated MLP."""
-    q = o = shape.hidden * shape.attn_width
-    kv = 2 * shape.hidden * shape.kv_width
-    mlp = 3 * shape.hidden * shape.ffn
-    return 2.0 * (q + kv + o + mlp)
+    """Forward FLOPs per token of one layer's linear parts (the mean over layers when MoE and dense layers mix):
+    2 per weight the token goes through."""
+    return 2.0 * shape.linear_params(active=True) / shape.num_layers
 
 
 def head_fwd_flops_per_token(shape: ModelShape) -> float:
@@ -36,7 +35,7 @@ def head_fwd_flops_per_token(shape: ModelShape) -> float:
 def attention_fwd_flops(shape: ModelShape, lengths) -> np.ndarray:
     """Forward FLOPs of causal attention in ONE layer, for each document length (an array like ``lengths``)."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    return 2.0 * lengths * lengths * shape.attn_width
+    return lengths * lengths * float(shape.attn_width + shape.out_width)
 
 
 def flops_per_token(shape: ModelShape) -> float:

@@ -39,9 +39,10 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
 def activation_bytes_per_token_layer(shape: ModelShape) -> int:
     """bf16 activations one non-checkpointed decoder layer keeps per (rank-local) token for backward:
     two RMSNorm inputs+outputs (4h), q, rotated q, attention output (3 x heads*head_dim), k, v, rotated k
-    (3 x kv width) and the gated MLP's gate, up, act(gate) and product (4 x ffn). Ulysses moves heads, not
-    tokens, so per rank it is the same count at any SP degree."""
-    return 2 * (4 * shape.hidden + 3 * shape.attn_width + 3 * shape.kv_width + 4 * shape.ffn)
+    (3 x kv width) and the gated MLP's gate, up, act(gate) and product (4 x the width a token goes through:
+    ffn, or an MoE layer's top-k experts plus shared experts, ``active_ffn``). Ulysses moves heads, not tokens, so
+    per rank it is the same count at any SP degree. Model states count every expert (``num_params``)."""
+    return 2 * (4 * shape.hidden + 3 * shape.attn_width + 3 * shape.kv_width + 4 * shape.active_ffn)
 
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,

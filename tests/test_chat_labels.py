@@ -1,0 +1,107 @@
+"""data_tools/chat_labels.py on chat templates written in the styles of real families, none with generation
+markers: header tokens (Llama 3), an injected default system prompt (Qwen2.5), a renamed role (Gemma's ``model``,
+the system prompt folded into the first user turn) and earlier turns rewritten (Qwen3 drops the reasoning of
+earlier assistant turns). Each sample's labelled text is checked against its rendered text, turn by turn; a
+template whose assistant text cannot be located is a counted drop whose reason says what to do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data_tools.chat_labels import ChatEncoder
+from data_tools.sft_formats import FormatError
+from hbp_train.labels import IGNORE_INDEX
+from tests.test_preprocess import tokenizer_with_template
+
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+          " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+QWEN25 = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are Qwen, a helpful assistant."
+          "<|im_end|>\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+          " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
+         "{% set turns = messages[1:] %}{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+         "{% for m in turns %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+         "{{ '<start_of_turn>' + role + '\\n' + (first if loop.first else '') + m['content'] | trim"
+         " + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+QWEN3 = ("{% set ns = namespace(last_query=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+         "{% if m['role'] == 'assistant' %}{% set content = m['content'] %}{% set reasoning = '' %}"
+         "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1]"
+         ".strip('\\n') %}{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+         "{% if loop.index0 > ns.last_query %}{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n'"
+         " + content + '<|im_end|>\\n' }}{% else %}{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+         "{% endif %}{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Lists every answer again after the conversation: rendering up to an earlier turn is no prefix of the whole, and
+# the turn's content appears twice, so substitution cannot place it either.
+SUMMARY = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+           "{{ 'answers so far: ' }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] + ' | ' }}"
+           "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+THINK_1, THINK_2 = "<think>\nadd two and two\n</think>\n\nIt is 4.", "<think>\nadd again\n</think>\n\nIt is 6."
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": THINK_1},
+     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": THINK_2}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}],
+]
+
+# What each style trains on, per assistant turn, in rendering order (written from the templates by hand).
+EXPECTED = {
+    "llama3": [[THINK_1 + "<|eot_id|>", THINK_2 + "<|eot_id|>"], ["Blue.<|eot_id|>"]],
+    "qwen25": [[THINK_1 + "<|im_end|>", THINK_2 + "<|im_end|>"], ["Blue.<|im_end|>"]],
+    "gemma": [[THINK_1 + "<end_of_turn>", THINK_2 + "<end_of_turn>"], ["Blue.<end_of_turn>"]],
+    # earlier reasoning dropped from the render, so not trained on; the last turn keeps it
+    "qwen3": [["It is 4.<|im_end|>", THINK_2 + "<|im_end|>"], ["<think>\n\n</think>\n\nBlue.<|im_end|>"]],
+}
+TEMPLATES = {"llama3": LLAMA3, "qwen25": QWEN25, "gemma": GEMMA, "qwen3": QWEN3}
+
+
+def labelled_texts(encoder, ids, labels) -> tuple[str, list[str]]:
+    """The rendered text and, per maximal run of labelled tokens, the text it covers (by character offsets)."""
+    text = encoder.tokenizer.decode(ids)
+    encoded = encoder.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert encoded["input_ids"] == ids.tolist()  # the offsets belong to these very tokens
+    offsets = encoded["offset_mapping"]
+    runs, start = [], None
+    for k, label in enumerate([*labels.tolist(), IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = k
+        elif label == IGNORE_INDEX and start is not None:
+            runs.append(text[offsets[start][0]:offsets[k - 1][1]])
+            start = None
+    return text, runs
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES))
+def test_assistant_masks_of_each_template_style(tmp_path, style):
+    encoder = ChatEncoder(tokenizer_with_template(tmp_path, TEMPLATES[style]))
+    assert encoder.label_mode == "incremental"
+    for turns, expected in zip(CONVERSATIONS, EXPECTED[style]):
+        ids, labels = encoder.encode(turns)
+        rendered = encoder._render(turns)
+        text, runs = labelled_texts(encoder, ids, labels)
+        assert text == rendered.removeprefix(encoder.tokenizer.bos_token or "") or text == rendered
+        # each labelled run is one assistant turn's text as rendered (a token may carry the whitespace before it)
+        assert [run.strip() for run in runs] == [e.strip() for e in expected], (style, runs)
+        assert all(run.strip() in rendered for run in runs)
+        # nothing else is labelled: the prompt, system prompt (injected or folded) and headers are not trained
+        unlabelled = "".join(encoder.tokenizer.decode([t]) for t in ids[labels == IGNORE_INDEX])
+        assert "Answer briefly." in unlabelled or "What is 2+2?" in unlabelled
+        assert not any(e.strip() in unlabelled for e in expected)
+
+
+def test_a_template_that_hides_the_assistant_text_is_a_counted_drop_saying_what_to_do(tmp_path):
+    from tests.test_preprocess import run, write_jsonl
+
+    encoder = ChatEncoder(tokenizer_with_template(tmp_path, SUMMARY))
+    with pytest.raises(FormatError) as err:
+        encoder.encode(CONVERSATIONS[0])
+    assert err.value.reason == "template_not_incremental" and "generation" in str(err.value)
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS])
+    from data_tools.preprocess import PreprocessError
+
+    with pytest.raises(PreprocessError, match=r"no sample kept out of 2 read \(template_not_incremental: 2\)"):
+        run(tmp_path, [data], tokenizer=tokenizer_with_template(tmp_path / "t", SUMMARY), on_error="skip")

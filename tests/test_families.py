@@ -1,0 +1,256 @@
+"""The support matrix (hbp_train/families.py): every tested family trains correctly under packing and SP.
+
+(a) one pack of several samples gives the same per-token losses and gradients as each sample run alone (no
+attention across samples, no state leaking between them); (b) SP=2 equals SP=1 on 2 gloo processes (slow);
+(c) a short run of the trainer over a plan with sp=1 and sp=2 groups (slow). No test branches on a family name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hbp_train.build import PackedCausalLM
+from hbp_train.families import FAMILIES, tiny_config
+from hbp_train.labels import IGNORE_INDEX
+from hbp_train.lora import LoraSettings
+from hbp_train.model import ModelConfig, build_model
+from hbp_train.moe import pack_aux_loss, router_aux_of
+
+VOCAB = 128
+LENGTHS = (7, 12, 5)  # samples of one pack
+AUX_COEF = 0.5  # MoE router loss weight in the SP test (large, so that a wrong aux gradient shows)
+
+
+def tiny_model(family: str, **overrides):
+    """The tiny model of ``family``; "<family>+lora": with LoRA adapters (rank 4) on every linear layer."""
+    family, _, lora = family.partition("+")
+    return build_model(ModelConfig(config=tiny_config(family, **overrides), architecture=family, seed=3,
+                                   lora=LoraSettings(r=4) if lora else LoraSettings()), vocab_size=VOCAB)
+
+
+def make_samples(lengths=LENGTHS, seed=0):
+    """Token ids and per-sample shifted labels (a prompt of 2 tokens not trained on) for each sample."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=gen)
+        labels = ids.clone()
+        labels[:2] = IGNORE_INDEX
+        samples.append((ids, torch.cat([labels[1:], torch.tensor([IGNORE_INDEX])])))
+    return samples
+
+
+def pack_of(samples):
+    ids = torch.cat([s[0] for s in samples])[None]
+    labels = torch.cat([s[1] for s in samples])[None]
+    positions = torch.cat([torch.arange(len(s[0])) for s in samples])[None]
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0).tolist()], dtype=torch.int32)
+    return ids, positions, labels, cu, max(len(s[0]) for s in samples)
+
+
+def losses_and_grads(model, runs, with_aux=False):
+    """Per-token losses of each forward in ``runs`` (input_ids, position_ids, shift_labels, cu, max_len), and the
+    gradients of their sum (``with_aux``: plus an MoE model's router loss, coef x aux per loss token)."""
+    aux_cfg = router_aux_of(model.config) if with_aux else None
+    wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
+    model.zero_grad(set_to_none=True)
+    out = []
+    for ids, positions, labels, cu, max_len in runs:
+        loss_T = wrapper(ids, positions, labels, cu, max_len)
+        objective = loss_T.sum()
+        if aux_cfg is not None:
+            aux = pack_aux_loss(wrapper.router_logits, ids.shape[1], aux_cfg, lambda t: t)
+            objective = objective + aux_cfg.coef * aux * (labels != IGNORE_INDEX).sum()
+            out.append(aux.detach()[None])
+        objective.backward()
+        out.append(loss_T.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(out), grads
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("boundaries", ["cu_seqlens", "position_ids"])
+def test_packed_equals_per_sample(family, boundaries):
+    model = tiny_model(family)
+    samples = make_samples()
+    ids, positions, labels, cu, max_len = pack_of(samples)
+    if boundaries == "position_ids":  # what the attention sees under Ulysses: boundaries from position restarts
+        cu = max_len = None
+    packed_loss, packed_grads = losses_and_grads(model, [(ids, positions, labels, cu, max_len)])
+    alone = [pack_of([s]) for s in samples]
+    single_loss, single_grads = losses_and_grads(model, alone)
+    assert (labels != IGNORE_INDEX).sum() > 0 and packed_loss.abs().sum() > 0
+    torch.testing.assert_close(packed_loss, single_loss, rtol=1e-5, atol=1e-5)
+    assert packed_grads.keys() == single_grads.keys() and len(packed_grads) > 0
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, single_grads[name], rtol=1e-4, atol=1e-5, msg=f"{family}: {name}")
+
+
+# ------------------------------------------------------------------------------------ (b) SP=2 == SP=1
+def _pack_batch(seed: int) -> dict:
+    ids, positions, labels, cu, max_len = pack_of(make_samples(seed=seed))
+    return {"input_ids": ids, "position_ids": positions, "shift_labels": labels, "cu_seqlens": cu,
+            "max_seqlen": max_len}
+
+
+def _sp_worker(rank, world_size, families):
+    """Every family at sp=2 then sp=1 on the same weights: each rank's slice forward, the SP loss all-reduce and
+    backward as the trainer does; returns the gathered token losses and the rank-summed gradients."""
+    import torch.distributed as dist
+
+    from hbp_train.distributed.groups import build_parallel_state, init_distributed
+    from hbp_train.distributed.ulysses import setup_sequence_parallel
+
+    init_distributed()
+    pstate = build_parallel_state([1, 2])
+    out = {}
+    for family in families:
+        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)  # MoE: the router loss, made to matter
+        aux_cfg = router_aux_of(model.config)
+        sp = setup_sequence_parallel(model, pstate)
+        wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
+        batch = _pack_batch(seed=1)
+        for degree in (2, 1):  # sp=1 after sp=2: nothing the SP step changed in the model may leak
+            sp.set_active(degree)
+            model.zero_grad(set_to_none=True)
+            local = sp.split(batch)
+            whole = degree == 1
+            loss_T = wrapper(local["input_ids"], local["position_ids"], local["shift_labels"],
+                             local["cu_seqlens"] if whole else None, local["max_seqlen"] if whole else None)
+            objective = loss_T.sum()
+            aux = None
+            if aux_cfg is not None:  # as the trainer: the pack's aux (summed over the SP group) per loss token
+                aux = pack_aux_loss(wrapper.router_logits, local["num_local_tokens"], aux_cfg, sp.reduce_loss)
+                objective = objective + aux_cfg.coef * aux * (local["shift_labels"] != IGNORE_INDEX).sum()
+            sp.reduce_loss(objective).backward()
+            pieces = [torch.empty_like(loss_T) for _ in range(world_size)]
+            dist.all_gather(pieces, loss_T.detach())
+            grads = {}
+            for name, param in model.named_parameters():
+                if not param.requires_grad:  # frozen (LoRA): no gradient may appear
+                    assert param.grad is None, name
+                    continue
+                grad = param.grad.clone() if param.grad is not None else torch.zeros_like(param)
+                dist.all_reduce(grad)  # DeepSpeed's average over the W ranks (the loss above is the group's)
+                grads[name] = grad / world_size
+            losses = torch.cat(pieces)[: batch["input_ids"].shape[1]] if degree > 1 else loss_T.detach()
+            if aux is not None:
+                losses = torch.cat([aux.detach()[None], losses])
+            out[family, degree] = (losses, grads)
+        sp.uninstall(model)
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_sp2_equals_sp1_for_every_family():
+    """2 gloo processes, every family in one spawn: SP=2 (kv heads split or replicated; MLA's unequal head dims;
+    MoE with the router loss summed over the SP group) and the following SP=1 step give the single-process losses
+    (and router loss) and gradients."""
+    from tests.distributed import run_distributed
+
+    families = [*sorted(FAMILIES), "qwen3_moe+lora"]  # LoRA: only the adapters get gradients
+    result = run_distributed(_sp_worker, 2, families, timeout=900)[0]
+    for family in families:
+        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)
+        ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())], with_aux=True)
+        for degree in (2, 1):
+            loss, grads = result[family, degree]
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=f"{family} sp={degree}")
+            assert grads.keys() == ref_grads.keys(), family
+            for name, ref in ref_grads.items():
+                torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-5,
+                                           msg=f"{family} sp={degree}: {name}")
+
+
+# ------------------------------------------------------------------------ (c) the trainer over an SP1/SP2 plan
+# Two ranks; group 0 at sp=1 (two replicas), group 1 at sp=2 (one replica split over both ranks).
+SP_PLAN_STEPS = [
+    {"group": 0, "replicas": [[[0, 1], [2]], [[3], [4, 5]]]},
+    {"group": 1, "replicas": [[[6, 7], [8]]]},
+    {"group": 0, "replicas": [[[9]], [[10, 11]]]},
+    {"group": 1, "replicas": [[[12, 13]]]},
+]
+TRAIN_FAMILIES = ("mistral", "mixtral", "deepseek_v3")  # dense (1 kv head, replicated at sp=2), MoE, MLA
+TRAIN_STEPS = 10
+
+
+def _hydra_value(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def model_overrides(family: str, **overrides) -> list:
+    """The command-line overrides that train the tiny ``family`` model (``++``: set or add each HF field)."""
+    config = tiny_config(family, **overrides)
+    return [f"model.architecture={family}", *(f"++model.config.{k}={_hydra_value(v)}" for k, v in config.items())]
+
+
+def _train_worker(rank, world_size, shards, out):
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    ended = {}
+    for family in TRAIN_FAMILIES:
+        cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{family}",
+                           "logging=quiet", "data.epochs=3", f"train.max_steps={TRAIN_STEPS}", "train.lr=1e-2",
+                           "train.warmup_steps=0", "train.save_final=false", *model_overrides(family)])
+        summary = trainer.train(cfg)
+        ended[family] = (summary["ended"], summary["end_step"])
+    return ended
+
+
+@pytest.mark.slow
+def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
+    """10 steps of the trainer on 2 ranks for a dense, an MoE and the MLA family over a plan whose groups run at
+    sp=1 and sp=2: every step finite, the SP degree switches, the loss falls, MoE logs its router loss."""
+    import json
+
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
+    from tests.distributed import run_distributed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2)
+    with open(f"{shards}/plan.json") as f:
+        plan = json.load(f)
+    plan["groups"][1]["sp"] = 2
+    with open(f"{shards}/plan.json", "w") as f:
+        json.dump(plan, f)
+    ended = run_distributed(_train_worker, 2, shards, str(tmp_path / "runs"), timeout=900)
+    for family in TRAIN_FAMILIES:
+        assert ended[0][family] == ended[1][family] == ("finished", TRAIN_STEPS), family
+        with open(tmp_path / "runs" / family / "metrics.jsonl") as f:
+            logged = [json.loads(line) for line in f]
+        assert len(logged) == TRAIN_STEPS and sorted({m["plan/sp"] for m in logged}) == [1, 2], family
+        losses = [m["loss/train"] for m in logged]
+        assert all(0 < x < 20 for x in losses) and not any(m["optim/skipped"] for m in logged), (family, losses)
+        # the same four plan steps, once per epoch (shuffled): the later epochs' loss is lower
+        assert sum(losses[4:8]) < sum(losses[:4]), (family, losses)
+        has_aux = ["loss/aux" in m for m in logged]
+        assert all(has_aux) if family == "mixtral" else not any(has_aux), family
+        assert all(m["loss/aux"] > 0 for m in logged if "loss/aux" in m)
+
+
+@pytest.mark.slow
+def test_an_unsupported_feature_stops_the_trainer_before_the_model_in_one_line(tmp_path, tokenizer_dir):
+    """python -m hbp_train.train with a window shorter than the plan's samples: exit 2, one line, nothing built."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.assets.packed_fixture import ONE_RANK_STEPS, synthetic_samples, write_packed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(12, 4096, seed=1), ONE_RANK_STEPS, world_size=1)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hbp_train.train", "experiment=cpu_demo", f"data.shards={shards}",
+         f"train.out_dir={tmp_path / 'run'}", "logging=quiet", *model_overrides("gemma3_text", sliding_window=4)],
+        cwd=repo, env=dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "gemma3_text" in lines[0] and "sliding_window=4" in lines[0] and "--max-len 4" in lines[0], lines[0]

@@ -9,7 +9,8 @@
 - ``eval/suite.py``             the generated tasks written as OpenCompass datasets, and their per-group re-scoring
 - ``eval/benchmarks.py``        OpenCompass's stock benchmarks: config modules, data folders, what is missing
 - ``eval/opencompass.py``       an OpenCompass run: config, subprocess, failed tasks, scores
-- ``eval/opencompass_venv.py``  OpenCompass's own venv: set-up, self-test, stamp
+- ``eval/opencompass_venv.py``  OpenCompass's own venv: paths, pins, stamp, the readiness check
+- ``eval/opencompass_setup.py`` --setup-opencompass: build the venv, self-test it, stamp it
 - ``eval/opencompass_compat.py`` the transformers 5 shim installed into that venv
 - ``eval/requirements-opencompass.txt`` that venv's requirements
 - ``eval/report.py``            output folder, markdown tables, heatmaps

@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     try:
         if args.setup_opencompass:
-            from eval.opencompass_venv import DEFAULT_VENV, setup
+            from eval.opencompass_setup import setup
+            from eval.opencompass_venv import DEFAULT_VENV
 
             code = setup(args.venv or DEFAULT_VENV)
             if code != 0 or args.command is None:

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def venv() -> Path:
     """The OpenCompass venv, built and self-tested on first use (minutes), then reused (stamp)."""
-    from eval.opencompass_venv import is_ready, setup
+    from eval.opencompass_setup import setup
+    from eval.opencompass_venv import is_ready
 
     assert setup(VENV) == 0 and is_ready(VENV)
     return VENV

@@ -123,7 +123,8 @@ def train(cfg, config_yaml: str = "") -> dict:
     """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
     try:  # before building anything: a wrong path, or a checkpoint of another world size or plan, is one line
-        resume = checkpoint.find_resume(cfg.train.resume, ckpt_root)
+        resume = checkpoint.find_resume(cfg.train.resume, ckpt_root,
+                                        warn=lambda line: print(line, flush=True) if rank() == 0 else None)
         if resume is not None:
             checkpoint.check_resumable(*resume, world_size(), cfg.data.shards)
     except UserError as e:

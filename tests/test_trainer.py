@@ -256,7 +256,7 @@ def test_deepspeed_config_follows_the_run_config():
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
     import shutil
 
-    from hbp_train import checkpoint, config, trainer
+    from hbp_train import checkpoint, config, manifest, trainer
     from hbp_train.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking the checkpoint"))
@@ -265,6 +265,8 @@ def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkey
     (tag_dir.parent / "latest").write_text(checkpoint.tag_for(3))
     (tag_dir / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1, "data_shards": shards,
                                                      "plan_sha256": checkpoint.plan_fingerprint(shards)}))
+    torch.save(checkpoint.rng_state(), tag_dir / "rng_rank0.pt")
+    manifest.write(str(tag_dir), 3, 1)
     replanned = str(tmp_path / "replanned")
     shutil.copytree(shards, replanned)
     with open(f"{replanned}/plan.json") as f:

@@ -8,6 +8,7 @@ module, build.PackedCausalLM, does both).
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,12 +69,43 @@ class ModelConfig:
             raise UserError(f"model.seed: must be an integer, got {self.seed!r}")
         if self.tokenizer is None:
             self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
+        hf_config(self)  # transformers' own checks of the values (e.g. heads dividing hidden_size), as one line
+
 
     def torch_dtype(self) -> torch.dtype:
         """The parameter dtype `dtype` resolves to on this machine."""
         if self.dtype == "auto":
             return torch.bfloat16 if torch.cuda.is_available() else torch.float32
         return DTYPES[self.dtype]
+
+
+def transformers_error(exc: BaseException, field: str = "model.config") -> UserError:
+    """A one-line UserError naming our field for an error transformers raised about the user's model settings:
+    its first lines joined (a strict-dataclass error puts the reason on its second line), and the HF field when
+    the error names one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    named = re.search(r"for field '([A-Za-z0-9_]+)'", lines[0])
+    where = f"{field}.{named.group(1)}" if named and field == "model.config" else field
+    return UserError(f"{where}: transformers rejects it ({' '.join(lines[:2])[:300]})")
+
+
+def hf_config(cfg: ModelConfig, overrides: dict | None = None):
+    """The HF config of ``cfg`` (model.config over name_or_path's config.json, or over the architecture's
+    defaults), with transformers' validation errors as one-line UserErrors naming model.config."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config) if overrides is None else overrides
+    try:
+        if cfg.name_or_path is not None:
+            return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+        return AutoConfig.for_model(cfg.architecture, **overrides)
+    except (ValueError, TypeError, KeyError, OSError, AttributeError) as exc:  # strict-dataclass errors too
+        field = "model.config" if overrides or cfg.name_or_path is None else "model.name_or_path"
+        raise transformers_error(exc, field) from None
+    except Exception as exc:  # noqa: BLE001 -- huggingface_hub's StrictDataclass*Error derive from Exception only
+        if type(exc).__name__.startswith("StrictDataclass"):
+            raise transformers_error(exc) from None
+        raise
 
 
 def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: dict | None = None):
@@ -85,16 +117,16 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     stage 3; torch.distributed initialized) builds the model already partitioned across the ranks, so no rank ever
     holds all of its weights: the initial weights equal those of the unpartitioned build with the same seed.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = cfg.torch_dtype()
     overrides = dict(cfg.config)
     overrides["use_cache"] = False
     if cfg.name_or_path is not None:
-        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+        config = hf_config(cfg, overrides)
         with _hf_zero3(zero3_config):  # from_pretrained loads each rank's shards only; resizing gathers as needed
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+                cfg.name_or_path, config=config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
             )
             rows = model.get_input_embeddings().weight
             if vocab_size is not None and vocab_size > getattr(rows, "ds_shape", rows.shape)[0]:
@@ -108,10 +140,17 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     else:
         if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
             overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
-        hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
+        config = hf_config(cfg, overrides)
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+            try:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            except (ValueError, TypeError, KeyError) as exc:  # e.g. an unknown hidden_act, a str rope_theta
+                raise transformers_error(exc) from None
+            except RuntimeError as exc:  # e.g. a negative size; a real out-of-memory is not the user's value
+                if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+                    raise
+                raise transformers_error(exc) from None
     model.config.use_cache = False
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.

@@ -128,6 +128,14 @@ def _single_process_checks(rank, world_size, shards, out):
             result["abort"] = "no error"
         except FloatingPointError as e:
             result["abort"] = str(e)
+        # 4. A diverged run (every loss NaN): with the default train.max_skipped (5% of 6 steps -> 1) the second
+        # skipped step stops it with a checkpoint and an error, instead of "finished".
+        try:
+            trainer.train(config.load(overrides(shards, f"{out}/diverged")))
+            result["diverged"] = "no error"
+        except FloatingPointError as e:
+            result["diverged"] = str(e)
+        result["diverged_tags"] = checkpoint.list_tags(f"{out}/diverged/checkpoints")
     finally:
         builder.chunked_token_losses = real_losses
     return result
@@ -175,6 +183,8 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
     assert r["nan_skips"] == (False, True, False)
     assert r["nan_untouched"] and r["nan_recovered"]
     assert "NaN/inf" in r["abort"] and "on_nan" in r["abort"]
+    assert r["diverged"].startswith("2 steps skipped for a NaN/inf loss or gradient, more than train.max_skipped=1")
+    assert r["diverged_tags"] == ["step_00000002"]  # stopped after its second step, with a checkpoint
 
 
 @pytest.mark.slow

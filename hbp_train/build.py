@@ -175,6 +175,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     total_steps = data.num_steps * cfg.data.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
+    modeling.check_tokenizer_dir(cfg.model.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     # SP: the groups of every degree either plan uses, built once, up front
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
@@ -264,7 +265,10 @@ def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData
     if shuffle:
         packed = PackedData(shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
     else:
-        packed = PackedData(shards, cfg.data.check_counts)
+        try:
+            packed = PackedData(shards, cfg.data.check_counts)
+        except UserError as e:  # the loader's message names data.shards: here it is the held-out folder
+            raise UserError(str(e).replace("data.shards", "data.eval_shards")) from None
     if packed.world_size != world_size:
         raise UserError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
                         f"{world_size} ranks: launch {packed.world_size} processes (NPROC={packed.world_size} "

@@ -22,6 +22,10 @@ SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "ass
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+# The files that make a folder a HF tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 @dataclass
 class ModelConfig:
     """Which model to train and how to build it."""
@@ -65,8 +69,10 @@ class ModelConfig:
             raise UserError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.attention_backend not in ("auto", *BACKENDS):
             raise UserError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
-        if not isinstance(self.seed, int):
-            raise UserError(f"model.seed: must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"model.seed: must be an integer >= 0, got {self.seed!r}")
+        if self.tokenizer is not None:  # set by the user: checked now (one taken from name_or_path: by build)
+            check_tokenizer_dir(self.tokenizer)
         if self.tokenizer is None:
             self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
         hf_config(self)  # transformers' own checks of the values (e.g. heads dividing hidden_size), as one line
@@ -77,6 +83,14 @@ class ModelConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if torch.cuda.is_available() else torch.float32
         return DTYPES[self.dtype]
+
+
+def check_tokenizer_dir(path: str) -> None:
+    """UserError (one line naming model.tokenizer) unless ``path`` is a local folder holding a HF tokenizer."""
+    folder = Path(path)
+    if not folder.is_dir() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model.tokenizer: {path!r} is not a tokenizer folder (one holding "
+                        f"{' or '.join(TOKENIZER_FILES)}; models are read from local folders only)")
 
 
 def transformers_error(exc: BaseException, field: str = "model.config") -> UserError:

@@ -88,6 +88,15 @@ class TrainConfig:
     step (0 = after the last step only)."""
 
     def __post_init__(self):
+        if not self.out_dir:
+            raise UserError("train.out_dir: must name a folder (the run directory)")
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise UserError(f"train.out_dir={self.out_dir}: is a file, not a folder; choose another train.out_dir")
+        if self.resume is not None and not self.resume:
+            raise UserError("train.resume='': use null (start fresh), auto (the newest checkpoint, if any) or a "
+                            "checkpoint path")
+        if self.seed < 0:
+            raise UserError(f"train.seed={self.seed}: must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"train.max_steps={self.max_steps}: must be >= 1 (or null for the whole plan)")
         if not (self.lr > 0 and math.isfinite(self.lr)):

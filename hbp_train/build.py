@@ -199,6 +199,7 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
         raise UserError(f"train.ckpt_layers has {len(ckpt_override)} values but the plan has {len(groups)} "
                         "groups: give one per group or a single one")
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
+    check_deepspeed_config(cfg, total_steps, world_size)
     if sp_degrees is None:
         sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
     pstate = dist_groups.build_parallel_state(sp_degrees)
@@ -244,6 +245,21 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
         # A resumed run overwrites this with the checkpoint's scheduler state.
         engine.lr_scheduler.step(0)
     return engine
+
+
+def check_deepspeed_config(cfg, total_steps: int, world_size: int) -> None:
+    """DeepSpeed's own validation of the config we give it (pydantic), before any model is built: a bad value in
+    deepspeed.extra becomes one UserError line naming the field instead of a traceback from initialize."""
+    from deepspeed.runtime.config import DeepSpeedConfig as DSConfig
+    from deepspeed.runtime.config import DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    try:
+        DSConfig(deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg)))
+    except (ValidationError, DeepSpeedConfigError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        field = "deepspeed.extra" if cfg.deepspeed.extra else "deepspeed"
+        raise UserError(f"{field}: DeepSpeed rejects the config ({'; '.join(lines[:3])[:300]})") from None
 
 
 def ckpt_layers_for(override: Optional[list], group: int, plan_value: Optional[int]) -> int:

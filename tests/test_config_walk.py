@@ -117,6 +117,21 @@ def _path_cases(tmp):
     ]
 
 
+def test_a_value_deepspeed_rejects_is_one_line_naming_deepspeed_extra(shards, tmp_path, monkeypatch):
+    from hbp_train import build, model, trainer
+    from hbp_train.errors import UserError
+
+    monkeypatch.setattr(model, "build_model", lambda *a, **k: pytest.fail("built the model first"))
+    cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={tmp_path / 'run'}",
+                       "logging=quiet", "+deepspeed.extra.zero_optimization.reduce_bucket_size=-5"])
+    with pytest.raises(UserError) as info:
+        trainer.train(cfg)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("deepspeed.extra: DeepSpeed rejects the config (")
+    assert "reduce_bucket_size" in text and "greater than 0" in text
+    assert build.check_deepspeed_config(config.load(["experiment=cpu_demo", f"data.shards={shards}"]), 10, 1) is None
+
+
 def test_every_path_field_with_a_missing_path_or_the_wrong_kind_is_one_line(shards, tmp_path, monkeypatch):
     from hbp_train import build, trainer
     from hbp_train.errors import UserError

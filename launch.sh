@@ -87,6 +87,11 @@ train() {
   local cores; cores=$(nproc)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}
   # hbp_train.launch is torchrun that ends a worker's failure with one line instead of its own traceback.
+  # One node without MASTER_PORT: --standalone picks a free port, so two jobs on one host never collide. A fixed
+  # port only when the user sets one or runs several nodes (they must agree on it); a busy port is one line.
+  if [ "${NNODES:-1}" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+    exec "$PY" -m hbp_train.launch --standalone --nproc_per_node "$nproc" -m hbp_train.train "$@"
+  fi
   exec "$PY" -m hbp_train.launch --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "$nproc" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29511}" -m hbp_train.train "$@"
 }

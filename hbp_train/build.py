@@ -184,6 +184,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     total_steps = data.num_steps * cfg.data.epochs
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
+    modeling.check_tokenizer_dir(cfg.model.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     # SP: the groups of every degree either plan uses, built once, up front
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
@@ -207,6 +208,7 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
         raise UserError(f"train.ckpt_layers has {len(ckpt_override)} values but the plan has {len(groups)} "
                         "groups: give one per group or a single one")
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
+    check_deepspeed_config(cfg, total_steps, world_size)
     if sp_degrees is None:
         sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
     # Before any weight is loaded: a feature the packed path cannot honour is refused in one line.
@@ -259,6 +261,21 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
     return engine
 
 
+def check_deepspeed_config(cfg, total_steps: int, world_size: int) -> None:
+    """DeepSpeed's own validation of the config we give it (pydantic), before any model is built: a bad value in
+    deepspeed.extra becomes one UserError line naming the field instead of a traceback from initialize."""
+    from deepspeed.runtime.config import DeepSpeedConfig as DSConfig
+    from deepspeed.runtime.config import DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    try:
+        DSConfig(deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg)))
+    except (ValidationError, DeepSpeedConfigError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        field = "deepspeed.extra" if cfg.deepspeed.extra else "deepspeed"
+        raise UserError(f"{field}: DeepSpeed rejects the config ({'; '.join(lines[:3])[:300]})") from None
+
+
 def ckpt_layers_for(override: Optional[list], group: int, plan_value: Optional[int]) -> int:
     """Activation-checkpointed layers of packing group ``group``: train.ckpt_layers (one value per group, or a
     single one for all), else the plan's groups[g].ckpt_layers, else 0."""
@@ -287,7 +304,10 @@ def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData
     if shuffle:
         packed = PackedData(shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
     else:
-        packed = PackedData(shards, cfg.data.check_counts)
+        try:
+            packed = PackedData(shards, cfg.data.check_counts)
+        except UserError as e:  # the loader's message names data.shards: here it is the held-out folder
+            raise UserError(str(e).replace("data.shards", "data.eval_shards")) from None
     if packed.world_size != world_size:
         raise UserError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
                         f"{world_size} ranks: launch {packed.world_size} processes (NPROC={packed.world_size} "

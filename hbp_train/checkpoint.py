@@ -2,17 +2,22 @@
 
 Layout under ``CKPT_ROOT`` (= RUN_DIR/checkpoints):
 
-    latest                      DeepSpeed's pointer to the newest tag
-    step_00000012/              one DeepSpeed tag: model/optimizer shards of every rank, plus
-        rng_rank<r>.pt          each rank's python/numpy/torch(/cuda) RNG state (client_state is written by rank 0 only)
+    latest                      the newest complete tag; moved only after that tag's manifest.json is written
+    step_00000012/              one tag: DeepSpeed's model/optimizer shards of every rank, plus
+        rng_rank<r>.pt          each rank's python/numpy/torch(/cuda) RNG state, tensors and plain values only
+                                (loaded with torch.load(weights_only=True))
         config.yaml             the resolved run config
         resume.json             what a resume must match: world size and the plan's fingerprint (read before any
                                 model is built, so a mismatch is one line, not a failed DeepSpeed load)
         hf/                     the model's HF config and the tokenizer (what export needs besides the weights)
+        manifest.json           written last, after every rank has saved: every file's size and CRC-32
+                                (hbp_train/manifest.py); a tag without it is a save that did not finish
 
-``client_state`` holds ``next_step`` (the global step to run next) and the config. Resuming loads the DeepSpeed
-state (weights, optimizer, LR schedule), restores every rank's RNG state and continues at ``next_step``, so a
-resumed run reproduces the uninterrupted run's loss trace.
+``client_state`` holds ``next_step`` (the global step to run next) and the config. Resuming verifies the checkpoint
+against its manifest, loads the DeepSpeed state (weights, optimizer, LR schedule), restores every rank's RNG state
+and continues at ``next_step``, so a resumed run reproduces the uninterrupted run's loss trace. ``train.resume=auto``
+falls back to the newest complete checkpoint, with a one-line warning, when the newest is damaged or unfinished;
+a checkpoint named explicitly must be whole (a one-line error names the damaged file). docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hbp_train import manifest
 from hbp_train.errors import UserError
 
 TAG_RE = re.compile(r"^step_(\d+)$")
@@ -42,7 +49,12 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, ints and tuples only: what torch.load(weights_only=True) accepts
+    without an allow-list (numpy's state is a numpy array, so its key goes in as a tensor)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -50,7 +62,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -86,11 +100,13 @@ def plan_fingerprint(shards: str) -> str:
 
 def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> None:
     """UserError (one line) when the checkpoint was saved by a run of another world size or another plan: its
-    optimizer shards would not load, or its next_step would point into different data. Checkpoints without
-    resume.json (older ones) are not checked."""
+    optimizer shards would not load, or its next_step would point into different data. A missing resume.json is an
+    error too: without it none of this can be checked."""
     path = os.path.join(ckpt_root, tag, "resume.json")
     if not os.path.isfile(path):
-        return
+        raise UserError(f"{path}: missing, so the world size and plan it was saved with cannot be checked; the "
+                        "checkpoint is incomplete: resume from an earlier one, or start fresh (train.resume=null, "
+                        "another train.out_dir)")
     try:
         with open(path) as f:
             saved = json.load(f)
@@ -119,31 +135,93 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
 
     ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed;
     ``counters`` (JSON-able, the same on every rank) are handed back by ``load``; ``shards`` (the packed-shard
-    directory) goes into resume.json for ``check_resumable``."""
+    directory) goes into resume.json for ``check_resumable``.
+
+    Publishing is the last act: DeepSpeed writes its shards without touching ``latest``, every rank writes its RNG
+    file, rank 0 the config, resume.json and hf/; after a barrier the files are checksummed into manifest.json, and
+    only then does ``latest`` move and do older checkpoints get pruned. A crash or a full disk before that leaves a
+    tag without a manifest, which no resume uses. A failed write (full disk, quota) is a one-line UserError."""
     tag = tag_for(next_step)
-    engine.save_checkpoint(ckpt_root, tag=tag, client_state={"next_step": next_step, "config": config_yaml,
-                                                             "total_steps": total_steps, "counters": counters or {}})
     tag_dir = os.path.join(ckpt_root, tag)
-    torch.save(rng_state(), os.path.join(tag_dir, f"rng_rank{_rank()}.pt"))
-    if _rank() == 0:
-        with open(os.path.join(tag_dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        with open(os.path.join(tag_dir, "resume.json"), "w") as f:
-            json.dump({"next_step": next_step, "world_size": world_size, "data_shards": shards,
-                       "plan_sha256": plan_fingerprint(shards) if shards else None}, f)
-        hf_dir = os.path.join(tag_dir, "hf")
-        os.makedirs(hf_dir, exist_ok=True)
-        if hf_model is not None:
-            hf_model.config.save_pretrained(hf_dir)
-            if getattr(hf_model, "generation_config", None) is not None:
-                hf_model.generation_config.save_pretrained(hf_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(hf_dir)
-        if keep_last > 0:
-            prune(ckpt_root, keep_last, next_step)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if _rank() == 0 and os.path.isdir(tag_dir):
+        # An earlier attempt at this step (a save cut short, or a timeline that was resumed from further back):
+        # unpublish it first, so its stale files cannot end up in the new manifest.
+        _remove_file(os.path.join(tag_dir, manifest.MANIFEST))
+        shutil.rmtree(tag_dir, ignore_errors=True)
+    _barrier()
+    try:
+        engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False,
+                               client_state={"next_step": next_step, "config": config_yaml,
+                                             "total_steps": total_steps, "counters": counters or {}})
+        _atomic(os.path.join(tag_dir, f"rng_rank{_rank()}.pt"), lambda p: torch.save(rng_state(), p))
+        if _rank() == 0:
+            _atomic(os.path.join(tag_dir, "config.yaml"), lambda p: _write_text(p, config_yaml))
+            record = json.dumps({"next_step": next_step, "world_size": world_size, "data_shards": shards,
+                                 "plan_sha256": plan_fingerprint(shards) if shards else None})
+            _atomic(os.path.join(tag_dir, "resume.json"), lambda p: _write_text(p, record))
+            hf_dir = os.path.join(tag_dir, "hf")
+            os.makedirs(hf_dir, exist_ok=True)
+            if hf_model is not None:
+                hf_model.config.save_pretrained(hf_dir)
+                if getattr(hf_model, "generation_config", None) is not None:
+                    hf_model.generation_config.save_pretrained(hf_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(hf_dir)
+        _barrier()
+        manifest.write(tag_dir, next_step, world_size)
+        if _rank() == 0:
+            _atomic(os.path.join(ckpt_root, "latest"), lambda p: _write_text(p, tag))
+    except (OSError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not _is_write_failure(exc):
+            raise
+        raise UserError(f"saving checkpoint {tag_dir} failed ({_write_failure_text(exc, ckpt_root)}); it is left "
+                        f"unpublished and {ckpt_root}/latest still names the previous complete checkpoint: free "
+                        "space and resume with train.resume=auto") from None
+    if _rank() == 0 and keep_last > 0:
+        prune(ckpt_root, keep_last, next_step)
     _barrier()
     return tag_dir
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _atomic(path: str, write) -> None:
+    """write(tmp) to a temporary name beside ``path``, flushed to disk, then renamed over it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        _remove_file(tmp)
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _is_write_failure(exc: RuntimeError) -> bool:
+    """torch.save reports a full disk as a RuntimeError from its zip writer ("... file write failed")."""
+    text = str(exc).lower()
+    return "write" in text and ("fail" in text or "space" in text)
+
+
+def _write_failure_text(exc: BaseException, ckpt_root: str) -> str:
+    """One phrase for a failed write: the OS's reason and the free space left."""
+    reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    try:
+        free = shutil.disk_usage(ckpt_root).free / 2**30
+        return f"{reason}; {free:.1f} GiB free there"
+    except OSError:
+        return reason
 
 
 def list_tags(ckpt_root: str) -> list:
@@ -155,14 +233,20 @@ def list_tags(ckpt_root: str) -> list:
 
 
 def prune(ckpt_root: str, keep_last: int, upto_step: Optional[int] = None) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints up to step ``upto_step`` (the one just saved).
+    """Delete all but the newest ``keep_last`` complete checkpoints up to step ``upto_step`` (the one just saved),
+    and the unfinished saves older than the oldest one kept.
 
-    Tags of later steps are left alone: they exist only when a run resumed from an older checkpoint, and ranking
-    them as newer would delete the checkpoint just written."""
+    Only complete checkpoints (with a manifest) count towards ``keep_last``, so unfinished saves never push the only
+    complete one out. Tags of later steps are left alone: they exist only when a run resumed from an older
+    checkpoint, and ranking them as newer would delete the checkpoint just written."""
     tags = list_tags(ckpt_root)
     if upto_step is not None:
         tags = [t for t in tags if int(TAG_RE.match(t).group(1)) <= upto_step]
-    for tag in tags[:-keep_last]:
+    complete = [t for t in tags if manifest.has_manifest(os.path.join(ckpt_root, t))]
+    if not complete:
+        return
+    kept = complete[-keep_last:]
+    for tag in tags[:tags.index(kept[0])]:
         shutil.rmtree(os.path.join(ckpt_root, tag), ignore_errors=True)
 
 
@@ -206,16 +290,54 @@ def resolve(path: str) -> tuple:
         f"{path}: not a checkpoint (expected RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/step_<n>)")
 
 
-def find_resume(resume: Optional[str], ckpt_root: str) -> Optional[tuple]:
-    """Where ``train.resume`` points: None (start fresh), 'auto' (the newest checkpoint in ckpt_root, if any)
-    or a path."""
+def find_resume(resume: Optional[str], ckpt_root: str, warn=print) -> Optional[tuple]:
+    """Where ``train.resume`` points, verified against its manifest: None (start fresh), 'auto' (the newest
+    complete checkpoint in ckpt_root, if any) or a path (which must be complete: a UserError names what is wrong).
+
+    'auto' tries the tag ``latest`` names, then older tags, newest first; when it passes over damaged or unfinished
+    ones it calls ``warn`` with one line saying which and why. Checkpoints there but none complete is a UserError
+    (starting fresh would mix two runs in one folder). Collective under torch.distributed (the checksums are
+    shared), with the same answer on every rank."""
     if not resume:
         return None
-    if resume == "auto":
-        if not os.path.isfile(os.path.join(ckpt_root, "latest")) and not list_tags(ckpt_root):
-            return None
-        return resolve(ckpt_root)
-    return resolve(resume)
+    if resume != "auto":
+        root, tag = resolve(resume)
+        why = manifest.problem(os.path.join(root, tag))
+        if why:
+            raise UserError(f"{why}; pass another checkpoint, or train.resume=auto to take the newest complete one")
+        return root, tag
+    tags = list_tags(ckpt_root)
+    if not tags:
+        if os.path.isfile(os.path.join(ckpt_root, "latest")):
+            resolve(ckpt_root)  # latest naming a missing tag: its one-line error
+        return None
+    latest = _read_latest(ckpt_root)
+    passed = []
+    if latest in tags:
+        newest = int(TAG_RE.match(latest).group(1))
+        tags = [latest] + [t for t in reversed(tags) if int(TAG_RE.match(t).group(1)) < newest]
+    else:
+        if latest is not None:
+            passed.append(f"{os.path.join(ckpt_root, 'latest')} names {latest!r}, which is not there")
+        tags = list(reversed(tags))
+    for tag in tags:
+        why = manifest.problem(os.path.join(ckpt_root, tag))
+        if why is None:
+            if passed:
+                warn(f"[train] warning: train.resume=auto skips {'; '.join(passed)}; resuming from the newest "
+                     f"complete checkpoint, {tag}")
+            return ckpt_root, tag
+        passed.append(why)
+    raise UserError(f"no complete checkpoint in {ckpt_root} ({'; '.join(passed[:2])}): start fresh in another "
+                    "train.out_dir, or delete the unfinished step_* folders")
+
+
+def _read_latest(ckpt_root: str) -> Optional[str]:
+    try:
+        with open(os.path.join(ckpt_root, "latest")) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def load(engine, ckpt_root: str, tag: str) -> Resumed:
@@ -225,8 +347,14 @@ def load(engine, ckpt_root: str, tag: str) -> Resumed:
     if load_path is None:
         raise UserError(f"{os.path.join(ckpt_root, tag)}: DeepSpeed could not load this checkpoint")
     rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
-    if os.path.isfile(rng_path):
-        set_rng_state(torch.load(rng_path, weights_only=False))
+    if not os.path.isfile(rng_path):
+        raise UserError(f"{rng_path}: missing; without it the resumed run would not reproduce the uninterrupted "
+                        "one: resume from another checkpoint (or with the world size that saved this one)")
+    try:  # tensors and plain values only: a checkpoint from elsewhere cannot run code through this file
+        set_rng_state(torch.load(rng_path, weights_only=True))
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError, EOFError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{rng_path}: not an RNG state this trainer saved ({first})") from None
     return Resumed(int(client_state["next_step"]), client_state.get("total_steps"), client_state.get("counters") or {})
 
 

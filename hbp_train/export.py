@@ -56,6 +56,11 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
             raise UserError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
                             f"train.save_every steps)") from None
         raise
+    from hbp_train.manifest import problem
+
+    why = problem(os.path.join(root, tag))  # a damaged or unfinished save: say which file, not DeepSpeed's error
+    if why:
+        raise UserError(f"--checkpoint {checkpoint}: {why}; export another checkpoint (RUN_DIR/checkpoints/step_<n>)")
     hf_dir = os.path.join(root, tag, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise UserError(f"{os.path.join(root, tag)}: no hf/config.json (not written by hbp_train.train?)")

@@ -27,7 +27,18 @@ def failure_line(name: str, rank: int, exitcode: int, message: str = "") -> str:
             "(HBP_DEBUG=1 prints the worker's traceback)")
 
 
+def port_failure_line(args, exc: BaseException) -> str:
+    """One line for a rendezvous that could not listen on or reach its port (torchrun's is a 40-line traceback)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"{args.master_addr}:{args.master_port}"
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return (f"[launch] port {where} is in use (another job on this host?): on one node leave MASTER_PORT unset "
+                "and a free port is chosen, or set another MASTER_PORT")
+    return f"[launch] rendezvous at {where} failed ({text}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -43,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(args)
+    except DistNetworkError as e:  # the rendezvous port: in use (another job on this host) or not reachable
+        print(port_failure_line(args, e), file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         # A message from the worker's error file; torchrun's made-up ones (no file) are not worth repeating.

@@ -8,6 +8,7 @@ module, build.PackedCausalLM, does both).
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,10 @@ from hbp_train.lora import LoraSettings, apply_lora
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# The files that make a folder a HF tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -68,16 +73,57 @@ class ModelConfig:
             raise UserError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.attention_backend not in ("auto", *BACKENDS):
             raise UserError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
-        if not isinstance(self.seed, int):
-            raise UserError(f"model.seed: must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"model.seed: must be an integer >= 0, got {self.seed!r}")
+        if self.tokenizer is not None:  # set by the user: checked now (one taken from name_or_path: by build)
+            check_tokenizer_dir(self.tokenizer)
         if self.tokenizer is None:
             self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
+        hf_config(self)  # transformers' own checks of the values (e.g. heads dividing hidden_size), as one line
+
 
     def torch_dtype(self) -> torch.dtype:
         """The parameter dtype `dtype` resolves to on this machine."""
         if self.dtype == "auto":
             return torch.bfloat16 if torch.cuda.is_available() else torch.float32
         return DTYPES[self.dtype]
+
+
+def check_tokenizer_dir(path: str) -> None:
+    """UserError (one line naming model.tokenizer) unless ``path`` is a local folder holding a HF tokenizer."""
+    folder = Path(path)
+    if not folder.is_dir() or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model.tokenizer: {path!r} is not a tokenizer folder (one holding "
+                        f"{' or '.join(TOKENIZER_FILES)}; models are read from local folders only)")
+
+
+def transformers_error(exc: BaseException, field: str = "model.config") -> UserError:
+    """A one-line UserError naming our field for an error transformers raised about the user's model settings:
+    its first lines joined (a strict-dataclass error puts the reason on its second line), and the HF field when
+    the error names one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    named = re.search(r"for field '([A-Za-z0-9_]+)'", lines[0])
+    where = f"{field}.{named.group(1)}" if named and field == "model.config" else field
+    return UserError(f"{where}: transformers rejects it ({' '.join(lines[:2])[:300]})")
+
+
+def hf_config(cfg: ModelConfig, overrides: dict | None = None):
+    """The HF config of ``cfg`` (model.config over name_or_path's config.json, or over the architecture's
+    defaults), with transformers' validation errors as one-line UserErrors naming model.config."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config) if overrides is None else overrides
+    try:
+        if cfg.name_or_path is not None:
+            return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+        return AutoConfig.for_model(cfg.architecture, **overrides)
+    except (ValueError, TypeError, KeyError, OSError, AttributeError) as exc:  # strict-dataclass errors too
+        field = "model.config" if overrides or cfg.name_or_path is None else "model.name_or_path"
+        raise transformers_error(exc, field) from None
+    except Exception as exc:  # noqa: BLE001 -- huggingface_hub's StrictDataclass*Error derive from Exception only
+        if type(exc).__name__.startswith("StrictDataclass"):
+            raise transformers_error(exc) from None
+        raise
 
 
 def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: dict | None = None):
@@ -110,7 +156,14 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     else:
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+            try:
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+            except (ValueError, TypeError, KeyError) as exc:  # e.g. an unknown hidden_act, a str rope_theta
+                raise transformers_error(exc) from None
+            except RuntimeError as exc:  # e.g. a negative size; a real out-of-memory is not the user's value
+                if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+                    raise
+                raise transformers_error(exc) from None
     model.config.use_cache = False
     apply_lora(model, cfg.lora)  # r > 0: adapters injected, every other weight frozen
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
@@ -134,17 +187,15 @@ def _drop_pad_token_outside_vocab(hf_config) -> None:
 def hf_config_for(cfg: ModelConfig, vocab_size: int | None = None):
     """The HF config build_model builds from (no weights read): use_cache=False, cfg.config's overrides, and for a
     model built from a config the larger of the tokenizer's and the config's vocabulary."""
-    from transformers import AutoConfig
-
     overrides = dict(cfg.config)
     overrides["use_cache"] = False
     if cfg.name_or_path is not None:
-        return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+        return hf_config(cfg, overrides)
     if vocab_size is not None:  # as for a pretrained model: the config's vocabulary may be larger, never smaller
         overrides["vocab_size"] = max(vocab_size, int(overrides.get("vocab_size") or 0))
-    hf_config = AutoConfig.for_model(cfg.architecture, **overrides)
-    _drop_pad_token_outside_vocab(hf_config)
-    return hf_config
+    config = hf_config(cfg, overrides)
+    _drop_pad_token_outside_vocab(config)
+    return config
 
 
 @contextmanager

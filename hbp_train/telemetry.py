@@ -53,6 +53,26 @@ class LoggingConfig:
             raise UserError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
 
 
+def keep_rows_before(path: str, step: int) -> None:
+    """Rewrite a metrics.jsonl keeping only the rows of steps before ``step`` (and dropping a line cut short by a
+    crash); atomic, so a crash here leaves the old file."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("plan/step"), int) and row["plan/step"] < step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 def resolve_peak_flops(configured: float) -> Optional[float]:
     """The peak FLOP/s used for MFU, or None when unknown (CPU without a configured figure)."""
     if configured > 0:
@@ -112,8 +132,12 @@ class MetricsLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         if cfg.jsonl:
-            # A resumed run continues the file; a fresh one replaces what an earlier, unsaved attempt left.
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step > 0 else "w")
+            # A resumed run continues the file without the rows of the steps it re-runs (as TensorBoard's
+            # purge_step does); a fresh one replaces what an earlier, unsaved attempt left.
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if start_step > 0:
+                keep_rows_before(path, start_step)
+            self.jsonl = open(path, "a" if start_step > 0 else "w")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -54,20 +54,29 @@ def run(cfg, config_yaml: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hbp_train import trainer
+    from hbp_train import parent_watch, trainer
     from hbp_train.distributed.groups import init_distributed
+    from hbp_train.run_lock import lock_run_dir
 
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     init_distributed()
+    lock = None
+    # A launcher killed with SIGKILL cannot pass anything on: each worker notices by itself (parent_watch.py).
+    watch = parent_watch.watch_parent() if parent_watch.under_launcher() else None
     try:
+        # One live run per folder, decided before anything is built or written there (run_lock.py).
+        lock = lock_run_dir(cfg.train.out_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
         if dist.get_rank() == 0:
-            os.makedirs(cfg.train.out_dir, exist_ok=True)
             with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
                 f.write(config_yaml)
         summary = trainer.train(cfg, config_yaml)
     finally:
+        if watch is not None:
+            watch.set()
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return summary

@@ -78,6 +78,9 @@ class TrainConfig:
     on_nan: str = "skip"
     """A NaN/inf loss on any rank: 'skip' (drop the step's gradients, no optimizer step, counted in metrics) or
     'abort' (save nothing, exit with an error)."""
+    max_skipped: Optional[int] = None
+    """With train.on_nan=skip: when more steps than this have been skipped (NaN/inf), stop with a checkpoint and
+    exit 1 instead of training on a diverged run; None = 5% of the run's steps (at least 1)."""
     exit_after_steps: Optional[int] = None
     """Stop (with a checkpoint) after this many steps in this invocation, e.g. for time-limited job slots;
     resume later with train.resume=auto."""
@@ -86,6 +89,15 @@ class TrainConfig:
     step (0 = after the last step only)."""
 
     def __post_init__(self):
+        if not self.out_dir:
+            raise UserError("train.out_dir: must name a folder (the run directory)")
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise UserError(f"train.out_dir={self.out_dir}: is a file, not a folder; choose another train.out_dir")
+        if self.resume is not None and not self.resume:
+            raise UserError("train.resume='': use null (start fresh), auto (the newest checkpoint, if any) or a "
+                            "checkpoint path")
+        if self.seed < 0:
+            raise UserError(f"train.seed={self.seed}: must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"train.max_steps={self.max_steps}: must be >= 1 (or null for the whole plan)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -108,6 +120,8 @@ class TrainConfig:
             raise UserError("train.save_every and train.keep_last must be >= 0")
         if self.on_nan not in ON_NAN:
             raise UserError(f"train.on_nan={self.on_nan!r}: must be one of {', '.join(ON_NAN)}")
+        if self.max_skipped is not None and self.max_skipped < 0:
+            raise UserError(f"train.max_skipped={self.max_skipped}: must be >= 0 (or null for 5% of the run)")
         if self.exit_after_steps is not None and self.exit_after_steps < 1:
             raise UserError(f"train.exit_after_steps={self.exit_after_steps}: must be >= 1 (or null)")
         if self.eval_every < 0:
@@ -124,7 +138,8 @@ def train(cfg, config_yaml: str = "") -> dict:
     """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
     try:  # before building anything: a wrong path, or a checkpoint of another world size or plan, is one line
-        resume = checkpoint.find_resume(cfg.train.resume, ckpt_root)
+        resume = checkpoint.find_resume(cfg.train.resume, ckpt_root,
+                                        warn=lambda line: print(line, flush=True) if rank() == 0 else None)
         if resume is not None:
             checkpoint.check_resumable(*resume, world_size(), cfg.data.shards)
     except UserError as e:
@@ -148,6 +163,8 @@ def train(cfg, config_yaml: str = "") -> dict:
     elif cfg.train.resume == "auto":
         metrics.message(f"[train] train.resume=auto: no checkpoint in {ckpt_root}, starting fresh")
     stop = checkpoint.StopSignal().install()
+    max_skipped = skip_limit(cfg.train.max_skipped, run.total_steps)
+    diverged = None
     history = []
     step = start_step
     ended = "finished"
@@ -189,6 +206,12 @@ def train(cfg, config_yaml: str = "") -> dict:
                 metrics.message(f"[train] step {step}: NaN/inf loss or gradient, step skipped (train.on_nan=skip)")
             history.append(m["loss/train"])
             step += 1
+            if num_skipped > max_skipped:
+                diverged = (f"{num_skipped} steps skipped for a NaN/inf loss or gradient, more than "
+                            f"train.max_skipped={max_skipped}: the run has diverged; lower train.lr (or raise "
+                            f"train.max_skipped) and resume from a checkpoint before step {step}")
+                ended = "stopped: too many skipped steps"
+                break
             if bool(gathered[:, STAT_COLUMNS.index("stop")].max() > 0):
                 ended = f"stopped by {stop.received or 'a signal on another rank'}"
                 break
@@ -199,13 +222,20 @@ def train(cfg, config_yaml: str = "") -> dict:
                 save(step)
         if ended != "finished" or cfg.train.save_final:
             save(step)
-        if ended != "finished":
+        if ended != "finished" and diverged is None:
             metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
     finally:
         stop.uninstall()
         metrics.close()
+    if diverged is not None:  # after the checkpoint: train.py turns it into one line and exit 1
+        raise FloatingPointError(diverged)
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
             "skipped": num_skipped, "run": run}
+
+
+def skip_limit(max_skipped: Optional[int], total_steps: int) -> int:
+    """The most skipped steps a run may have (train.max_skipped; None = 5% of its steps, at least 1)."""
+    return max_skipped if max_skipped is not None else max(1, math.ceil(0.05 * total_steps))
 
 
 def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) -> tuple:

@@ -3,22 +3,32 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import shutil
 import signal
+import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hbp_train import checkpoint
+from hbp_train import checkpoint, manifest
 from hbp_train.errors import UserError
 
 
-def _make(root, steps, latest=None):
+def _make(root, steps, latest=None, complete=True):
+    """Tag folders for ``steps``; complete ones hold what a resume needs and a manifest."""
     for s in steps:
-        os.makedirs(os.path.join(root, checkpoint.tag_for(s)))
+        tag_dir = os.path.join(root, checkpoint.tag_for(s))
+        os.makedirs(tag_dir)
+        if complete:
+            (Path(tag_dir) / "resume.json").write_text(json.dumps({"next_step": s, "world_size": 1}))
+            torch.save(checkpoint.rng_state(), os.path.join(tag_dir, "rng_rank0.pt"))
+            manifest.write(tag_dir, s, 1)
     if latest is not None:
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(checkpoint.tag_for(latest))
@@ -83,9 +93,11 @@ def test_resume_is_refused_for_another_world_size_or_plan(tmp_path):
         d.mkdir()
         (d / "plan.json").write_text(json.dumps(plan))
     root = str(tmp_path / "checkpoints")
-    _make(root, [4])
+    _make(root, [4], complete=False)
     tag = checkpoint.tag_for(4)
-    checkpoint.check_resumable(root, tag, 8, str(other))  # no resume.json (an older checkpoint): not checked
+    with pytest.raises(UserError, match="resume.json: missing, so the world size and plan it was saved with "
+                                         "cannot be checked"):
+        checkpoint.check_resumable(root, tag, 8, str(other))  # not silently skipped
     with open(os.path.join(root, tag, "resume.json"), "w") as f:
         json.dump({"next_step": 4, "world_size": 8, "data_shards": str(shards),
                    "plan_sha256": checkpoint.plan_fingerprint(str(shards))}, f)
@@ -101,10 +113,18 @@ def test_resume_is_refused_for_another_world_size_or_plan(tmp_path):
 
 
 class _FakeEngine:
-    """What checkpoint.save/load use of a DeepSpeed engine: a tag directory and the client state back."""
+    """What checkpoint.save/load use of a DeepSpeed engine: a tag directory with a shard file, and the client
+    state back. ``fail`` makes the save raise (a full disk)."""
 
-    def save_checkpoint(self, root, tag, client_state):
-        os.makedirs(os.path.join(root, tag))
+    def __init__(self, fail=None):
+        self.fail = fail
+
+    def save_checkpoint(self, root, tag, client_state, save_latest=True):
+        assert not save_latest  # `latest` is ours to move, after the manifest
+        os.makedirs(os.path.join(root, tag), exist_ok=True)
+        torch.save({"w": torch.arange(1000.0)}, os.path.join(root, tag, "mp_rank_00_model_states.pt"))
+        if self.fail is not None:
+            raise self.fail
         self.client_state = client_state
 
     def load_checkpoint(self, root, tag, **kwargs):
@@ -131,9 +151,126 @@ def test_prune_never_deletes_the_checkpoint_just_saved_when_later_tags_exist(tmp
     assert checkpoint.list_tags(root) == [checkpoint.tag_for(s) for s in (4, 6, 10)]
 
 
-def test_latest_naming_a_missing_checkpoint_is_one_line_naming_what_is_there(tmp_path):
+def test_latest_naming_a_missing_checkpoint_falls_back_with_a_warning(tmp_path):
     root = str(tmp_path / "checkpoints")
-    _make(root, [2, 4], latest=8)
-    with pytest.raises(UserError, match=r"latest names step_00000008, which is not there \(checkpoints there: "
-                                         r"step_00000002, step_00000004\); pass one explicitly"):
+    engine = _FakeEngine()
+    for step in (2, 4):
+        checkpoint.save(engine, root, step, "cfg: 1")
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write(checkpoint.tag_for(8))
+    warnings = []
+    assert checkpoint.find_resume("auto", root, warn=warnings.append) == (root, checkpoint.tag_for(4))
+    assert len(warnings) == 1 and "latest names 'step_00000008', which is not there" in warnings[0]
+
+
+def test_a_save_is_published_only_by_its_manifest_and_then_latest(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    engine = _FakeEngine()
+    checkpoint.save(engine, root, 2, "cfg: 1")
+    tag_dir = os.path.join(root, checkpoint.tag_for(2))
+    with open(os.path.join(tag_dir, manifest.MANIFEST)) as f:
+        record = json.load(f)
+    files = sorted(manifest.tag_files(tag_dir))
+    assert sorted(record["files"]) == files and {"resume.json", "rng_rank0.pt", "config.yaml",
+                                                 "mp_rank_00_model_states.pt"} <= set(files)
+    for rel, entry in record["files"].items():
+        data = Path(tag_dir, rel).read_bytes()
+        assert entry == {"bytes": len(data), "crc32": zlib.crc32(data)}
+    assert Path(root, "latest").read_text() == checkpoint.tag_for(2)
+
+    # A crash after every file is written but before the manifest: nothing is published.
+    def crash(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manifest, "write", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(engine, root, 4, "cfg: 1")
+    assert Path(root, "latest").read_text() == checkpoint.tag_for(2)
+    assert not manifest.has_manifest(os.path.join(root, checkpoint.tag_for(4)))
+    monkeypatch.undo()
+    warnings = []
+    assert checkpoint.find_resume("auto", root, warn=warnings.append) == (root, checkpoint.tag_for(2))
+    assert warnings == []  # latest names the complete one: the unfinished step 4 is newer, never tried
+    checkpoint.save(engine, root, 4, "cfg: 1")  # the same step again: the unfinished folder is replaced
+    assert checkpoint.find_resume("auto", root) == (root, checkpoint.tag_for(4))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_rng", "delete_manifest", "delete_resume"])
+def test_auto_resume_falls_back_past_a_damaged_checkpoint_and_a_named_one_is_one_line(tmp_path, damage):
+    root = str(tmp_path)
+    engine = _FakeEngine()
+    for step in (2, 4):
+        checkpoint.save(engine, root, step, "cfg: 1")
+    newest = Path(root, checkpoint.tag_for(4))
+    shard = newest / "mp_rank_00_model_states.pt"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "flip":  # same size, one byte changed: only the checksum sees it
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        (newest / {"delete_rng": "rng_rank0.pt", "delete_manifest": manifest.MANIFEST,
+                   "delete_resume": "resume.json"}[damage]).unlink()
+    named = {"truncate": "mp_rank_00_model_states.pt has", "flip": "mp_rank_00_model_states.pt: its CRC-32",
+             "delete_rng": "rng_rank0.pt is missing", "delete_manifest": "no manifest.json",
+             "delete_resume": "resume.json is missing"}[damage]
+    warnings = []
+    assert checkpoint.find_resume("auto", root, warn=warnings.append) == (root, checkpoint.tag_for(2))
+    assert len(warnings) == 1 and "\n" not in warnings[0] and named in warnings[0]
+    assert warnings[0].endswith("resuming from the newest complete checkpoint, step_00000002")
+    with pytest.raises(UserError, match=named) as info:
+        checkpoint.find_resume(str(newest), root)
+    assert "\n" not in str(info.value)
+    # Nothing complete left: one line, not a fresh start over the remains.
+    shutil.rmtree(os.path.join(root, checkpoint.tag_for(2)))
+    with pytest.raises(UserError, match="no complete checkpoint in"):
         checkpoint.find_resume("auto", root)
+
+
+def test_keep_last_counts_complete_checkpoints_only(tmp_path):
+    root = str(tmp_path)
+    _make(root, [2], latest=2)
+    _make(root, [4, 6], complete=False)  # two saves cut short after step 2
+    checkpoint.prune(root, 1, upto_step=6)
+    assert checkpoint.list_tags(root) == [checkpoint.tag_for(s) for s in (2, 4, 6)]  # the only complete one stays
+    _make(root, [8])
+    checkpoint.prune(root, 1, upto_step=8)
+    assert checkpoint.list_tags(root) == [checkpoint.tag_for(8)]  # the unfinished ones went with the older one
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                                                  "failed writing file data/0: file write failed")])
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_it_unpublished(tmp_path, failure):
+    root = str(tmp_path)
+    checkpoint.save(_FakeEngine(), root, 2, "cfg: 1")
+    with pytest.raises(UserError) as info:
+        checkpoint.save(_FakeEngine(fail=failure), root, 4, "cfg: 1")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"saving checkpoint {root}/step_00000004 failed (")
+    assert "GiB free there); it is left unpublished" in message
+    assert Path(root, "latest").read_text() == checkpoint.tag_for(2)
+    assert not manifest.has_manifest(os.path.join(root, checkpoint.tag_for(4)))
+    assert checkpoint.find_resume("auto", root, warn=lambda line: None) == (root, checkpoint.tag_for(2))
+
+
+def test_the_rng_file_loads_without_unpickling_code(tmp_path):
+    root = str(tmp_path)
+    engine = _FakeEngine()
+    checkpoint.save(engine, root, 2, "cfg: 1")
+    rng_path = os.path.join(root, checkpoint.tag_for(2), "rng_rank0.pt")
+    torch.load(rng_path, weights_only=True)  # what was saved needs no allow-list
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"python": Payload()}, rng_path)
+    with pytest.raises(UserError, match=r"rng_rank0.pt: not an RNG state this trainer saved"):
+        checkpoint.load(engine, root, checkpoint.tag_for(2))
+    assert not marker.exists()
+    os.remove(rng_path)
+    with pytest.raises(UserError, match=r"rng_rank0.pt: missing"):
+        checkpoint.load(engine, root, checkpoint.tag_for(2))

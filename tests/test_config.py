@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def fake_hf_model(tmp_path_factory) -> str:
-    """A local dir with a config.json, so presets that name a real model (8B) convert here."""
+    """A local dir with a config.json (and a tokenizer file), so presets that name a real model (8B) convert here."""
     d = tmp_path_factory.mktemp("hf_model")
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "tokenizer_config.json").write_text("{}")  # a model folder holds its tokenizer too (model.tokenizer)
     return str(d)
 
 

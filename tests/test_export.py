@@ -25,7 +25,7 @@ def test_not_a_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     assert err.startswith("export error:") and "not a checkpoint" in err and "\n" not in err
     (tmp_path / "step_00000001").mkdir()
     assert main(["--checkpoint", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "hf")]) == 2
-    assert "no hf/config.json" in capsys.readouterr().err
+    assert "no manifest.json" in capsys.readouterr().err  # a folder no save finished
 
 
 def test_bad_out_is_one_line_exit_2(tmp_path, capsys):
@@ -75,8 +75,28 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     # As hbp_train/checkpoint.py saves it for a model built from a config: derived from the config, so with
     # LlamaConfig's default token ids (bos 1, eos 2), which are not the tokenizer's, and use_cache=False.
     GenerationConfig.from_model_config(config).save_pretrained(tag / "hf")
+    _complete(tag)
     torch.manual_seed(0)
     return tag, AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _complete(tag):
+    """What a finished save adds: resume.json, the RNG file and the manifest over all of it."""
+    import torch
+
+    from hbp_train import checkpoint, manifest
+
+    (tag / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1}))
+    torch.save(checkpoint.rng_state(), tag / "rng_rank0.pt")
+    manifest.write(str(tag), 3, 1)
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, tokenizer_dir, capsys):
+    tag, _ = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=True)
+    (tag / "hf" / "config.json").write_text("{}")
+    assert main(["--checkpoint", str(tag), "--out", str(tmp_path / "hf_out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{tag / 'hf' / 'config.json'} has 2 bytes, the manifest says" in err
 
 
 def _consolidated(monkeypatch, reference, drop=()):

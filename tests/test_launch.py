@@ -69,3 +69,28 @@ def test_successful_workers_exit_zero():
                            "--no-python", "true"], capture_output=True, text=True, timeout=120,
                           cwd=REPO, env=ENV)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_busy_rendezvous_port_is_one_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "hbp_train.launch", "--nnodes", "1", "--nproc_per_node", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", str(port), "--no-python", "true"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"[launch] port 127.0.0.1:{port} is in use (another job on this host?): on one node leave "
+                     "MASTER_PORT unset and a free port is chosen, or set another MASTER_PORT"], proc.stderr
+
+
+def test_launch_sh_picks_a_free_port_on_one_node_and_a_fixed_one_only_when_asked():
+    text = (REPO / "launch.sh").read_text()
+    train = text[text.index("\ntrain() {"):text.index("\n}\n", text.index("\ntrain() {"))]
+    # one node and no MASTER_PORT: torchrun --standalone (its own free port); else the given or default port
+    assert 'if [ "${NNODES:-1}" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then' in train
+    standalone = train[train.index("--standalone"):]
+    assert standalone.index("--standalone") < standalone.index("--master_port")

@@ -87,7 +87,7 @@ def test_all_gather_without_process_group_is_local():
 
 def test_a_fresh_run_replaces_metrics_jsonl_and_a_resumed_one_continues_it(tmp_path):
     cfg = LoggingConfig(tensorboard=False, progress_bar=False)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "from": "an earlier attempt"}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"plan/step": 0, "from": "an earlier attempt"}\n')
     for start_step, expected_rows in ((3, 2), (0, 1)):
         logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=10, start_step=start_step)
         row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=10, flops=1e9, nonfinite=0, stop=0)
@@ -97,6 +97,22 @@ def test_a_fresh_run_replaces_metrics_jsonl_and_a_resumed_one_continues_it(tmp_p
         logger.close()
         rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == expected_rows, (start_step, rows)
+
+
+def test_a_resumed_run_drops_the_rows_of_the_steps_it_reruns(tmp_path):
+    # An attempt logged steps 0..6, saved at 4 and was killed while writing row 7: the resume at step 4 keeps 0..3.
+    rows = [json.dumps({"plan/step": s, "loss/train": 10.0 - s}) for s in range(7)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + '\n{"plan/step": 7, "loss/tr')
+    cfg = LoggingConfig(tensorboard=False, progress_bar=False)
+    logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=10, start_step=4)
+    row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=10, flops=1e9, nonfinite=0, stop=0)
+    logger.log(logger.step_metrics(step=4, total_steps=10, gathered=_gathered([row]), columns=STAT_COLUMNS,
+                                   lr=1e-4, grad_norm=0.5, step_time=1.0, data_time=0.0, group=0, sp=1,
+                                   num_micro_batches=1, plan_metrics={}, skipped=False, num_skipped=0))
+    logger.jsonl.close()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["plan/step"] for m in logged] == [0, 1, 2, 3, 4]
+    assert [m["loss/train"] for m in logged[:4]] == [10.0, 9.0, 8.0, 7.0] and logged[4]["loss/train"] == 1.0
 
 
 def test_last_step_line_is_printed_whatever_log_every(tmp_path, capsys):

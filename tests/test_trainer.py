@@ -128,6 +128,14 @@ def _single_process_checks(rank, world_size, shards, out):
             result["abort"] = "no error"
         except FloatingPointError as e:
             result["abort"] = str(e)
+        # 4. A diverged run (every loss NaN): with the default train.max_skipped (5% of 6 steps -> 1) the second
+        # skipped step stops it with a checkpoint and an error, instead of "finished".
+        try:
+            trainer.train(config.load(overrides(shards, f"{out}/diverged")))
+            result["diverged"] = "no error"
+        except FloatingPointError as e:
+            result["diverged"] = str(e)
+        result["diverged_tags"] = checkpoint.list_tags(f"{out}/diverged/checkpoints")
     finally:
         builder.chunked_token_losses = real_losses
     return result
@@ -175,6 +183,8 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
     assert r["nan_skips"] == (False, True, False)
     assert r["nan_untouched"] and r["nan_recovered"]
     assert "NaN/inf" in r["abort"] and "on_nan" in r["abort"]
+    assert r["diverged"].startswith("2 steps skipped for a NaN/inf loss or gradient, more than train.max_skipped=1")
+    assert r["diverged_tags"] == ["step_00000002"]  # stopped after its second step, with a checkpoint
 
 
 @pytest.mark.slow
@@ -256,7 +266,7 @@ def test_deepspeed_config_follows_the_run_config():
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
     import shutil
 
-    from hbp_train import checkpoint, config, trainer
+    from hbp_train import checkpoint, config, manifest, trainer
     from hbp_train.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking the checkpoint"))
@@ -265,6 +275,8 @@ def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkey
     (tag_dir.parent / "latest").write_text(checkpoint.tag_for(3))
     (tag_dir / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1, "data_shards": shards,
                                                      "plan_sha256": checkpoint.plan_fingerprint(shards)}))
+    torch.save(checkpoint.rng_state(), tag_dir / "rng_rank0.pt")
+    manifest.write(str(tag_dir), 3, 1)
     replanned = str(tmp_path / "replanned")
     shutil.copytree(shards, replanned)
     with open(f"{replanned}/plan.json") as f:

@@ -93,6 +93,11 @@ class ProfileConfig:
             raise UserError(f"profile.device_memory_gb must be > 0, got {self.device_memory_gb}")
         if not self.output:
             raise UserError("profile.output must name a file")
+        if self.seed < 0:
+            raise UserError(f"profile.seed must be >= 0, got {self.seed}")
+        if self.calibration and not Path(self.calibration).is_file():
+            raise UserError(f"profile.calibration: {self.calibration!r} is not a file (a calibration JSON from "
+                            "hbp_train.perf.calibrate; empty = the shipped one)")
 
     def candidate_lengths(self) -> list[int]:
         """Candidate pack lengths, ascending: explicit `lengths` or powers of two in [min_len, max_len]; + max_len."""

@@ -1,0 +1,166 @@
+"""Chaos, through the real entry points (``python -m hbp_train.train`` and ``hbp_train.launch``), on a tiny model:
+each way a run can be cut short ends either with a loss trace equal to the uninterrupted run's, step for step and
+bit for bit (metrics.jsonl after ``train.resume=auto``), or with a clean one-line refusal.
+
+  - kill -9 at a random step (3 seeds; a kill may land inside a save), then resume=auto;
+  - SIGTERM (finish the step, save, exit 0), then resume=auto;
+  - the launcher killed with -9: its worker notices (parent_watch), saves and exits; then resume=auto;
+  - a truncated file in the newest checkpoint: resume=auto falls back to the previous one with one warning line;
+  - a second run into a live run's folder: refused in one line (exit 2), the live run's files untouched.
+
+One process per run keeps this to a few minutes of CPU; what is per-rank (the manifest's shared checksums, the
+lock on rank 0) is the same code for N ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.assets.packed_fixture import ONE_RANK_STEPS, TINY_LLAMA, synthetic_samples, write_packed
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 4096
+EPOCHS = 2
+TOTAL = len(ONE_RANK_STEPS) * EPOCHS
+ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+pytestmark = pytest.mark.slow
+
+
+def _overrides(shards: str, out: Path, *extra) -> list:
+    model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
+    return ["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}", "logging=quiet",
+            f"model.config={model_cfg}", "train.warmup_steps=2", "train.lr=1e-2", f"data.epochs={EPOCHS}",
+            "train.save_every=2", *extra]
+
+
+def _train(shards, out, *extra, launcher=False) -> subprocess.Popen:
+    entry = ([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "1", "-m",
+              "hbp_train.train"] if launcher else [sys.executable, "-m", "hbp_train.train"])
+    return subprocess.Popen(entry + _overrides(shards, out, *extra), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(proc, timeout=300) -> tuple:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _trace(out: Path) -> list:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["plan/step"], r["loss/train"]) for r in rows]
+
+
+def _steps_logged(out: Path) -> int:
+    try:
+        return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}"))
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for_step(proc, out: Path, step: int, timeout=240) -> None:
+    deadline = time.time() + timeout
+    while _steps_logged(out) < step:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the run did not reach the step in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_packed(str(tmp_path_factory.mktemp("chaos_packed")), synthetic_samples(12, VOCAB, seed=1),
+                        ONE_RANK_STEPS, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chaos_ref") / "run"
+    code, _, err = _finish(_train(shards, out))
+    assert code == 0, err
+    trace = _trace(out)
+    assert [s for s, _ in trace] == list(range(TOTAL))
+    return trace
+
+
+def _resume_and_compare(shards, out, reference) -> str:
+    code, stdout, err = _finish(_train(shards, out, "train.resume=auto"))
+    assert code == 0, err
+    assert _trace(out) == reference  # bit for bit, one row per step (the re-run steps' rows replaced)
+    assert not (out / "run.lock").exists()
+    return stdout + err
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill_9_at_a_random_step_then_resume_gives_the_same_trace(shards, tmp_path, reference, seed):
+    out = tmp_path / "run"
+    kill_at = int(np.random.default_rng(seed).integers(1, TOTAL - 3))
+    proc = _train(shards, out)
+    _wait_for_step(proc, out, kill_at)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert (out / "run.lock").exists()  # left behind by the killed run: stale, taken over with a warning
+    output = _resume_and_compare(shards, out, reference)
+    assert "took over the stale lock" in output
+
+
+def test_sigterm_then_resume_gives_the_same_trace_and_a_second_run_is_refused_meanwhile(shards, tmp_path,
+                                                                                        reference):
+    out = tmp_path / "run"
+    proc = _train(shards, out, "data.epochs=400")  # long enough to still be running after the second run's start
+    _wait_for_step(proc, out, 2)
+    config_before = (out / "config.yaml").read_text()
+    second = _train(shards, out, "train.resume=auto", "train.lr=5e-3")
+    code, stdout, err = _finish(second)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if line.startswith("error: ")]
+    assert len(err.strip().splitlines()) == 1 and "is in use by another run (host " in err
+    assert (out / "config.yaml").read_text() == config_before  # the live run's files are untouched
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, err = _finish(proc)
+    assert code == 0 and "stopped by SIGTERM" in stdout + err, err
+    # The run's length (400 epochs) shapes its LR schedule, so the uninterrupted reference is a run of the same
+    # length cut after the same number of steps (train.exit_after_steps does not change the schedule).
+    stopped_at = len(_trace(out))
+    code, _, err = _finish(_train(shards, out, "train.resume=auto", "data.epochs=400", "train.exit_after_steps=2"))
+    assert code == 0, err
+    full = tmp_path / "full"
+    code, _, err = _finish(_train(shards, full, "data.epochs=400", f"train.exit_after_steps={stopped_at + 2}"))
+    assert code == 0, err
+    assert _trace(out) == _trace(full) and len(_trace(out)) == stopped_at + 2
+
+
+def test_the_launcher_killed_with_9_lets_its_worker_save_and_exit(shards, tmp_path, reference):
+    out = tmp_path / "run"
+    launcher = _train(shards, out, launcher=True)
+    _wait_for_step(launcher, out, 3)
+    launcher.send_signal(signal.SIGKILL)  # the launcher alone; its worker is in a session of its own
+    launcher.communicate()
+    deadline = time.time() + 120
+    while (out / "run.lock").exists() and time.time() < deadline:  # the worker releases it on its way out
+        time.sleep(0.1)
+    assert not (out / "run.lock").exists(), "the worker outlived its launcher"
+    latest = (out / "checkpoints" / "latest").read_text()
+    assert int(latest.split("_")[1]) == _steps_logged(out)  # saved where it stopped
+    _resume_and_compare(shards, out, reference)
+
+
+def test_a_truncated_file_in_the_newest_checkpoint_falls_back_with_one_warning(shards, tmp_path, reference):
+    out = tmp_path / "run"
+    code, _, err = _finish(_train(shards, out, "train.exit_after_steps=5"))
+    assert code == 0, err
+    newest = out / "checkpoints" / "step_00000005"
+    shard = next(p for p in sorted(newest.glob("*optim_states.pt")))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    output = _resume_and_compare(shards, out, reference)
+    warnings = [line for line in output.splitlines() if "warning: train.resume=auto skips" in line]
+    assert len(warnings) == 1 and shard.name in warnings[0] and "step_00000004" in warnings[0]

@@ -201,6 +201,7 @@ def test_export_keeps_the_base_generation_config(tmp_path, tokenizer_dir, monkey
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[77, im_end]).save_pretrained(tag / "hf")
+    _complete(tag)  # the manifest covers the replaced generation config
     _consolidated(monkeypatch, reference)
     export(str(tag), str(tmp_path / "hf_out"))
     saved = GenerationConfig.from_pretrained(tmp_path / "hf_out")

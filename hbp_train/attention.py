@@ -21,12 +21,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
 from hbp_train.errors import UserError
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("flash_varlen", "torch_varlen", "flex", "sdpa_block")
 GPU_ONLY_BACKENDS = ("flash_varlen", "torch_varlen", "flex")
@@ -39,8 +42,25 @@ SDPA_MASK_MAX_ELEMENTS = 8192 * 8192
 
 
 # ----------------------------------------------------------------------------------------------- availability
+@functools.cache
+def _flash_attn_fn():
+    """flash-attn's varlen kernel, or None. Availability is a real import, not a package lookup: a broken build (an
+    ABI mismatch with the installed torch, the most common flash-attn failure) raises at import time, and must mean
+    "fall back to the next backend" with one warning, not a crash at the first training step."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 - ImportError, OSError, RuntimeError: any broken build falls back
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        log.warning("flash-attn is installed but does not import (%s: %s); using the next attention backend. "
+                    "Reinstall it for this torch (docs/gpu.md)", type(exc).__name__, first)
+        return None
+    return flash_attn_varlen_func
+
+
 def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return _flash_attn_fn() is not None
 
 
 def _torch_varlen_fn():
@@ -127,7 +147,7 @@ def _expand_kv(k_TKD: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------------- backends
 def _flash_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
-    from flash_attn import flash_attn_varlen_func  # GQA is native: K heads may divide H
+    flash_attn_varlen_func = _flash_attn_fn()  # GQA is native: K heads may divide H
 
     # HF hands over [H, T, D]-strided views; the varlen kernels expect packed [T, H, D] rows
     q_THD, k_TKD, v_TKD = q_THD.contiguous(), k_TKD.contiguous(), v_TKD.contiguous()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 
@@ -105,6 +108,26 @@ def test_gpu_preference_order_and_fp32_leaves_out_flash_kernels(monkeypatch):
     assert select_backend("auto", cuda, torch.float32) == "flex"
     with pytest.raises(UserError, match="'torch_varlen' is not available on cuda with torch.float32"):
         select_backend("torch_varlen", cuda, torch.float32)
+
+
+def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A broken flash-attn build (ABI mismatch: it is found, but importing it raises) is not a backend."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    attention._flash_attn_fn.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hbp_train.attention"):
+            assert available_backends(torch.device("cuda"), torch.bfloat16) == ["torch_varlen", "flex", "sdpa_block"]
+            assert select_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch_varlen"
+    finally:
+        attention._flash_attn_fn.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "does not import" in warnings[0]
 
 
 def test_set_backend_rejects_unknown_names():

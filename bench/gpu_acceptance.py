@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.train import set_cuda_allocator  # noqa: E402
 
 TARGETS = {  # name -> (description, comparison, value)
     "tokens_per_s_ratio": ("ours / best HF tokens/s", ">=", 1.2),
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # varying pack shapes fragment
+    set_cuda_allocator()  # the trainer's allocator setting (hbp_train/train.py)
     if args.dry_run:  # keep torch and DeepSpeed off any GPU (before the first CUDA query)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -184,11 +184,17 @@ def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     return out[0] if isinstance(out, tuple) else out
 
 
+# Every pack has its own length and boundaries: compiled for dynamic shapes, the kernel is compiled once for the
+# first pack and at most once more (when a BlockMask dimension first changes) instead of once per pack layout until
+# torch's recompile limit, after which it would silently run eagerly. tests/test_attention.py counts the graphs.
+FLEX_COMPILE_OPTIONS = {"dynamic": True}
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, backend=backend, **FLEX_COMPILE_OPTIONS)
 
 
 # One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries.

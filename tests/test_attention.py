@@ -130,6 +130,33 @@ def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path
     assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "does not import" in warnings[0]
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_flex_compiles_at_most_twice_for_many_pack_layouts():
+    """Dynamic shapes: five packs of different lengths and boundaries reuse one or two graphs (dynamo with the eager
+    backend on the CPU; the GPU uses inductor with the same options), never one graph per pack."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    attention._compiled_flex.cache_clear()
+    fn = attention._compiled_flex("eager")
+    try:
+        for lengths in ([100, 156], [200, 184], [128, 128, 256], [600, 40], [768], [300, 300, 100, 68]):
+            num_tokens = sum(lengths)
+            q, k, v = torch.randn(1, 4, num_tokens, 16), torch.randn(1, 2, num_tokens, 16), torch.randn(1, 2, num_tokens, 16)
+            fn(q, k, v, block_mask=attention._flex_block_mask(_cu(lengths), num_tokens), enable_gqa=True)
+    finally:
+        attention._compiled_flex.cache_clear()
+        torch._dynamo.reset()
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
+def test_auto_never_picks_flex_for_training_on_the_cpu():
+    """flex's backward is not implemented on the CPU: neither auto nor an explicit choice gets it there."""
+    for dtype in (None, torch.float32, torch.bfloat16):
+        assert "flex" not in available_backends(CPU, dtype) and select_backend("auto", CPU, dtype) == "sdpa_block"
+
+
 def test_set_backend_rejects_unknown_names():
     with pytest.raises(ValueError, match="'nope'"):
         set_backend("nope")

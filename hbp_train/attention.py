@@ -36,10 +36,6 @@ GPU_ONLY_BACKENDS = ("flash_varlen", "torch_varlen", "flex")
 ATTN_IMPLEMENTATION = "hbp_packed"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-# sdpa_block builds a T x T bool mask (one kernel call) up to this many elements (T = 8192 -> 64 MiB), and above it
-# loops over the samples with is_causal SDPA (memory O(max_len^2), one call per sample). Both are exact.
-SDPA_MASK_MAX_ELEMENTS = 8192 * 8192
-
 
 # ----------------------------------------------------------------------------------------------- availability
 @functools.cache
@@ -256,19 +252,13 @@ def _flex(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
 
 
 def _sdpa_block(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
-    """Exact SDPA. Up to SDPA_MASK_MAX_ELEMENTS: one call with a block-diagonal causal bool mask (O(T^2) memory,
-    one kernel, good for many short samples). Above: one is_causal call per sample (O(max_len^2) memory)."""
-    num_tokens, num_heads = q_THD.shape[0], q_THD.shape[1]
-    gqa = k_TKD.shape[1] != num_heads
+    """Exact SDPA, one is_causal call per sample (O(max_len^2) memory).
+
+    Not one call with a block-diagonal T x T mask: that mask costs O(T^2) memory and compute over pairs that are
+    masked anyway, and with a mask (and GQA) SDPA leaves its flash/efficient kernels for the math kernel on GPUs.
+    bench/bench_sdpa_block.py times both."""
+    gqa = k_TKD.shape[1] != q_THD.shape[1]
     q_1HTD, k_1KTD, v_1KTD = (x.transpose(0, 1)[None] for x in (q_THD, k_TKD, v_TKD))
-    if num_tokens * num_tokens <= SDPA_MASK_MAX_ELEMENTS:
-        doc_T = _document_ids(cu_seqlens, num_tokens)
-        pos_T = torch.arange(num_tokens, device=q_THD.device)
-        mask_TT = (doc_T[:, None] == doc_T[None, :]) & (pos_T[:, None] >= pos_T[None, :])
-        out_1HTD = F.scaled_dot_product_attention(
-            q_1HTD, k_1KTD, v_1KTD, attn_mask=mask_TT, scale=scale, enable_gqa=gqa
-        )
-        return out_1HTD[0].transpose(0, 1)
     outs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):

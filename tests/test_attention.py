@@ -52,12 +52,19 @@ def _qkv(num_heads, num_kv_heads, dim=16, device=CPU, dtype=torch.float32, seed=
     return make(num_heads), make(num_kv_heads), make(num_kv_heads)
 
 
-@pytest.fixture(params=["mask", "loop"])
-def sdpa_path(request, monkeypatch):
-    """Run sdpa_block on both its exact paths: one block-diagonal mask, or one causal call per sample."""
-    if request.param == "loop":
-        monkeypatch.setattr(attention, "SDPA_MASK_MAX_ELEMENTS", 0)
-    return request.param
+def test_sdpa_block_runs_one_causal_call_per_sample_and_builds_no_mask(monkeypatch):
+    """No T x T mask (O(T^2), and SDPA's math kernel on GPUs with a mask): one is_causal call per sample."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal, q.shape[2]))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(4, 2)
+    packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "sdpa_block")
+    assert calls == [(None, True, n) for n in LENGTHS]
 
 
 # ------------------------------------------------------------------------------------------------ boundaries
@@ -164,7 +171,7 @@ def test_set_backend_rejects_unknown_names():
 
 # ------------------------------------------------------------------------------------------- raw attention
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_sdpa_block_matches_per_sample_reference_with_grads(sdpa_path, num_heads, num_kv_heads):
+def test_sdpa_block_matches_per_sample_reference_with_grads(num_heads, num_kv_heads):
     q, k, v = (x.requires_grad_() for x in _qkv(num_heads, num_kv_heads))
     scale = 0.3
     out = packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "sdpa_block", scale=scale)
@@ -298,7 +305,7 @@ def _fail(*args):
 
 
 @pytest.mark.parametrize("boundaries_from", ["position_ids", "cu_seq_lens"])
-def test_tiny_llama_packed_logits_equal_per_sample_logits(sdpa_path, boundaries_from, monkeypatch):
+def test_tiny_llama_packed_logits_equal_per_sample_logits(boundaries_from, monkeypatch):
     packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "sdpa_block", CPU, boundaries_from, monkeypatch)
     torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
 

@@ -207,7 +207,11 @@ def check_calibration(ctx) -> dict:
         argv = ["--tokens", "512", "--doc-lens", "64,128,512", "--iters", "1", "--warmup", "0"]
         val = ["--tokens", "512", "--max-samples", "8", "--num-packs", "3", "--iters", "1", "--warmup", "0"]
     else:
-        argv, val = [], ["--tokens", "16384", "--max-samples", "100", "--num-packs", "8", "--iters", "3"]
+        import torch
+
+        fits = cal.validate_tokens(shape, torch.cuda.get_device_properties(ctx.device).total_memory)
+        argv = ["--tokens", str(cal.TABLE_TOKENS)]
+        val = ["--tokens", str(fits), "--max-samples", "100", "--num-packs", "8", "--iters", "3"]
     path = ctx.out / "calibration.json"
     args = cal.build_parser().parse_args(argv + ["--out", str(path)])
     calibration = cal.calibrate(shape, args, ctx.device, ctx.dtype)

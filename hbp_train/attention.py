@@ -135,12 +135,6 @@ def _document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=num_tokens)
 
 
-def _expand_kv(k_TKD: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Repeat each kv head for its query group (GQA) -> [T, H, D]."""
-    groups = num_heads // k_TKD.shape[1]
-    return k_TKD if groups == 1 else k_TKD.repeat_interleave(groups, dim=1)
-
-
 # -------------------------------------------------------------------------------------------------- backends
 def _flash_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     flash_attn_varlen_func = _flash_attn_fn()  # GQA is native: K heads may divide H
@@ -160,6 +154,9 @@ def _torch_varlen_params() -> frozenset[str]:
 
 def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     # The signature changed every release: 2.10 `is_causal=`, 2.11 `window_size=(-1, 0)`, 2.12+ adds `enable_gqa`.
+    # K/V keep their K heads: the flash kernel behind varlen_attn takes K dividing H in every version (enable_gqa
+    # only says so where the flag exists). Repeating them first would multiply the KV activations kept for backward
+    # by H/K. The flag is passed only for GQA, as torch's cuDNN path refuses it even when K == H.
     varlen_attn = _torch_varlen_fn()
     params = _torch_varlen_params()
     kwargs = {}
@@ -167,10 +164,8 @@ def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
-    if "enable_gqa" in params:
+    if "enable_gqa" in params and k_TKD.shape[1] != q_THD.shape[1]:
         kwargs["enable_gqa"] = True
-    else:
-        k_TKD, v_TKD = _expand_kv(k_TKD, q_THD.shape[1]), _expand_kv(v_TKD, q_THD.shape[1])
     if "scale" in params:
         kwargs["scale"] = scale
     else:  # fold a custom scale into q, relative to the kernel's default 1/sqrt(D)

@@ -164,6 +164,39 @@ def test_auto_never_picks_flex_for_training_on_the_cpu():
         assert "flex" not in available_backends(CPU, dtype) and select_backend("auto", CPU, dtype) == "sdpa_block"
 
 
+@pytest.mark.parametrize("version", ["2.11", "2.12"])
+def test_torch_varlen_hands_the_kernel_k_heads_never_repeated_ones(monkeypatch, version):
+    """GQA: K/V reach varlen_attn with their K heads (the flash kernel takes K dividing H), not repeated to H, which
+    would keep H/K times the KV activations for backward. A fake varlen_attn with each version's signature records
+    what it got and computes the exact result on the CPU."""
+    seen = []
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((k.shape[1], v.shape[1]))
+        assert k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+        return attention._sdpa_block(q, k, v, cu_q, max_q, scale)
+
+    if version == "2.11":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+            assert enable_gqa == (key.shape[1] != query.shape[1])  # torch's cuDNN path refuses it for MHA
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: fake)
+    attention._torch_varlen_params.cache_clear()
+    try:
+        for heads, kv_heads in ((4, 2), (6, 1), (4, 4)):
+            q, k, v = _qkv(heads, kv_heads)
+            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
+            torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
+    finally:
+        attention._torch_varlen_params.cache_clear()
+    assert seen == [(2, 2), (1, 1), (4, 4)]
+
+
 def test_set_backend_rejects_unknown_names():
     with pytest.raises(ValueError, match="'nope'"):
         set_backend("nope")

@@ -45,12 +45,32 @@ class LoggingConfig:
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU, e.g. 989e12 for an H100 in bf16. 0 = look the GPU up in
     KNOWN_PEAK_FLOPS; on a CPU (or an unknown GPU) with 0, MFU is reported as n/a."""
+    wandb: bool = False
+    """Also log every step to Weights & Biases (rank 0, the same namespaced keys; needs the `wandb` extra:
+    pip install 'hbp-train[wandb]'). WANDB_MODE=offline writes the run under RUN_DIR/wandb for `wandb sync`."""
+    wandb_project: str = "hbp-train"
+    """W&B project of the run (logging.wandb)."""
+    wandb_run_name: Optional[str] = None
+    """W&B run name (logging.wandb); None = W&B's generated name."""
 
     def __post_init__(self):
         if self.log_every < 1:
             raise UserError(f"logging.log_every={self.log_every}: must be >= 1")
         if self.peak_flops < 0:
             raise UserError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
+
+
+RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: distributed/ulysses.py's per-rank compute times
+
+
+def _start_wandb(cfg: LoggingConfig, run_dir: str):
+    """The W&B run (rank 0 only); UserError when the package is missing."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("logging.wandb=true needs the wandb package: pip install 'hbp-train[wandb]' (or wandb)") from None
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, dir=run_dir, resume="allow",
+                      config={"run_dir": os.path.abspath(run_dir)})
 
 
 def resolve_peak_flops(configured: float) -> Optional[float]:
@@ -107,6 +127,8 @@ class MetricsLogger:
         self.peak_flops = resolve_peak_flops(cfg.peak_flops)
         self.jsonl = None
         self.tb = None
+        self.wandb = None
+        self.rank_times: dict = {}  # rank -> [(step, compute seconds)]: one line per rank at the end (W&B)
         self.bar = None
         if rank != 0:
             return
@@ -119,6 +141,8 @@ class MetricsLogger:
 
             # purge_step hides events an earlier attempt logged from start_step on (they are re-run now)
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
+        if cfg.wandb:
+            self.wandb = _start_wandb(cfg, run_dir)
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -180,10 +204,19 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"time": time.time(), **metrics}) + "\n")
             self.jsonl.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        per_rank = {k: v for k, v in scalars.items() if k.startswith(RANK_TIME_PREFIX)}
         if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and value is not None and not key.startswith("plan/step"):
+            for key, value in scalars.items():
+                if key not in per_rank and key != "plan/step":
                     self.tb.add_scalar(key, value, step)
+            if per_rank:  # one chart, one line per rank
+                self.tb.add_scalars(RANK_TIME_PREFIX.rstrip("/"), {k[len(RANK_TIME_PREFIX):]: v
+                                                                   for k, v in per_rank.items()}, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        for key, value in per_rank.items():
+            self.rank_times.setdefault(key[len(RANK_TIME_PREFIX):], []).append((step, value))
         line = format_line(metrics)
         if self.bar is not None:
             self.bar.update(1)
@@ -211,6 +244,16 @@ class MetricsLogger:
             self._plot()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            if self.rank_times:  # the per-rank compute times as one chart with one line per rank
+                import wandb
+
+                ranks = sorted(self.rank_times, key=lambda r: int(r.removeprefix("rank")))
+                self.wandb.log({"time/compute_s_per_rank": wandb.plot.line_series(
+                    xs=[step for step, _ in self.rank_times[ranks[0]]],
+                    ys=[[v for _, v in self.rank_times[r]] for r in ranks], keys=ranks,
+                    title="compute seconds per rank", xname="step")})
+            self.wandb.finish()
 
     def _plot(self) -> None:
         """RUN_DIR/metrics.png (hbp_train/run_plot.py); a failure to draw is reported, never fatal to the run."""

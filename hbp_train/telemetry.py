@@ -13,11 +13,13 @@ samples does far less attention work than one long sample of the same T.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +47,11 @@ class LoggingConfig:
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU, e.g. 989e12 for an H100 in bf16. 0 = look the GPU up in
     KNOWN_PEAK_FLOPS; on a CPU (or an unknown GPU) with 0, MFU is reported as n/a."""
+    exclude_comm_wait: bool = True
+    """Per-rank compute times (balance/*, time/compute_s/rank<r>) leave out the time this rank spent inside
+    DeepSpeed's collectives (the gradient reduction), where a fast rank waits for the slowest: without this the
+    waiting counts as compute and the live imbalance reads near 0 whatever the plan. Costs a device sync around
+    each collective (it serialises ZeRO's overlap of reduction and backward); false for throughput benchmarks."""
     wandb: bool = False
     """Also log every step to Weights & Biases (rank 0, the same namespaced keys; needs the `wandb` extra:
     pip install 'hbp-train[wandb]'). WANDB_MODE=offline writes the run under RUN_DIR/wandb for `wandb sync`."""
@@ -58,6 +65,53 @@ class LoggingConfig:
             raise UserError(f"logging.log_every={self.log_every}: must be >= 1")
         if self.peak_flops < 0:
             raise UserError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
+
+
+# DeepSpeed's collectives (deepspeed.comm) that ZeRO's gradient reduction and parameter gathers call.
+DS_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "reduce_scatter",
+                  "all_gather_into_tensor", "allgather_fn", "all_gather", "all_reduce_coalesced", "broadcast")
+
+
+@contextmanager
+def comm_wait_timer(enabled: bool = True):
+    """Within it, seconds spent inside DeepSpeed's collectives add up in the yielded one-item list.
+
+    ZeRO reduces gradients inside ``engine.backward`` (its hooks), so a rank that finished its own work early waits
+    there for the slowest; timing the step minus this wait is the rank's own compute. Each collective is timed on
+    the host between two device syncs (the first lets this rank's queued compute finish, so that is not counted as
+    waiting); an async collective is waited for inside the timing. DeepSpeed's ZeRO code calls the functions
+    through the ``deepspeed.comm`` module, which is what is wrapped, for the context's duration only."""
+    total = [0.0]
+    if not enabled:
+        yield total
+        return
+    import deepspeed.comm as ds_comm
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if kwargs.get("async_op") and hasattr(out, "wait"):
+                out.wait()
+            sync()
+            total[0] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    originals = {name: getattr(ds_comm, name) for name in DS_COLLECTIVES if hasattr(ds_comm, name)}
+    try:
+        for name, fn in originals.items():
+            setattr(ds_comm, name, timed(fn))
+        yield total
+    finally:
+        for name, fn in originals.items():
+            setattr(ds_comm, name, fn)
 
 
 RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: distributed/ulysses.py's per-rank compute times

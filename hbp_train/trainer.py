@@ -34,7 +34,7 @@ from hbp_train.loss import normalize_loss
 from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
+from hbp_train.telemetry import MetricsLogger, all_gather_floats, comm_wait_timer, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 
@@ -216,11 +216,14 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     reset_peak_memory()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    logging_cfg = getattr(run.cfg, "logging", None)
     start = time.perf_counter()
-    local = forward_backward(run, step_batch)
+    # This rank's own compute: the step's time less its waits inside the gradient reduction (see comm_wait_timer).
+    with comm_wait_timer(logging_cfg.exclude_comm_wait if logging_cfg is not None else False) as comm_wait:
+        local = forward_backward(run, step_batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    compute_time = time.perf_counter() - start
+    compute_time = time.perf_counter() - start - comm_wait[0]
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
               local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts()]
     gathered = all_gather_floats(values, run.device)

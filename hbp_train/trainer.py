@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from hbp_train import checkpoint, heldout
-from hbp_train.build import Run, build, ckpt_layers_for
+from hbp_train.build import Run, build, step_ckpt_layers
 from hbp_train.data import StepBatch, to_device
 from hbp_train.distributed.groups import rank, world_size
 from hbp_train.errors import UserError
@@ -243,8 +243,8 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
     engine, sp = run.engine, step_batch.sp
-    set_checkpointed_layers(run.model, ckpt_layers_for(run.cfg.train.ckpt_layers, step_batch.group,
-                                                       step_batch.ckpt_layers))
+    set_checkpointed_layers(run.model, step_ckpt_layers(run.cfg, step_batch.group, step_batch.ckpt_layers,
+                                                        run.data.groups if run.data is not None else None))
     run.sp.set_active(sp)  # SP: the attention dispatcher switches to the step's degree
     shape = parse_model_shape(run.model.config)
     num_micro = len(step_batch.micro_batches)

@@ -266,7 +266,9 @@ def _fake_varlen(release):
     def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, gqa):
         assert causal, "the kernel was not asked for causal attention"
         assert cu_seq_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
-        assert gqa or key.shape[1] == query.shape[1], "kv heads must be expanded when the kernel has no enable_gqa"
+        # K/V keep their K heads in every release (the flash kernel takes K dividing H; defect 6 of issue 19)
+        assert key.shape[1] == value.shape[1] == 2 and query.shape[1] % key.shape[1] == 0, "kv heads were repeated"
+        assert gqa == (release == "2.13"), "enable_gqa is passed exactly where the signature has it (GQA here)"
         lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
         return _reference(query, key, value, lengths, query.shape[-1] ** -0.5 if scale is None else scale)
 

@@ -56,6 +56,7 @@ from bench.trainer_paths import (ZERO_STAGE, build_ours, destroy_ours, device_in
 from bench.trainer_search import TARGET_PACK, ckpt_levels, pack_search  # noqa: E402
 from bench.trainer_workload import PRESETS, describe_packs, make_packs, pack_row, parse_shape  # noqa: E402
 from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.train import set_cuda_allocator  # noqa: E402
 
 TARGET_RATIO = 1.2
 TARGET_MFU = 0.45
@@ -337,7 +338,7 @@ def main(argv=None) -> int:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         else:
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # long packs fragment less
+            set_cuda_allocator()  # the trainer's allocator setting: long packs fragment less
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             os.environ.setdefault(key, "1")
         results = run_bench(args)

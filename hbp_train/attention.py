@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import math
 
 import torch
@@ -28,19 +29,34 @@ import torch.nn.functional as F
 
 from hbp_train.errors import UserError
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("flash_varlen", "torch_varlen", "flex", "sdpa_block")
 GPU_ONLY_BACKENDS = ("flash_varlen", "torch_varlen", "flex")
 ATTN_IMPLEMENTATION = "hbp_packed"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-# sdpa_block builds a T x T bool mask (one kernel call) up to this many elements (T = 8192 -> 64 MiB), and above it
-# loops over the samples with is_causal SDPA (memory O(max_len^2), one call per sample). Both are exact.
-SDPA_MASK_MAX_ELEMENTS = 8192 * 8192
-
 
 # ----------------------------------------------------------------------------------------------- availability
+@functools.cache
+def _flash_attn_fn():
+    """flash-attn's varlen kernel, or None. Availability is a real import, not a package lookup: a broken build (an
+    ABI mismatch with the installed torch, the most common flash-attn failure) raises at import time, and must mean
+    "fall back to the next backend" with one warning, not a crash at the first training step."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:  # noqa: BLE001 - ImportError, OSError, RuntimeError: any broken build falls back
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        log.warning("flash-attn is installed but does not import (%s: %s); using the next attention backend. "
+                    "Reinstall it for this torch (docs/gpu.md)", type(exc).__name__, first)
+        return None
+    return flash_attn_varlen_func
+
+
 def _has_flash_attn() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return _flash_attn_fn() is not None
 
 
 def _torch_varlen_fn():
@@ -119,15 +135,9 @@ def _document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=num_tokens)
 
 
-def _expand_kv(k_TKD: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Repeat each kv head for its query group (GQA) -> [T, H, D]."""
-    groups = num_heads // k_TKD.shape[1]
-    return k_TKD if groups == 1 else k_TKD.repeat_interleave(groups, dim=1)
-
-
 # -------------------------------------------------------------------------------------------------- backends
 def _flash_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
-    from flash_attn import flash_attn_varlen_func  # GQA is native: K heads may divide H
+    flash_attn_varlen_func = _flash_attn_fn()  # GQA is native: K heads may divide H
 
     # HF hands over [H, T, D]-strided views; the varlen kernels expect packed [T, H, D] rows
     q_THD, k_TKD, v_TKD = q_THD.contiguous(), k_TKD.contiguous(), v_TKD.contiguous()
@@ -144,6 +154,9 @@ def _torch_varlen_params() -> frozenset[str]:
 
 def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     # The signature changed every release: 2.10 `is_causal=`, 2.11 `window_size=(-1, 0)`, 2.12+ adds `enable_gqa`.
+    # K/V keep their K heads: the flash kernel behind varlen_attn takes K dividing H in every version (enable_gqa
+    # only says so where the flag exists). Repeating them first would multiply the KV activations kept for backward
+    # by H/K. The flag is passed only for GQA, as torch's cuDNN path refuses it even when K == H.
     varlen_attn = _torch_varlen_fn()
     params = _torch_varlen_params()
     kwargs = {}
@@ -151,10 +164,8 @@ def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
-    if "enable_gqa" in params:
+    if "enable_gqa" in params and k_TKD.shape[1] != q_THD.shape[1]:
         kwargs["enable_gqa"] = True
-    else:
-        k_TKD, v_TKD = _expand_kv(k_TKD, q_THD.shape[1]), _expand_kv(v_TKD, q_THD.shape[1])
     if "scale" in params:
         kwargs["scale"] = scale
     else:  # fold a custom scale into q, relative to the kernel's default 1/sqrt(D)
@@ -164,11 +175,17 @@ def _torch_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
     return out[0] if isinstance(out, tuple) else out
 
 
+# Every pack has its own length and boundaries: compiled for dynamic shapes, the kernel is compiled once for the
+# first pack and at most once more (when a BlockMask dimension first changes) instead of once per pack layout until
+# torch's recompile limit, after which it would silently run eagerly. tests/test_attention.py counts the graphs.
+FLEX_COMPILE_OPTIONS = {"dynamic": True}
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "inductor"):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, backend=backend, **FLEX_COMPILE_OPTIONS)
 
 
 # One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries.
@@ -230,19 +247,13 @@ def _flex(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
 
 
 def _sdpa_block(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
-    """Exact SDPA. Up to SDPA_MASK_MAX_ELEMENTS: one call with a block-diagonal causal bool mask (O(T^2) memory,
-    one kernel, good for many short samples). Above: one is_causal call per sample (O(max_len^2) memory)."""
-    num_tokens, num_heads = q_THD.shape[0], q_THD.shape[1]
-    gqa = k_TKD.shape[1] != num_heads
+    """Exact SDPA, one is_causal call per sample (O(max_len^2) memory).
+
+    Not one call with a block-diagonal T x T mask: that mask costs O(T^2) memory and compute over pairs that are
+    masked anyway, and with a mask (and GQA) SDPA leaves its flash/efficient kernels for the math kernel on GPUs.
+    bench/bench_sdpa_block.py times both."""
+    gqa = k_TKD.shape[1] != q_THD.shape[1]
     q_1HTD, k_1KTD, v_1KTD = (x.transpose(0, 1)[None] for x in (q_THD, k_TKD, v_TKD))
-    if num_tokens * num_tokens <= SDPA_MASK_MAX_ELEMENTS:
-        doc_T = _document_ids(cu_seqlens, num_tokens)
-        pos_T = torch.arange(num_tokens, device=q_THD.device)
-        mask_TT = (doc_T[:, None] == doc_T[None, :]) & (pos_T[:, None] >= pos_T[None, :])
-        out_1HTD = F.scaled_dot_product_attention(
-            q_1HTD, k_1KTD, v_1KTD, attn_mask=mask_TT, scale=scale, enable_gqa=gqa
-        )
-        return out_1HTD[0].transpose(0, 1)
     outs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -293,6 +293,18 @@ def _longest_sample(plan: dict) -> Optional[int]:
     return int(plan["max_len"]) if plan.get("max_len") else None
 
 
+def step_ckpt_layers(cfg, group: int, plan_value: Optional[int], groups: Optional[list] = None) -> int:
+    """Checkpointed layers of a step of packing group ``group`` (``ckpt_layers_for``), except under ZeRO-3 with the
+    plan's ``groups`` known: there every step checkpoints the most layers any group does. ZeRO-3 prefetches
+    parameters by the module order it traced; a checkpointed layer's recompute changes that order, so a step with
+    another count invalidates the trace and prefetching stops for the rest of the run. A fixed count keeps one
+    order, for the cost of recomputing layers the shorter groups would have kept (tests/test_model.py counts the
+    invalidations)."""
+    if cfg.deepspeed.zero_stage < 3 or not groups:
+        return ckpt_layers_for(cfg.train.ckpt_layers, group, plan_value)
+    return max(ckpt_layers_for(cfg.train.ckpt_layers, g, groups[g].get("ckpt_layers")) for g in range(len(groups)))
+
+
 def _bf16(cfg) -> bool:
     return cfg.model.torch_dtype() == torch.bfloat16
 

@@ -13,11 +13,13 @@ samples does far less attention work than one long sample of the same T.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +47,18 @@ class LoggingConfig:
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU, e.g. 989e12 for an H100 in bf16. 0 = look the GPU up in
     KNOWN_PEAK_FLOPS; on a CPU (or an unknown GPU) with 0, MFU is reported as n/a."""
+    exclude_comm_wait: bool = True
+    """Per-rank compute times (balance/*, time/compute_s/rank<r>) leave out the time this rank spent inside
+    DeepSpeed's collectives (the gradient reduction), where a fast rank waits for the slowest: without this the
+    waiting counts as compute and the live imbalance reads near 0 whatever the plan. Costs a device sync around
+    each collective (it serialises ZeRO's overlap of reduction and backward); false for throughput benchmarks."""
+    wandb: bool = False
+    """Also log every step to Weights & Biases (rank 0, the same namespaced keys; needs the `wandb` extra:
+    pip install 'hbp-train[wandb]'). WANDB_MODE=offline writes the run under RUN_DIR/wandb for `wandb sync`."""
+    wandb_project: str = "hbp-train"
+    """W&B project of the run (logging.wandb)."""
+    wandb_run_name: Optional[str] = None
+    """W&B run name (logging.wandb); None = W&B's generated name."""
 
     def __post_init__(self):
         if self.log_every < 1:
@@ -71,6 +85,66 @@ def keep_rows_before(path: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+
+
+# DeepSpeed's collectives (deepspeed.comm) that ZeRO's gradient reduction and parameter gathers call.
+DS_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter_fn", "reduce_scatter_tensor", "reduce_scatter",
+                  "all_gather_into_tensor", "allgather_fn", "all_gather", "all_reduce_coalesced", "broadcast")
+
+
+@contextmanager
+def comm_wait_timer(enabled: bool = True):
+    """Within it, seconds spent inside DeepSpeed's collectives add up in the yielded one-item list.
+
+    ZeRO reduces gradients inside ``engine.backward`` (its hooks), so a rank that finished its own work early waits
+    there for the slowest; timing the step minus this wait is the rank's own compute. Each collective is timed on
+    the host between two device syncs (the first lets this rank's queued compute finish, so that is not counted as
+    waiting); an async collective is waited for inside the timing. DeepSpeed's ZeRO code calls the functions
+    through the ``deepspeed.comm`` module, which is what is wrapped, for the context's duration only."""
+    total = [0.0]
+    if not enabled:
+        yield total
+        return
+    import deepspeed.comm as ds_comm
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if kwargs.get("async_op") and hasattr(out, "wait"):
+                out.wait()
+            sync()
+            total[0] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    originals = {name: getattr(ds_comm, name) for name in DS_COLLECTIVES if hasattr(ds_comm, name)}
+    try:
+        for name, fn in originals.items():
+            setattr(ds_comm, name, timed(fn))
+        yield total
+    finally:
+        for name, fn in originals.items():
+            setattr(ds_comm, name, fn)
+
+
+RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: distributed/ulysses.py's per-rank compute times
+
+
+def _start_wandb(cfg: LoggingConfig, run_dir: str):
+    """The W&B run (rank 0 only); UserError when the package is missing."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("logging.wandb=true needs the wandb package: pip install 'hbp-train[wandb]' (or wandb)") from None
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, dir=run_dir, resume="allow",
+                      config={"run_dir": os.path.abspath(run_dir)})
 
 
 def resolve_peak_flops(configured: float) -> Optional[float]:
@@ -127,6 +201,8 @@ class MetricsLogger:
         self.peak_flops = resolve_peak_flops(cfg.peak_flops)
         self.jsonl = None
         self.tb = None
+        self.wandb = None
+        self.rank_times: dict = {}  # rank -> [(step, compute seconds)]: one line per rank at the end (W&B)
         self.bar = None
         if rank != 0:
             return
@@ -143,6 +219,8 @@ class MetricsLogger:
 
             # purge_step hides events an earlier attempt logged from start_step on (they are re-run now)
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
+        if cfg.wandb:
+            self.wandb = _start_wandb(cfg, run_dir)
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -206,10 +284,19 @@ class MetricsLogger:
         if self.jsonl is not None:
             self.jsonl.write(json.dumps({"time": time.time(), **metrics}) + "\n")
             self.jsonl.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        per_rank = {k: v for k, v in scalars.items() if k.startswith(RANK_TIME_PREFIX)}
         if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and value is not None and not key.startswith("plan/step"):
+            for key, value in scalars.items():
+                if key not in per_rank and key != "plan/step":
                     self.tb.add_scalar(key, value, step)
+            if per_rank:  # one chart, one line per rank
+                self.tb.add_scalars(RANK_TIME_PREFIX.rstrip("/"), {k[len(RANK_TIME_PREFIX):]: v
+                                                                   for k, v in per_rank.items()}, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        for key, value in per_rank.items():
+            self.rank_times.setdefault(key[len(RANK_TIME_PREFIX):], []).append((step, value))
         line = format_line(metrics)
         if self.bar is not None:
             self.bar.update(1)
@@ -237,6 +324,16 @@ class MetricsLogger:
             self._plot()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            if self.rank_times:  # the per-rank compute times as one chart with one line per rank
+                import wandb
+
+                ranks = sorted(self.rank_times, key=lambda r: int(r.removeprefix("rank")))
+                self.wandb.log({"time/compute_s_per_rank": wandb.plot.line_series(
+                    xs=[step for step, _ in self.rank_times[ranks[0]]],
+                    ys=[[v for _, v in self.rank_times[r]] for r in ranks], keys=ranks,
+                    title="compute seconds per rank", xname="step")})
+            self.wandb.finish()
 
     def _plot(self) -> None:
         """RUN_DIR/metrics.png (hbp_train/run_plot.py); a failure to draw is reported, never fatal to the run."""

@@ -48,6 +48,17 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def set_cuda_allocator(environ=os.environ) -> str:
+    """Training with packs of varying shapes fragments CUDA's caching allocator (a 128K pack after many 16K ones
+    finds no block large enough although enough memory is free); expandable segments grow one mapping instead.
+    Set before the first CUDA allocation; a PYTORCH_CUDA_ALLOC_CONF the user set is left as it is. Returns the
+    setting in effect."""
+    return environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+
+
 def run(cfg, config_yaml: str) -> dict:
     """Everything after the config: distributed set-up, the training, the tear-down."""
     import numpy as np
@@ -58,6 +69,7 @@ def run(cfg, config_yaml: str) -> dict:
     from hbp_train.distributed.groups import init_distributed
     from hbp_train.run_lock import lock_run_dir
 
+    set_cuda_allocator()  # before init_distributed: NCCL's set-up is the first CUDA allocation
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)

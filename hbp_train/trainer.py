@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from hbp_train import checkpoint, heldout
-from hbp_train.build import Run, build, ckpt_layers_for
+from hbp_train.build import Run, build, step_ckpt_layers
 from hbp_train.data import StepBatch, to_device
 from hbp_train.distributed.groups import rank, world_size
 from hbp_train.errors import UserError
@@ -35,7 +35,7 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import MetricsLogger, all_gather_floats, peak_memory_gib, reset_peak_memory
+from hbp_train.telemetry import MetricsLogger, all_gather_floats, comm_wait_timer, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 
@@ -247,11 +247,14 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     reset_peak_memory()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    logging_cfg = getattr(run.cfg, "logging", None)
     start = time.perf_counter()
-    local = forward_backward(run, step_batch)
+    # This rank's own compute: the step's time less its waits inside the gradient reduction (see comm_wait_timer).
+    with comm_wait_timer(logging_cfg.exclude_comm_wait if logging_cfg is not None else False) as comm_wait:
+        local = forward_backward(run, step_batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    compute_time = time.perf_counter() - start
+    compute_time = time.perf_counter() - start - comm_wait[0]
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
               local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts(),
               local["aux_sum"]]
@@ -272,8 +275,8 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
     engine, sp = run.engine, step_batch.sp
-    set_checkpointed_layers(run.model, ckpt_layers_for(run.cfg.train.ckpt_layers, step_batch.group,
-                                                       step_batch.ckpt_layers))
+    set_checkpointed_layers(run.model, step_ckpt_layers(run.cfg, step_batch.group, step_batch.ckpt_layers,
+                                                        run.data.groups if run.data is not None else None))
     run.sp.set_active(sp)  # SP: the attention dispatcher switches to the step's degree
     shape = parse_model_shape(run.model.config)
     num_micro = len(step_batch.micro_batches)

@@ -1,4 +1,5 @@
-"""Shared pytest set-up: offline HF, CPU threads, the `gpu` marker, and paths to shipped assets."""
+"""Shared pytest set-up: offline HF, CPU threads, the tests pinned to the CPU (tests/cpu_pin.py), the `gpu` marker,
+and paths to shipped assets."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ TOKENIZER_DIR = REPO / "data_tools" / "assets" / "tokenizer"
 
 
 def pytest_configure(config):
+    from tests.cpu_pin import pin_to_cpu
+
+    pin_to_cpu(config.option.markexpr)  # before the first torch import: see tests/cpu_pin.py
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: spawns processes or trains; still part of the default suite")
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 
@@ -49,12 +52,19 @@ def _qkv(num_heads, num_kv_heads, dim=16, device=CPU, dtype=torch.float32, seed=
     return make(num_heads), make(num_kv_heads), make(num_kv_heads)
 
 
-@pytest.fixture(params=["mask", "loop"])
-def sdpa_path(request, monkeypatch):
-    """Run sdpa_block on both its exact paths: one block-diagonal mask, or one causal call per sample."""
-    if request.param == "loop":
-        monkeypatch.setattr(attention, "SDPA_MASK_MAX_ELEMENTS", 0)
-    return request.param
+def test_sdpa_block_runs_one_causal_call_per_sample_and_builds_no_mask(monkeypatch):
+    """No T x T mask (O(T^2), and SDPA's math kernel on GPUs with a mask): one is_causal call per sample."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal, q.shape[2]))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(4, 2)
+    packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "sdpa_block")
+    assert calls == [(None, True, n) for n in LENGTHS]
 
 
 # ------------------------------------------------------------------------------------------------ boundaries
@@ -107,6 +117,86 @@ def test_gpu_preference_order_and_fp32_leaves_out_flash_kernels(monkeypatch):
         select_backend("torch_varlen", cuda, torch.float32)
 
 
+def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """A broken flash-attn build (ABI mismatch: it is found, but importing it raises) is not a backend."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    attention._flash_attn_fn.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hbp_train.attention"):
+            assert available_backends(torch.device("cuda"), torch.bfloat16) == ["torch_varlen", "flex", "sdpa_block"]
+            assert select_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch_varlen"
+    finally:
+        attention._flash_attn_fn.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "does not import" in warnings[0]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_compiles_at_most_twice_for_many_pack_layouts():
+    """Dynamic shapes: five packs of different lengths and boundaries reuse one or two graphs (dynamo with the eager
+    backend on the CPU; the GPU uses inductor with the same options), never one graph per pack."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    attention._compiled_flex.cache_clear()
+    fn = attention._compiled_flex("eager")
+    try:
+        for lengths in ([100, 156], [200, 184], [128, 128, 256], [600, 40], [768], [300, 300, 100, 68]):
+            num_tokens = sum(lengths)
+            q, k, v = torch.randn(1, 4, num_tokens, 16), torch.randn(1, 2, num_tokens, 16), torch.randn(1, 2, num_tokens, 16)
+            fn(q, k, v, block_mask=attention._flex_block_mask(_cu(lengths), num_tokens), enable_gqa=True)
+    finally:
+        attention._compiled_flex.cache_clear()
+        torch._dynamo.reset()
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
+def test_auto_never_picks_flex_for_training_on_the_cpu():
+    """flex's backward is not implemented on the CPU: neither auto nor an explicit choice gets it there."""
+    for dtype in (None, torch.float32, torch.bfloat16):
+        assert "flex" not in available_backends(CPU, dtype) and select_backend("auto", CPU, dtype) == "sdpa_block"
+
+
+@pytest.mark.parametrize("version", ["2.11", "2.12"])
+def test_torch_varlen_hands_the_kernel_k_heads_never_repeated_ones(monkeypatch, version):
+    """GQA: K/V reach varlen_attn with their K heads (the flash kernel takes K dividing H), not repeated to H, which
+    would keep H/K times the KV activations for backward. A fake varlen_attn with each version's signature records
+    what it got and computes the exact result on the CPU."""
+    seen = []
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((k.shape[1], v.shape[1]))
+        assert k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+        return attention._sdpa_block(q, k, v, cu_q, max_q, scale)
+
+    if version == "2.11":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+            assert enable_gqa == (key.shape[1] != query.shape[1])  # torch's cuDNN path refuses it for MHA
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: fake)
+    attention._torch_varlen_params.cache_clear()
+    try:
+        for heads, kv_heads in ((4, 2), (6, 1), (4, 4)):
+            q, k, v = _qkv(heads, kv_heads)
+            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
+            torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
+    finally:
+        attention._torch_varlen_params.cache_clear()
+    assert seen == [(2, 2), (1, 1), (4, 4)]
+
+
 def test_set_backend_rejects_unknown_names():
     with pytest.raises(ValueError, match="'nope'"):
         set_backend("nope")
@@ -114,7 +204,7 @@ def test_set_backend_rejects_unknown_names():
 
 # ------------------------------------------------------------------------------------------- raw attention
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_sdpa_block_matches_per_sample_reference_with_grads(sdpa_path, num_heads, num_kv_heads):
+def test_sdpa_block_matches_per_sample_reference_with_grads(num_heads, num_kv_heads):
     q, k, v = (x.requires_grad_() for x in _qkv(num_heads, num_kv_heads))
     scale = 0.3
     out = packed_attention(q, k, v, _cu(LENGTHS), max(LENGTHS), "sdpa_block", scale=scale)
@@ -176,7 +266,9 @@ def _fake_varlen(release):
     def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, gqa):
         assert causal, "the kernel was not asked for causal attention"
         assert cu_seq_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
-        assert gqa or key.shape[1] == query.shape[1], "kv heads must be expanded when the kernel has no enable_gqa"
+        # K/V keep their K heads in every release (the flash kernel takes K dividing H; defect 6 of issue 19)
+        assert key.shape[1] == value.shape[1] == 2 and query.shape[1] % key.shape[1] == 0, "kv heads were repeated"
+        assert gqa == (release == "2.13"), "enable_gqa is passed exactly where the signature has it (GQA here)"
         lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
         return _reference(query, key, value, lengths, query.shape[-1] ** -0.5 if scale is None else scale)
 
@@ -248,7 +340,7 @@ def _fail(*args):
 
 
 @pytest.mark.parametrize("boundaries_from", ["position_ids", "cu_seq_lens"])
-def test_tiny_llama_packed_logits_equal_per_sample_logits(sdpa_path, boundaries_from, monkeypatch):
+def test_tiny_llama_packed_logits_equal_per_sample_logits(boundaries_from, monkeypatch):
     packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "sdpa_block", CPU, boundaries_from, monkeypatch)
     torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
 

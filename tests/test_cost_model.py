@@ -323,3 +323,50 @@ def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkey
     assert calibrate.main(common + ["--max-samples", "16"]) == 0 and seen == [16]
     assert calibrate.main(common + ["--max-samples", "17"]) == 2 and seen == [16]
     assert "--max-samples (17) cannot exceed --tokens (16)" in capsys.readouterr().err
+
+
+def test_validate_times_the_trainers_chunked_loss_not_hf_logits(monkeypatch):
+    """--validate times the program that trains: decoder + chunked LM-head loss; HF's full-logits forward never runs."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import hbp_train.loss
+    from hbp_train.labels import IGNORE_INDEX
+    from hbp_train.perf import calibrate
+
+    def no_hf_forward(*args, **kwargs):
+        raise AssertionError("HF's forward (full T x vocab logits and HF's loss) was timed")
+
+    chunked = []
+    real = hbp_train.loss.chunked_token_losses
+
+    def spy(hidden, weight, labels, chunk_size=4096, **kwargs):
+        chunked.append((hidden.shape[-2], chunk_size, int((labels == IGNORE_INDEX).sum())))
+        return real(hidden, weight, labels, chunk_size, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", no_hf_forward)
+    monkeypatch.setattr(hbp_train.loss, "chunked_token_losses", spy)
+    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: fn() or 1.0))
+    model = SimpleNamespace(pack_time=lambda lengths: 1e-3, describe=lambda: "fixed")
+    args = SimpleNamespace(seed=0, backend="auto", max_samples=4, num_packs=2, tokens=64, iters=1, warmup=0)
+    report = calibrate.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
+    # one chunked loss per timed pack, at the trainer's chunk, each sample's last token without a label
+    assert [(t, c) for t, c, _ in chunked] == [(64, calibrate.VALIDATE_LOSS_CHUNK)] * 2
+    assert [n for _, _, n in chunked] == [p["num_samples"] for p in report["packs"]]
+
+
+def test_validate_default_pack_fits_the_gpu():
+    """32768 tokens of an 8B shape need more than 80 GB in one plain step: the default pack is the largest that fits."""
+    from hbp_train.perf import calibrate
+    from hbp_train.perf.memory import activation_bytes_per_token_layer
+
+    gib80 = 80 * 2**30
+    eight_b, one_b = parse_model_shape("llama3-8b"), parse_model_shape("llama3.2-1b")
+    tokens = calibrate.validate_tokens(eight_b, gib80)
+    need = lambda s, t: (4 * s.num_params + calibrate.VALIDATE_LOSS_CHUNK * s.vocab * 10  # noqa: E731
+                         + t * (s.num_layers * activation_bytes_per_token_layer(s) + 6 * s.hidden))
+    assert need(eight_b, 32768) > gib80 and tokens < 32768
+    assert need(eight_b, tokens) <= calibrate.MEMORY_HEADROOM * gib80 < need(eight_b, 2 * tokens)
+    assert calibrate.validate_tokens(one_b, gib80) == 32768 and calibrate.validate_tokens(eight_b, None) == 32768

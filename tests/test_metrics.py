@@ -139,3 +139,86 @@ def test_read_metrics_skips_blank_lines_and_orders_steps(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(text)
     last = {r["plan/step"]: r for r in rows}  # later rows of a step win
     assert read_metrics(tmp_path / "metrics.jsonl") == [last[s] for s in sorted(last)]
+
+
+def _wandb_records(path) -> list:
+    """The protobuf records of a W&B transaction log (run-*.wandb): a 7-byte file header, then LevelDB-log blocks of
+    32 KiB whose records carry a 7-byte header (crc32, length, type 1 full / 2 first / 3 middle / 4 last)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, records, parts = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def _wandb_history(run_dir) -> list:
+    """The history rows (key -> value) of the one offline W&B run under run_dir."""
+    (log,) = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    return [{"/".join(item.nested_key) if item.nested_key else item.key: json.loads(item.value_json)
+             for item in record.history.item}
+            for record in _wandb_records(log) if record.WhichOneof("record_type") == "history"]
+
+
+def test_wandb_sink_logs_the_same_keys_on_rank_0_only_with_one_line_per_rank(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LoggingConfig(tensorboard=False, progress_bar=False, wandb=True, wandb_run_name="t")
+    other = MetricsLogger(cfg, str(tmp_path / "rank1"), rank=1, total_steps=3)
+    assert other.wandb is None
+    logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=3)
+    logged = []
+    for step in range(3):
+        rows = [dict(compute_time=1.0 + step, loss_sum=3.0, loss_tokens=3, tokens=10, flops=1e9),
+                dict(compute_time=2.0, loss_sum=3.0, loss_tokens=3, tokens=10, flops=1e9)]
+        m = logger.step_metrics(step=step, total_steps=3, gathered=_gathered(rows), columns=STAT_COLUMNS, lr=1e-4,
+                                grad_norm=0.5, step_time=2.0, data_time=0.1, group=0, sp=1, num_micro_batches=1,
+                                plan_metrics={"ABR": 0.1}, skipped=False, num_skipped=0)
+        m.update({"time/compute_s/rank0": 1.0 + step, "time/compute_s/rank1": 2.0})
+        logger.log(m)
+        other.log(m)
+        logged.append(m)
+    logger.close()
+    other.close()
+    assert not (tmp_path / "rank1" / "wandb").exists()
+    history = _wandb_history(tmp_path)
+    steps = [r for r in history if "loss/train" in r]
+    assert len(steps) == 3
+    for row, m in zip(steps, logged):
+        for key, value in m.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert row[key] == pytest.approx(value), key
+    chart = [r for r in history if "time/compute_s_per_rank" in r or any("compute_s_per_rank" in k for k in r)]
+    assert len(chart) == 1  # the per-rank times as one chart, one line per rank
+
+
+def test_wandb_without_the_package_is_a_user_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(UserError, match=r"logging.wandb=true needs the wandb package"):
+        MetricsLogger(LoggingConfig(tensorboard=False, progress_bar=False, wandb=True), str(tmp_path), 0, 1)

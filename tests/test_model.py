@@ -215,3 +215,62 @@ def test_pretrained_vocabulary_is_never_shrunk_to_the_tokenizer(tmp_path):
     loaded = build_model(ModelConfig(name_or_path=str(tmp_path)), vocab_size=VOCAB)
     assert loaded.get_input_embeddings().weight.shape[0] == VOCAB * 2
     assert loaded.get_output_embeddings().weight.shape[0] == VOCAB * 2
+
+
+def _z3_trace_invalidations(rank, world_size, groups):
+    """ZeRO-3 steps alternating between two packing groups with 0 and 2 checkpointed layers; returns how often
+    DeepSpeed invalidated its parameter-prefetch trace, with the trainer's rule (build.step_ckpt_layers) and with
+    each group's own count (the rule before the fix)."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    from hbp_train.build import DeepSpeedConfig, build_engine, ckpt_layers_for, step_ckpt_layers
+    from hbp_train.loss import LossConfig
+    from hbp_train.trainer import TrainConfig
+
+    count = [0]
+    real = ppc.PartitionedParameterCoordinator._invalidate_trace
+
+    def counted(self):
+        count[0] += 1
+        return real(self)
+
+    ppc.PartitionedParameterCoordinator._invalidate_trace = counted
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    model_cfg = ModelConfig(config={**Z3_TINY, "num_hidden_layers": 4})
+    cfg = SimpleNamespace(model=model_cfg, train=TrainConfig(warmup_steps=0), deepspeed=DeepSpeedConfig(zero_stage=3),
+                          loss=LossConfig(chunk_size=7))
+    rules = {"trainer": lambda g: step_ckpt_layers(cfg, g, groups[g]["ckpt_layers"], groups),
+             "per_group": lambda g: ckpt_layers_for(None, g, groups[g]["ckpt_layers"])}
+    counts = {}
+    for name, rule in rules.items():
+        engine = build_engine(cfg, build_model(model_cfg, vocab_size=512), total_steps=100, world_size=1)
+        input_ids, shift_labels = _z3_batch()
+        count[0] = 0
+        for step in range(6):
+            set_checkpointed_layers(engine.module.model, rule(step % 2))
+            loss = engine(input_ids, torch.arange(input_ids.shape[1])[None], shift_labels).sum()
+            engine.backward(loss)
+            engine.step()
+        counts[name] = count[0]
+    return counts
+
+
+@pytest.mark.slow
+def test_zero3_keeps_its_prefetch_trace_across_packing_group_switches():
+    """Under ZeRO-3 every step checkpoints the same layers (the most any group does), so switching groups never
+    invalidates DeepSpeed's trace; with each group's own count it is invalidated at the switches."""
+    from types import SimpleNamespace
+
+    from hbp_train.build import step_ckpt_layers
+    from hbp_train.trainer import TrainConfig
+    from tests.distributed import run_distributed
+
+    groups = [{"pack_len": 16, "sp": 1, "ckpt_layers": 0}, {"pack_len": 64, "sp": 1, "ckpt_layers": 2}]
+    counts = run_distributed(_z3_trace_invalidations, 1, groups)[0]
+    assert counts["trainer"] == 0 and counts["per_group"] >= 2, counts
+    z2 = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2), train=TrainConfig())
+    assert [step_ckpt_layers(z2, g, groups[g]["ckpt_layers"], groups) for g in (0, 1)] == [0, 2]  # below ZeRO-3

@@ -12,8 +12,10 @@ replaced by a cheap elementwise stand-in. Times are medians over ``--iters`` aft
 per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus "model_shape").
 
 Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
-1 to ``--max-samples`` samples (random split of ``--tokens``), compares with CostModel.pack_time from the
-calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%).
+1 to ``--max-samples`` samples (random split of ``--tokens``) through the trainer's own program (the decoder, then
+the chunked LM-head loss of hbp_train/loss.py, never T x vocab logits), compares with CostModel.pack_time from the
+calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%). Its default
+pack is the largest that fits the GPU (``validate_tokens``): 32768 tokens of an 8B shape do not fit 80 GB.
 
 Without a GPU this prints one line and exits 2; ``--allow-cpu`` runs either mode on the CPU in float32 for a
 smoke test with a tiny shape (the numbers mean nothing).
@@ -47,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-shape", default="llama3.2-1b",
                    help="preset (llama3-8b, llama3.2-1b, ...), JSON object or JSON/HF config.json file (default "
                         "llama3.2-1b)")
-    p.add_argument("--tokens", type=int, default=TABLE_TOKENS,
-                   help="tokens per timed pack (default 32768; results are written per 32768 tokens)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per timed pack (results are written per 32768 tokens). Default: 32768 to calibrate; "
+                        "to validate, the largest of 32768, 16384, ... whose whole-model step fits the GPU "
+                        "(validate_tokens)")
     p.add_argument("--doc-lens", default=",".join(map(str, DEFAULT_DOC_LENS)),
                    help="document lengths of the attention table, comma separated (each <= --tokens) (default "
                         f"{','.join(map(str, DEFAULT_DOC_LENS))})")
@@ -210,6 +214,26 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
     }
 
 
+VALIDATE_LOSS_CHUNK = 4096  # loss.chunk_size's default: the trainer's LM-head chunk
+MEMORY_HEADROOM = 0.85  # share of the GPU the validation step may plan to use (allocator cache, CUDA context)
+
+
+def validate_tokens(shape: ModelShape, memory_bytes: int | None) -> int:
+    """The largest pack of 32768, 16384, ... (at least 1024) tokens whose validation step fits ``memory_bytes``:
+    bf16 parameters and gradients, every layer's activations (no checkpointing: the cost model times a plain
+    step) and one chunk of the chunked loss (perf/memory.py's accounting). 32768 without a memory size."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer
+
+    tokens = TABLE_TOKENS
+    if not memory_bytes:
+        return tokens
+    per_token = shape.num_layers * activation_bytes_per_token_layer(shape) + 6 * shape.hidden
+    fixed = 4 * shape.num_params + VALIDATE_LOSS_CHUNK * shape.vocab * 10
+    while tokens > 1024 and fixed + tokens * per_token > MEMORY_HEADROOM * memory_bytes:
+        tokens //= 2
+    return tokens
+
+
 def random_pack(rng: np.random.Generator, tokens: int, num_samples: int) -> list[int]:
     """``num_samples`` lengths (>= 1) summing to ``tokens``, long-tailed (a Dirichlet split with alpha 0.5)."""
     share = rng.dirichlet(np.full(num_samples, 0.5))
@@ -224,6 +248,9 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
     from transformers import LlamaForCausalLM
 
     from hbp_train.attention import register_packed_attention
+    from hbp_train.labels import IGNORE_INDEX
+    from hbp_train.loss import chunked_token_losses
+    from hbp_train.model import forward_hidden
 
     timed = _timer(device)
     torch.manual_seed(args.seed)
@@ -238,10 +265,15 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
         pos = torch.cat([torch.arange(l, device=device) for l in lengths])[None]
         cu = cu_seqlens_for(lengths, device)
 
+        # The trainer's program: decoder, then the chunked LM-head loss; labels are the next token within a sample.
+        shift = torch.cat([ids[0, 1:], ids[0, :1]]).masked_fill(torch.isin(
+            torch.arange(args.tokens, device=device), cu[1:].long() - 1), IGNORE_INDEX)
+
         def step():
-            out = net(input_ids=ids, position_ids=pos, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                      max_length_q=max(lengths), max_length_k=max(lengths))
-            out.loss.backward()
+            hidden = forward_hidden(net, ids, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                    max_length_q=max(lengths), max_length_k=max(lengths))
+            loss_T = chunked_token_losses(hidden, net.get_output_embeddings().weight, shift, VALIDATE_LOSS_CHUNK)
+            loss_T.sum().backward()
 
         measured = timed(step, args.iters, args.warmup) / 1e3
         net.zero_grad(set_to_none=True)
@@ -263,6 +295,10 @@ def main(argv=None) -> int:
 
     try:
         shape = parse_model_shape(args.model_shape)
+        if args.tokens is None:
+            memory = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+                      if args.validate and torch.cuda.is_available() else None)
+            args.tokens = validate_tokens(shape, memory) if args.validate else TABLE_TOKENS
         for flag, val in (("--tokens", args.tokens), ("--iters", args.iters), ("--max-samples", args.max_samples),
                           ("--num-packs", args.num_packs)):
             if val < 1:

@@ -36,13 +36,17 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
     return int(2 * params / (w if stage >= 3 else 1) + 2 * params / (w if stage >= 2 else 1) + optimizer)
 
 
-def activation_bytes_per_token_layer(shape: ModelShape) -> int:
-    """bf16 activations one non-checkpointed decoder layer keeps per (rank-local) token for backward:
-    two RMSNorm inputs+outputs (4h), q, rotated q, attention output (3 x heads*head_dim), k, v, rotated k
-    (3 x kv width) and the gated MLP's gate, up, act(gate) and product (4 x the width a token goes through:
-    ffn, or an MoE layer's top-k experts plus shared experts, ``active_ffn``). Ulysses moves heads, not tokens, so
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """Bytes one non-checkpointed decoder layer keeps per (rank-local) token for backward, as autograd saves them
+    (counted with saved-tensor hooks in tests/test_memory.py): in the activation dtype (``dtype_bytes``, bf16 = 2)
+    the two RMSNorms' normalised input and output (4h), q after RoPE, the attention output and the o_proj input
+    (3 x heads*head_dim), k after RoPE and v (2 x kv width), and the gated MLP's gate, up, act(gate) and product
+    (4 x the width a token goes through: ffn, or an MoE layer's top-k experts plus shared experts,
+    ``active_ffn``); in fp32, whatever the dtype, each RMSNorm's fp32 input (2 x 4h: HF norms compute in fp32),
+    the attention's log-sum-exp (4 per head) and each norm's 1/rms (2 x 4). Ulysses moves heads, not tokens, so
     per rank it is the same count at any SP degree. Model states count every expert (``num_params``)."""
-    return 2 * (4 * shape.hidden + 3 * shape.attn_width + 3 * shape.kv_width + 4 * shape.active_ffn)
+    width = 4 * shape.hidden + 3 * shape.attn_width + 2 * shape.kv_width + 4 * shape.active_ffn
+    return dtype_bytes * width + 8 * shape.hidden + 4 * shape.num_heads + 8
 
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,

@@ -33,14 +33,36 @@ def nvml_available() -> bool:
     return bool(_nvml["state"])
 
 
+def nvml_handle(cuda_index: int):
+    """The NVML handle of CUDA device `cuda_index` of this process.
+
+    CUDA numbers only the devices CUDA_VISIBLE_DEVICES shows (every cluster scheduler sets it), NVML numbers all of
+    the node's: CUDA 0 may be NVML 3, and NVML 0 another job's GPU. So the device is found by its UUID, else by its
+    PCI bus id; the index itself only when torch reports neither (then CUDA_VISIBLE_DEVICES must be unset)."""
+    import pynvml
+    import torch
+
+    props = torch.cuda.get_device_properties(cuda_index)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        pci = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+        return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+    return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+
+
 def nvml_used_bytes(index: int = 0) -> Optional[int]:
-    """Used memory of GPU `index` as the driver sees it (all processes, allocator cache, CUDA context)."""
+    """Used memory of CUDA device `index` (this process's numbering, see `nvml_handle`) as the driver sees it (all
+    processes, allocator cache, CUDA context)."""
     if not nvml_available():
         return None
     import pynvml
 
     try:
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(index)).used)
     except pynvml.NVMLError as exc:  # e.g. a virtualised GPU that hides it: fall back to torch's counters
         _nvml["state"] = False
         log.warning("NVML memory reading failed (%s): memory from torch counters only", type(exc).__name__)

@@ -1,0 +1,356 @@
+"""GPU acceptance: one command for a user's GPU node that checks the trainer end to end and writes one report.
+
+    python bench/gpu_acceptance.py --out acceptance/            # a GPU node (~10 minutes on one H100)
+    python bench/gpu_acceptance.py --dry-run --out /tmp/acc     # CPU: the same checks on a tiny shape, seconds
+
+It writes ``acceptance.json`` and ``acceptance.md`` into --out (the JSON after every check, so a run stopped by a
+time limit keeps what it measured). Every figure is printed beside its target and a verdict (met / NOT met / n/a:
+a CPU dry run judges nothing, it only proves the command still runs). The checks, in order:
+
+  backends     every packed attention backend available here against a reference (the same weights in fp32 with
+               HF's eager attention, one forward per document): loss and every parameter's gradient
+  trainer      bench/bench_trainer.py in this process: our train_step against plain HF packed training of the
+               same model on the same packs (tokens/s ratio >= 1.2, MFU >= 45% for the 1B shape at 16K bf16),
+               then the longest pack per checkpointing level (>= 128K tokens for the 1B shape on 80 GB)
+  memory       the analytic memory model (hbp_train/perf/memory.py) against the measured peaks of those packs
+               (error <= 10%)
+  calibration  hbp_train.perf.calibrate: a calibration on this GPU, then the cost model's error on whole packs
+               timed through the trainer's chunked loss (<= 10%)
+  profiler     hbp-profile end to end on the same shape (<= 5 minutes)
+
+On a CPU (--dry-run, implied there) the model is tiny, the figures mean nothing and every verdict is n/a; the test
+suite runs it so that the command cannot rot before a GPU runs it. A check that raises is reported with its error
+and the next one runs: the report is the product of this command, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.train import set_cuda_allocator  # noqa: E402
+
+TARGETS = {  # name -> (description, comparison, value)
+    "tokens_per_s_ratio": ("ours / best HF tokens/s", ">=", 1.2),
+    "mfu": ("ours MFU (1B shape, 16K packs, bf16)", ">=", 0.45),
+    "longest_pack": ("longest pack, 1B shape on 80 GB", ">=", 131072),
+    "cost_model_error": ("cost model: largest error on measured packs", "<=", 0.10),
+    "memory_model_error": ("memory model: largest error vs measured peaks", "<=", 0.10),
+    "profiler_s": ("profiler wall time, s", "<=", 300.0),
+    "backend_loss_rel_error": ("backend loss vs reference, relative error", "<=", None),  # set per dtype
+    "backend_grad_cosine": ("backend grads vs reference, lowest cosine over parameters", ">=", None),
+}
+CHECKS = ("backends", "trainer", "memory", "calibration", "profiler")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/gpu_acceptance.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for acceptance.json and acceptance.md")
+    p.add_argument("--dry-run", "--tiny", action="store_true", dest="dry_run",
+                   help="tiny shape on the CPU: proves the command runs; the figures mean nothing (implied "
+                        "without a GPU)")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma separated subset of {','.join(CHECKS)}")
+    p.add_argument("--model-shape", default=None, help="bench_trainer preset (default llama3.2-1b; tiny dry run)")
+    p.add_argument("--pack-len", type=int, default=None, help="comparison pack length (default 16384; 256 dry run)")
+    p.add_argument("--search-budget-s", type=float, default=200.0, help="longest-pack search budget (default 200)")
+    p.add_argument("--profile-budget-s", type=float, default=240.0, help="profiler time budget (default 240)")
+    return p
+
+
+def verdict(name: str, value, dry_run: bool, target=None):
+    """{"value", "target", "met"}: met is None (n/a) on a dry run or without a value."""
+    desc, op, default = TARGETS[name]
+    target = default if target is None else target
+    met = None if (dry_run or value is None or target is None) else (value >= target if op == ">=" else value <= target)
+    return {"what": desc, "value": value, "target": f"{op} {target}", "met": met}
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def check_backends(ctx) -> dict:
+    """Every available backend vs fp32 eager attention, one forward per document: loss and parameter grads."""
+    import torch
+
+    from hbp_train.attention import available_backends
+    from hbp_train.loss import chunked_token_losses
+    from hbp_train.model import ModelConfig, build_model, forward_hidden
+    from hbp_train.labels import IGNORE_INDEX
+
+    device, dtype = ctx.device, ctx.dtype
+    cfg = dict(ctx.hf_config, num_hidden_layers=2)  # two layers of the shape: the attention is what is checked
+    cfg.pop("model_type", None)
+    lengths = [ctx.pack_len // 2, ctx.pack_len // 4, ctx.pack_len // 8, ctx.pack_len - ctx.pack_len // 2
+               - ctx.pack_len // 4 - ctx.pack_len // 8]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (ctx.pack_len,), generator=gen)
+    labels = torch.cat([torch.cat([ids[s + 1:s + n], torch.tensor([IGNORE_INDEX])])
+                        for s, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths)])
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+    def run(model, packed: bool):
+        model.zero_grad(set_to_none=True)
+        dev = next(model.parameters()).device
+        weight = model.get_output_embeddings().weight
+        if packed:
+            hidden = forward_hidden(model, ids[None].to(dev), position_ids[None].to(dev), cu_seq_lens_q=cu.to(dev),
+                                    cu_seq_lens_k=cu.to(dev), max_length_q=max(lengths), max_length_k=max(lengths))
+        else:  # the reference: each document alone, HF's own causal mask
+            hidden = torch.cat([forward_hidden(model, ids[None, s:s + n].to(dev), torch.arange(n)[None].to(dev))
+                                for s, n in zip(cu[:-1].tolist(), lengths)], dim=1)
+        loss = chunked_token_losses(hidden[0], weight, labels.to(dev)).float().sum() / (labels != IGNORE_INDEX).sum()
+        loss.backward()
+        return float(loss), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(0)
+    ref_model = build_model(ModelConfig(config=cfg, dtype="fp32", attention_backend="sdpa_block"),
+                            vocab_size=cfg["vocab_size"])
+    ref_model.set_attn_implementation("eager")
+    ref_model.to(device)
+    ref_loss, ref_grads = run(ref_model, packed=False)
+    state = {k: v.cpu() for k, v in ref_model.state_dict().items()}
+    del ref_model
+    tol, min_cos = (2e-2, 0.99) if dtype != torch.float32 else (1e-4, 0.99999)  # bf16 against an fp32 reference
+    rows = {}
+    for backend in available_backends(device, dtype):
+        model = build_model(ModelConfig(config=cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+                                        attention_backend=backend), vocab_size=cfg["vocab_size"])
+        model.load_state_dict(state)
+        model.to(device)
+        try:
+            loss, grads = run(model, packed=True)
+        except Exception as exc:  # noqa: BLE001 - a backend that fails here is the finding
+            rows[backend] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+            continue
+        finally:
+            del model
+        cos = min(float(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), dim=0))
+                  for n, g in ref_grads.items())
+        rel = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in ref_grads.items())
+        rows[backend] = {"loss": loss, "loss_rel_error": abs(loss / ref_loss - 1), "grad_min_cosine": cos,
+                         "grad_max_rel_error": rel,
+                         "verdicts": {"loss": verdict("backend_loss_rel_error", abs(loss / ref_loss - 1), ctx.dry_run, tol),
+                                      "grads": verdict("backend_grad_cosine", cos, ctx.dry_run, min_cos)}}
+    return {"reference": {"what": "fp32, HF eager attention, one forward per document", "loss": ref_loss},
+            "pack_lengths": lengths, "dtype": str(dtype), "backends": rows}
+
+
+def check_trainer(ctx) -> dict:
+    """bench_trainer's comparison and longest-pack search; the longest pack per checkpointing level from it."""
+    import bench.bench_trainer as bench
+
+    argv = ["--device", ctx.device.type, "--model-shape", ctx.shape_name, "--pack-len", str(ctx.pack_len),
+            "--search-budget-s", str(ctx.args.search_budget_s)]
+    if ctx.dry_run:
+        argv += ["--steps", "1", "--warmup", "0", "--baselines", "sdpa", "--max-pack-search", str(2 * ctx.pack_len),
+                 "--ckpt-levels", "0,2"]
+    args = bench.resolve_args(bench.build_parser().parse_args(argv))
+    results = bench.run_bench(args)
+    ctx.trainer_results = results
+    ours = results["paths"].get("ours", {})
+    ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
+    search = results.get("pack_search") or {}
+    per_level = {}
+    for a in search.get("attempts", []):
+        if a and a.get("ok"):
+            per_level[a["ckpt_layers"]] = max(per_level.get(a["ckpt_layers"], 0), a["pack_len"])
+    return {"ours_tokens_per_s": ours.get("tokens_per_s"), "best_hf": results["ratios"].get("ours/best_hf", {}),
+            "paths": {k: {f: v.get(f) for f in ("attention", "tokens_per_s", "mfu", "peak_mem_gib", "first_loss",
+                                                 "error")} for k, v in results["paths"].items()},
+            "sp1_check": results.get("sp1_check"),
+            "longest_pack_by_ckpt_layers": per_level,
+            "verdicts": {"tokens_per_s_ratio": verdict("tokens_per_s_ratio", ratio, ctx.dry_run),
+                         "mfu": verdict("mfu", ours.get("mfu"), ctx.dry_run),
+                         "longest_pack": verdict("longest_pack", search.get("longest_ok"), ctx.dry_run)}}
+
+
+def check_memory(ctx) -> dict:
+    """The analytic memory model against the peaks the trainer check measured (comparison and pack search)."""
+    from hbp_train.perf.memory import JobSettings, analytic_memory_bytes
+    from hbp_train.perf.shape import parse_model_shape
+
+    results = getattr(ctx, "trainer_results", None)
+    if results is None:
+        return {"skipped": "needs the trainer check's measured peaks"}
+    shape = parse_model_shape(results["model"]["config"])
+    job = JobSettings(zero_stage=2, loss_chunk_tokens=results["settings"]["loss_chunk"])
+    rows = []
+    for a in (results.get("pack_search") or {}).get("attempts", []):
+        if a and a.get("ok") and a.get("peak_mem_gib"):
+            predicted = analytic_memory_bytes(shape, a["pack_len"], 1, a["ckpt_layers"], 1, job) / 2**30
+            rows.append({"pack_len": a["pack_len"], "ckpt_layers": a["ckpt_layers"], "measured_gib": a["peak_mem_gib"],
+                         "predicted_gib": predicted, "error": predicted / a["peak_mem_gib"] - 1})
+    worst = max((abs(r["error"]) for r in rows), default=None)
+    note = "CPU: the measured peak is the process's RSS, not comparable" if ctx.device.type == "cpu" else ""
+    return {"packs": rows, "note": note, "verdict": verdict("memory_model_error", worst, ctx.dry_run)}
+
+
+def check_calibration(ctx) -> dict:
+    """A calibration on this device, then the cost model's error on whole packs (the trainer's chunked loss)."""
+    from hbp_train.perf import calibrate as cal
+    from hbp_train.perf.cost_model import CostModel
+    from hbp_train.perf.shape import parse_model_shape
+
+    shape = parse_model_shape(ctx.hf_config)
+    if ctx.dry_run:
+        argv = ["--tokens", "512", "--doc-lens", "64,128,512", "--iters", "1", "--warmup", "0"]
+        val = ["--tokens", "512", "--max-samples", "8", "--num-packs", "3", "--iters", "1", "--warmup", "0"]
+    else:
+        import torch
+
+        fits = cal.validate_tokens(shape, torch.cuda.get_device_properties(ctx.device).total_memory)
+        argv = ["--tokens", str(cal.TABLE_TOKENS)]
+        val = ["--tokens", str(fits), "--max-samples", "100", "--num-packs", "8", "--iters", "3"]
+    path = ctx.out / "calibration.json"
+    args = cal.build_parser().parse_args(argv + ["--out", str(path)])
+    calibration = cal.calibrate(shape, args, ctx.device, ctx.dtype)
+    path.write_text(json.dumps(calibration, indent=1))
+    vargs = cal.build_parser().parse_args(val + ["--validate", "--calibration", str(path)])
+    report = cal.validate(shape, CostModel.from_calibration(path, shape), vargs, ctx.device, ctx.dtype)
+    return {"calibration": str(path.name), "linear_ms_per_32768": calibration["linear_fwdbwd_ms_per_32768_tokens"],
+            "validation": {k: report[k] for k in ("tokens", "mean_abs_error", "max_abs_error", "backend")},
+            "packs": [{k: r[k] for k in ("num_samples", "measured_s", "predicted_s", "error")} for r in report["packs"]],
+            "verdict": verdict("cost_model_error", report["max_abs_error"], ctx.dry_run)}
+
+
+def check_profiler(ctx) -> dict:
+    """hbp-profile end to end on the shape (a dry run: the analytic back-end), timed."""
+    from hbp_train.profiler.cli import main as profile_main
+
+    c = ctx.hf_config
+    out = ctx.out / "profile.json"
+    argv = ["model=tiny_llama", f"model.config.hidden_size={c['hidden_size']}",
+            f"model.config.intermediate_size={c['intermediate_size']}",
+            f"model.config.num_hidden_layers={c['num_hidden_layers']}",
+            f"model.config.num_attention_heads={c['num_attention_heads']}",
+            f"model.config.num_key_value_heads={c.get('num_key_value_heads', c['num_attention_heads'])}",
+            f"+model.config.vocab_size={c['vocab_size']}", f"profile.output={out}",
+            f"profile.time_budget_s={ctx.args.profile_budget_s}"]
+    if ctx.dry_run:
+        argv += ["profile.dry_run=true", "profile.min_len=256", "profile.max_len=1024", "profile.world_size=2"]
+    else:
+        argv += ["profile.min_len=4096", "profile.max_len=65536", "profile.world_size=8",
+                 "model.config.max_position_embeddings=131072"]
+    t0 = time.monotonic()
+    rc = profile_main(argv)
+    wall = time.monotonic() - t0
+    profile = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
+    return {"exit_code": rc, "wall_s": wall, "groups": profile.get("groups"),
+            "profiler_total_s": (profile.get("profiler") or {}).get("total_s"),
+            "verdict": verdict("profiler_s", wall if rc == 0 else None, ctx.dry_run)}
+
+
+CHECK_FNS = {"backends": check_backends, "trainer": check_trainer, "memory": check_memory,
+             "calibration": check_calibration, "profiler": check_profiler}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def all_verdicts(report: dict) -> list[tuple[str, dict]]:
+    """(label, verdict) for every judged figure of the report, in check order."""
+    found = []
+    for name in CHECKS:
+        result = report["checks"].get(name) or {}
+        if "verdict" in result:
+            found.append((name, result["verdict"]))
+        for key, v in (result.get("verdicts") or {}).items():
+            found.append((f"{name}/{key}", v))
+        for backend, row in (result.get("backends") or {}).items():
+            for key, v in (row.get("verdicts") or {}).items():
+                found.append((f"{name}/{backend}/{key}", v))
+    return found
+
+
+def to_markdown(report: dict) -> str:
+    met = {True: "met", False: "**NOT met**", None: "n/a"}
+    lines = [f"# GPU acceptance report", "", f"{report['started']} on {report['device']}"
+             f"{' (dry run: the figures mean nothing, no verdicts)' if report['dry_run'] else ''}", "",
+             "| check | figure | value | target | verdict |", "|---|---|---|---|---|"]
+    for label, v in all_verdicts(report):
+        value = v["value"]
+        shown = "n/a" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        lines.append(f"| {label} | {v['what']} | {shown} | {v['target']} | {met[v['met']]} |")
+    lines.append("")
+    for name in CHECKS:
+        result = report["checks"].get(name)
+        if result is None:
+            continue
+        if "error" in result:
+            lines.append(f"- **{name} failed**: {result['error']}")
+    lines += ["", "Details: acceptance.json. What to do when a check fails: docs/gpu.md.", ""]
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    import torch
+
+    from bench.trainer_workload import parse_shape
+
+    gpu = torch.cuda.is_available() and not args.dry_run
+    args.dry_run = not gpu
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        raise UserError(f"--checks: unknown {', '.join(sorted(unknown))}; choose from {', '.join(CHECKS)}")
+    shape_name = args.model_shape or ("tiny" if args.dry_run else "llama3.2-1b")
+    _, _, hf_config = parse_shape(shape_name)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = SimpleNamespace(args=args, dry_run=args.dry_run, device=device, out=out, shape_name=shape_name,
+                          hf_config=hf_config, dtype=torch.bfloat16 if gpu else torch.float32,
+                          pack_len=args.pack_len or (16384 if gpu else 256))
+    report = {"acceptance": 1, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(device) if gpu else "CPU", "dry_run": args.dry_run,
+              "model_shape": shape_name, "torch": torch.__version__, "checks": {}, "complete": False}
+    for name in checks:
+        t0 = time.monotonic()
+        print(f"[acceptance] {name} ...", flush=True)
+        try:
+            result = CHECK_FNS[name](ctx)
+        except Exception as exc:  # noqa: BLE001 - reported in the report; the next check still runs
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        result["seconds"] = round(time.monotonic() - t0, 2)
+        report["checks"][name] = result
+        write(report, out)
+    report["complete"] = True
+    write(report, out)
+    return report
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "acceptance.md").write_text(to_markdown(report))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    set_cuda_allocator()  # the trainer's allocator setting (hbp_train/train.py)
+    if args.dry_run:  # keep torch and DeepSpeed off any GPU (before the first CUDA query)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        report = run(args)
+    except UserError as exc:
+        print(f"gpu_acceptance: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(to_markdown(report))
+    print(f"wrote {Path(args.out) / 'acceptance.json'} and acceptance.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

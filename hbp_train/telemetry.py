@@ -65,6 +65,8 @@ class LoggingConfig:
             raise UserError(f"logging.log_every={self.log_every}: must be >= 1")
         if self.peak_flops < 0:
             raise UserError(f"logging.peak_flops={self.peak_flops}: must be >= 0 (0 = auto)")
+        if not str(self.wandb_project).strip():
+            raise UserError("logging.wandb_project: must be a non-empty W&B project name")
 
 
 def keep_rows_before(path: str, step: int) -> None:

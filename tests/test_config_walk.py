@@ -48,7 +48,7 @@ OUT_OF_RANGE = {
     "train.keep_last": "-1", "train.resume": "''", "train.on_nan": "maybe", "train.max_skipped": "-1",
     "train.exit_after_steps": "0", "train.eval_every": "-1",
     "loss.normalizer": "mean", "loss.chunk_size": "0",
-    "logging.log_every": "0", "logging.peak_flops": "-1",
+    "logging.log_every": "0", "logging.peak_flops": "-1", "logging.wandb_project": "''",
     "profile.max_len": "1", "profile.min_len": "0", "profile.lengths": "[0]", "profile.world_size": "0",
     "profile.sp_degrees": "[3]", "profile.gpus_per_node": "0", "profile.headroom": "1.5",
     "profile.memory_metric": "guess", "profile.ckpt_probe_layers": "-1", "profile.warmup_iters": "-1",
@@ -59,7 +59,8 @@ NO_RANGE = {  # every value of the type is valid: only the wrong type is checked
     "data.check_counts": "bool", "data.shuffle_epochs": "bool", "deepspeed.offload_optimizer": "bool",
     "deepspeed.offload_param": "bool (true needs ZeRO-3, tested in test_config)", "deepspeed.overlap_comm": "bool",
     "train.save_final": "bool", "logging.jsonl": "bool", "logging.tensorboard": "bool",
-    "logging.progress_bar": "bool", "profile.prune": "bool", "profile.dry_run": "bool", "profile.progress": "bool",
+    "logging.progress_bar": "bool", "logging.exclude_comm_wait": "bool", "logging.wandb": "bool",
+    "logging.wandb_run_name": "free-form name (None = W&B chooses)", "profile.prune": "bool", "profile.dry_run": "bool", "profile.progress": "bool",
 }
 
 

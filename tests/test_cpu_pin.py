@@ -17,7 +17,7 @@ def test_this_session_is_pinned_to_the_cpu():
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"
     assert not torch.cuda.is_available()
-    assert ModelConfig(config={"hidden_size": 8}).torch_dtype() == torch.float32
+    assert ModelConfig(config={"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}).torch_dtype() == torch.float32
     assert select_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_block"
 
 

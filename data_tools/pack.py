@@ -271,7 +271,7 @@ def check_shards_dir(path: str) -> None:
                        "replaces; move it out or choose another --shards directory")
 
 
-METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"),
+METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"), ("mix_TV", "{:.4f}"),
                ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"), ("num_packs", "{}"),
                ("num_dropped", "{}"), ("empty_packs", "{}")]
 
@@ -373,6 +373,12 @@ def run(argv=None) -> int:
                 datasets.enable_progress_bars()
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
+    from hbp_train.planning.metrics import mix_report
+
+    # The steps' length mix beside the data's: far above isf's mix_TV means length-skewed steps (docs/planning.md).
+    report = mix_report(plan, args.strategy)
+    if report:
+        print(report)
     if plan.metrics["num_dropped"]:
         print(f"dropped {plan.metrics['num_dropped']} samples longer than the largest pack_len "
               f"({groups[-1].pack_len}): reason longer_than_max_pack_len")

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
                    "move samples between the packs of a slot to even their cost (default refine)")
+    p.add_argument("--step-mix", choices=["stratified", "sorted"], default="stratified",
+                   help="hbp: how a group's cost-sorted slots become steps: stratified = every step takes one slot of "
+                   "each cost stratum (steps span the group's lengths); sorted = consecutive slots (the paper; steps "
+                   "homogeneous in length, which costs quality) (default stratified)")
     p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers "
                    "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,
@@ -336,7 +340,8 @@ def run(argv=None) -> int:
         cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,
                          global_tokens=args.global_tokens, max_len=args.max_len,
                          curriculum_steps=args.curriculum_steps, seed=args.seed, isf_rounds=args.isf_rounds,
-                         isf_threshold=args.isf_threshold, balance=args.balance, progress=not args.quiet,
+                         isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
+                         progress=not args.quiet,
                          pack_cost=pack_cost)
         t0 = time.perf_counter()
         plan = make_plan(lengths, cfg)

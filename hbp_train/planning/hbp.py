@@ -7,8 +7,9 @@ For groups i = n..1 (largest first):
 3. **GreedyFill**: top up group i's packs with samples still unpacked in the groups below (``fill_bins`` with no
    new bins); those samples leave their group. The paper walks D_{i-1}, ..., D_1 in turn; we sweep all lower
    groups together from the largest size class down, which fills at least as tightly (first-fit decreasing).
-4. **Balance**: steps are built per group by ``balance.build_steps`` (cost-sorted slots), then ordered by
-   ``curriculum.order_steps`` (seeded shuffle, curriculum, interleave).
+4. **Balance**: steps are built per group by ``balance.build_steps`` (cost-sorted slots, dealt to steps one per
+   cost stratum so that every step spans the group's lengths), then ordered by ``curriculum.order_steps``
+   (seeded shuffle, curriculum, interleave).
 
 ``fill_bins`` is a vectorised first-fit-decreasing: samples are bucketed into size classes [2^(c/2), 2^((c+1)/2))
 and processed from the largest class down, in random (seeded) order within a class. For a class whose largest
@@ -175,7 +176,8 @@ def plan_hbp(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr, pack_samples, pack_group = pack_hierarchical(lengths, kept, config, rng)
     bar.update()
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
-        lengths, pack_ptr, pack_samples, pack_group, config, balance=True
+        lengths, pack_ptr, pack_samples, pack_group, config, balance=True,
+        mix_steps=config.step_mix == "stratified", rng=rng,
     )
     bar.update()
     order = order_steps(step_group, config.curriculum_steps, rng)

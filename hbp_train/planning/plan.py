@@ -31,6 +31,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_ISF_ROUNDS = 1000
 STRATEGIES = ("hbp", "isf")
 BALANCE_METHODS = ("refine", "sort")
+STEP_MIX_METHODS = ("stratified", "sorted")
 DROP_TOO_LONG = "longer_than_max_pack_len"
 
 # A per-pack cost: (lengths of the samples of all packs, flat in pack order; CSR pointer [num_packs + 1];
@@ -90,6 +91,10 @@ class PlanConfig:
     """ISF: a pack is kept in a round if it holds at least pack_len - threshold tokens; None = pack_len // 64."""
     balance: str = "refine"
     """hbp step building: "sort" (paper: sort packs by cost, chunk) or "refine" (sort, then a swap pass)."""
+    step_mix: str = "stratified"
+    """hbp: how the cost-sorted slots of a group are dealt to steps: "stratified" (every step takes one slot from
+    each of m cost strata, so its samples span the group's length range like a random batch) or "sorted" (m
+    consecutive slots per step, the paper's chunking: steps homogeneous in length, which costs quality; #16)."""
     pack_cost: PackCostFn | None = None
     """Per-pack cost the balancer equalises across replicas (e.g. from hbp_train.perf.cost_model); None = sum len^2."""
     progress: bool = False
@@ -130,6 +135,8 @@ class PlanConfig:
             raise UserError(f"isf_threshold must be >= 0 or None, got {self.isf_threshold}")
         if self.balance not in BALANCE_METHODS:
             raise UserError(f"balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
+        if self.step_mix not in STEP_MIX_METHODS:
+            raise UserError(f"step_mix must be one of {STEP_MIX_METHODS}, got {self.step_mix!r}")
 
     def replicas(self, group: int) -> int:
         """Number of replicas (SP groups) of a step in ``group``."""

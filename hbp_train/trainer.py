@@ -35,7 +35,8 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import MetricsLogger, all_gather_floats, comm_wait_timer, peak_memory_gib, reset_peak_memory
+from hbp_train.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, comm_wait_timer, peak_memory_gib,
+                                 reset_peak_memory)
 
 ON_NAN = ("skip", "abort")
 
@@ -154,6 +155,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
+    step_mix = StepLengthMix(run.data.plan)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
@@ -197,6 +199,7 @@ def train(cfg, config_yaml: str = "") -> dict:
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
                 skipped=skipped, num_skipped=num_skipped, pack_len=int(run.data.groups[step_batch.group]["pack_len"]),
                 num_packs=step_batch.dp_size * len(step_batch.micro_batches))
+            m.update(step_mix(step_batch.plan_step))
             m.update(run.sp.stats.step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
             if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):

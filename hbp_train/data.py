@@ -270,6 +270,18 @@ class PackedData:
     def num_steps(self) -> int:
         return len(self.steps) if self._npz is None else len(self._npz["step_group"])
 
+    def sample_lengths(self) -> Optional[np.ndarray]:
+        """Every sample's token length as the plan lists it ("lengths"), or None for a plan without them."""
+        if self._npz is not None:
+            return np.asarray(self._npz["lengths"], np.int64)
+        lengths = self.plan.get("lengths")
+        return None if lengths is None else np.asarray(lengths, np.int64)
+
+    def step_samples(self, plan_step: int) -> np.ndarray:
+        """The sample indices of every pack of plan step ``plan_step``, all replicas."""
+        entry = self._step_entry(plan_step)
+        return np.asarray([i for replica in entry["replicas"] for pack in replica for i in pack], np.int64)
+
     def sp_degrees(self) -> list:
         return sorted({int(g.get("sp", 1)) for g in self.groups})
 

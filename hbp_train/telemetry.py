@@ -200,29 +200,32 @@ def all_gather_floats(values: list, device: torch.device) -> torch.Tensor:
 
 
 class StepLengthMix:
-    """``mix/…`` metrics of a plan step, from the plan the packed shards hold (its "lengths" and the sample indices
-    of every step's packs): the step's token share per length bucket (``mix/le_<edge>``: samples of at most that
-    many tokens and more than the bucket below) and ``mix/tv``. Computed once for all steps; {} for a plan without
-    lengths."""
+    """``mix/…`` metrics of a plan step, from the plan the packed shards hold (its sample lengths and the samples of
+    every step's packs, all replicas): the step's token share per length bucket (``mix/le_<edge>``: samples of at
+    most that many tokens and more than the bucket below) and ``mix/tv``, its distance to the plan's whole mix (the
+    plan's "data_mix"; planning/metrics.py). ``data`` is a ``data.PackedData``; {} for a plan without lengths."""
 
-    def __init__(self, plan: dict):
-        from hbp_train.planning.metrics import mix_distance, mix_edges, token_mix
+    def __init__(self, data):
+        from hbp_train.planning.metrics import mix_edges, token_mix
 
-        self.metrics: list[dict] = []
-        if not plan.get("lengths") or not plan.get("steps"):
+        self.data = data
+        self.lengths = data.sample_lengths()
+        if self.lengths is None:
             return
-        lengths = np.asarray(plan["lengths"], np.int64)
-        edges = mix_edges([g["pack_len"] for g in plan["groups"]])
-        steps = [np.asarray([i for rep in st["replicas"] for pk in rep for i in pk], np.int64) for st in plan["steps"]]
-        packed = np.concatenate(steps)
-        step_of = np.repeat(np.arange(len(steps)), [len(x) for x in steps])
-        mix = token_mix(lengths[packed], edges, step_of, len(steps))
-        tv = mix_distance(mix, token_mix(lengths[packed], edges))
-        names = [f"mix/le_{int(e)}" for e in edges]
-        self.metrics = [{"mix/tv": float(tv[s]), **dict(zip(names, mix[s].tolist()))} for s in range(len(steps))]
+        metrics = data.plan.get("metrics") or {}
+        self.edges = np.asarray(metrics.get("mix_edges") or mix_edges([g["pack_len"] for g in data.groups]), np.int64)
+        reference = metrics.get("data_mix")
+        self.reference = (np.asarray(reference, np.float64) if reference is not None and len(reference) == len(self.edges)
+                          else token_mix(self.lengths, self.edges))
+        self.names = [f"mix/le_{int(e)}" for e in self.edges]
 
     def __call__(self, plan_step: int) -> dict:
-        return dict(self.metrics[plan_step]) if plan_step < len(self.metrics) else {}
+        from hbp_train.planning.metrics import mix_distance, token_mix
+
+        if self.lengths is None or not 0 <= plan_step < self.data.num_steps:
+            return {}
+        mix = token_mix(self.lengths[self.data.step_samples(plan_step)], self.edges)
+        return {"mix/tv": float(mix_distance(mix, self.reference)[0]), **dict(zip(self.names, mix.tolist()))}
 
 
 class MetricsLogger:

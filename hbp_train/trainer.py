@@ -155,7 +155,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
-    step_mix = StepLengthMix(run.data.plan)  # mix/...: the length mix of every step (a skew costs quality)
+    step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hbp_train.planning import GroupSpec, Plan, PlanConfig, make_plan
 from hbp_train.planning.balance import build_steps, stratify_slots
 from hbp_train.planning.hbp import pack_hierarchical
-from hbp_train.planning.metrics import mix_distance, mix_edges, token_mix
+from hbp_train.planning.metrics import mix_distance, mix_edges, step_mix, token_mix
 from tests.test_planning_properties import GROUP_SETS, SETTINGS
 
 
@@ -138,7 +138,7 @@ def test_stratified_steps_follow_the_data_mix_closer_than_sorted_ones(seed):
     assert mix_edges([1024, 2048])[4] == 256
 
     def short_share_spread(plan):
-        return float(plan.step_metrics["mix"][plan.step_group == 0][:, :5].sum(axis=1).std())
+        return float(step_mix(plan)[0][plan.step_group == 0][:, :5].sum(axis=1).std())
 
     assert short_share_spread(mixed) < 0.5 * short_share_spread(plain)
 
@@ -161,13 +161,13 @@ def test_mix_edges_token_mix_and_distance():
 
 
 def test_plan_mix_metrics():
-    """step_metrics["mix"]: each step's token share per bucket; mix_TV: 0 when every step holds the data's mix."""
+    """step_mix: each step's token share per bucket; mix_TV: 0 when every step holds the data's mix."""
     lengths = np.array([100, 900, 100, 900], np.int64)  # two equal steps: each one short and one long sample
     cfg = PlanConfig(world_size=1, groups=[GroupSpec(1000, 1)], global_tokens=1000)
     plan = make_plan(lengths, cfg)
     assert plan.num_steps == 2
     assert plan.metrics["mix_TV"] == pytest.approx(0.0)
-    assert plan.step_metrics["mix"].sum(axis=1) == pytest.approx([1.0, 1.0])
+    assert step_mix(plan)[0].sum(axis=1) == pytest.approx([1.0, 1.0])
     edges = plan.metrics["mix_edges"]
     assert plan.metrics["data_mix"][int(np.searchsorted(edges, 900))] == pytest.approx(0.9)
     # One step of the long samples, one of the short ones: each step is far from the data's 10/90 mix.
@@ -177,4 +177,5 @@ def test_plan_mix_metrics():
     assert sorted(tv.tolist()) == pytest.approx([0.1, 0.9])
     assert plan.metrics["mix_TV"] == pytest.approx(0.5)
     d = plan.to_dict()
-    assert len(d["step_metrics"][0]["mix"]) == len(edges) and d["metrics"]["mix_TV"] == pytest.approx(0.5)
+    assert [s["mix_TV"] for s in d["step_metrics"]] == pytest.approx(tv.tolist())
+    assert d["metrics"]["mix_TV"] == pytest.approx(0.5)

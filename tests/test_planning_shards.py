@@ -163,3 +163,32 @@ def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
     assert plan_fingerprint(str(tmp_path / "b")) != plan_fingerprint(str(tmp_path / "j"))
     assert main(common + ["--shards", str(tmp_path / "b")]) == 0  # an earlier binary output is replaced
     assert (tmp_path / "b" / "plan.json").is_file() and not (tmp_path / "b" / "plan.npz").exists()
+
+
+@pytest.mark.parametrize("plan_format", ["json", "npz"])
+def test_live_length_mix_of_packed_shards_is_the_plans(tmp_path, tokenized, plan_format):
+    """telemetry.StepLengthMix over the loader (plan.json or plan.npz): every step's token share per length bucket
+    (all replicas' samples) and mix/tv equal the plan's own step mix and mix_TV; a plan without lengths gives {}."""
+    from hbp_train.data import PackedData
+    from hbp_train.planning import Plan
+    from hbp_train.planning.metrics import step_mix
+    from hbp_train.telemetry import StepLengthMix
+
+    src, _ = tokenized
+    out = tmp_path / "packed"
+    assert main(["--dataset", str(src), "--shards", str(out), "--world-size", "4", "--groups", "64:1,256:2",
+                 "--global-tokens", "512", "--quiet", "--plan-format", plan_format, "--out", str(tmp_path / "p.json"),
+                 "--step-mix", "sorted"]) == 0
+    plan = Plan.from_json(tmp_path / "p.json")
+    data = PackedData(str(out))
+    mix = StepLengthMix(data)
+    shares, _ = step_mix(plan)
+    for s in range(data.num_steps):
+        m = mix(s)
+        assert m["mix/tv"] == pytest.approx(plan.step_metrics["mix_TV"][s])
+        assert [m[f"mix/le_{e}"] for e in plan.metrics["mix_edges"]] == pytest.approx(shares[s].tolist())
+    assert max(mix(s)["mix/tv"] for s in range(data.num_steps)) > 0.3  # sorted dealing: some steps far off
+    assert mix(data.num_steps) == {}
+    if plan_format == "json":
+        data.plan.pop("lengths")
+        assert StepLengthMix(data)(0) == {}

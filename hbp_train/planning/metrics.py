@@ -11,7 +11,7 @@ under DeepSpeed ZeRO, docs/planning.md). With T_r the tokens and A_r = sum of le
 * sp_required_share = share of tokens in samples longer than the largest sp=1 group's pack_len (they must use
   SP whatever the plan; 1.0 when no group has sp=1) — the floor CR is compared with.
 * length mix: samples fall into MIX_BUCKETS octave buckets of length below the largest pack_len (``mix_edges``);
-  a step's mix is its token share per bucket (step_metrics["mix"]), and its mix_TV the total-variation distance
+  a step's mix is its token share per bucket (``step_mix``), and its mix_TV (step_metrics) the total-variation distance
   0.5 * sum_b |share_b(step) - share_b(all packed tokens)|: 0 when the step holds the data's length mix, 1 when it
   holds only lengths the data has none of. Plan mix_TV = mean over steps. A plan whose steps are homogeneous in
   length (sorted batching ~0.8) skews every gradient step; a random fill (isf) only has sampling noise (~0.2 at
@@ -78,9 +78,9 @@ def step_mix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 def mix_report(plan: Plan, name: str = "") -> str:
     """A few lines for a plan report: the data's token share per length bucket, the mean share of each group's
     steps, and how far the steps are from the data's mix (mix_TV mean and worst step per group)."""
-    mix = plan.step_metrics.get("mix")
-    if mix is None or not plan.num_steps:
+    if not plan.num_steps or "mix_TV" not in plan.step_metrics:
         return ""
+    mix, _ = step_mix(plan)
     edges = plan.metrics["mix_edges"]
     tv = plan.step_metrics["mix_TV"]
     lines = [f"{'length mix (token share)':<26}" + "".join(f"{'<=' + str(e):>7}" for e in edges) + "   mix_TV mean / max"]
@@ -176,7 +176,6 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "tokens": step_tokens,
         "micro_batches": step_sizes // reps[plan.step_group] if num_steps else np.zeros(0, np.int64),
         "mix_TV": step_tv,
-        "mix": mix,
     }
     return metrics, step_metrics
 

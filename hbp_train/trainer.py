@@ -11,7 +11,9 @@ one the normalizer's formula defines, whatever m (tests/test_trainer_dist.py pro
 Per step, in order: the group's activation-checkpointing depth, the SP degree (attention size switch), then per
 micro-batch the SP split of the collated pack, forward, loss normalization (the SP loss reduction hooks in there),
 backward; then the optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the
-stop and NaN flags every rank must agree on).
+stop and NaN flags every rank must agree on). A step that mixes packing groups (hbp step_mix="mixed": one plan step
+per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
+loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas.
 """
 
 from __future__ import annotations
@@ -197,8 +199,8 @@ def train(cfg, config_yaml: str = "") -> dict:
                 lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
-                skipped=skipped, num_skipped=num_skipped, pack_len=int(run.data.groups[step_batch.group]["pack_len"]),
-                num_packs=step_batch.dp_size * len(step_batch.micro_batches))
+                skipped=skipped, num_skipped=num_skipped,
+                pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs)
             m.update(step_mix(step_batch.plan_step))
             m.update(run.sp.stats.step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
@@ -277,16 +279,22 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
 def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
-    engine, sp = run.engine, step_batch.sp
-    set_checkpointed_layers(run.model, step_ckpt_layers(run.cfg, step_batch.group, step_batch.ckpt_layers,
-                                                        run.data.groups if run.data is not None else None))
-    run.sp.set_active(sp)  # SP: the attention dispatcher switches to the step's degree
+    engine = run.engine
+    active = None  # (group, sp) the model is set up for
     shape = parse_model_shape(run.model.config)
     num_micro = len(step_batch.micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # MoE: Σ pack aux x its local loss tokens
     tokens = flops = loss_tokens = 0.0
     for k, micro_batch in enumerate(step_batch.micro_batches):
+        # A step that mixes packing groups (plan step_mix="mixed") switches group settings between micro-batches.
+        group, sp = micro_batch.get("group", step_batch.group), micro_batch.get("sp", step_batch.sp)
+        if (group, sp) != active:
+            set_checkpointed_layers(run.model, step_ckpt_layers(
+                run.cfg, group, micro_batch.get("ckpt_layers", step_batch.ckpt_layers),
+                run.data.groups if run.data is not None else None))
+            run.sp.set_active(sp)  # SP: the attention dispatcher switches to the group's degree
+            active = (group, sp)
         if micro_batch["num_samples"]:
             # Under SP each rank of the group does 1/sp of the pack's work (its token slice, its share of heads).
             tokens += micro_batch["input_ids"].shape[1] / sp
@@ -307,13 +315,13 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
             has_label_T = (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)
             loss_T = loss_T + run.router_aux.coef * aux * has_label_T
             aux_sum += aux.detach().double() * has_label_T.sum()
-        engine.backward(_normalized_loss(run, loss_T, batch, step_batch))
+        engine.backward(_normalized_loss(run, loss_T, batch, step_batch, sp))
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
     return {"loss_sum": float(loss_sum), "aux_sum": float(aux_sum), "loss_tokens": loss_tokens, "tokens": tokens,
             "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum)))}
 
 
-def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
+def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch, sp: int):
     """The micro-batch's scalar for backward.
 
     SP: each rank holds the token losses of its slice only. Its partial loss is scaled for the W/sp data-parallel
@@ -323,9 +331,11 @@ def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
     return run.sp.reduce_loss(normalize_loss(
         loss_T, batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
         # max(.., 1): a replica (or step) may hold only empty packs; its token sum is 0 anyway.
-        global_loss_tokens=max(step_batch.global_loss_tokens, 1), rank_loss_tokens=max(step_batch.rank_loss_tokens, 1),
+        global_loss_tokens=max(step_batch.global_loss_tokens, 1),
+        # token_mean: this rank's loss tokens (a step mixing groups gives its SP packs one divisor per SP group)
+        rank_loss_tokens=max(batch.get("rank_loss_tokens", step_batch.rank_loss_tokens), 1),
         global_num_samples=max(step_batch.global_num_samples, 1), rank_num_samples=step_batch.rank_num_samples,
-        dp_world_size=run.grad_divisor // step_batch.sp,  # SP: W/sp replicas, see above
+        dp_world_size=run.grad_divisor // sp,  # SP: W/sp replicas of this micro-batch's group, see above
         num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
         sample_loss_tokens_T=batch["sample_loss_tokens"],
     ))

@@ -215,8 +215,8 @@ class StepLengthMix:
         metrics = data.plan.get("metrics") or {}
         self.edges = np.asarray(metrics.get("mix_edges") or mix_edges([g["pack_len"] for g in data.groups]), np.int64)
         reference = metrics.get("data_mix")
-        self.reference = (np.asarray(reference, np.float64) if reference is not None and len(reference) == len(self.edges)
-                          else token_mix(self.lengths, self.edges))
+        known = reference is not None and len(reference) == len(self.edges)
+        self.reference = np.asarray(reference, np.float64) if known else token_mix(self.lengths, self.edges)
         self.names = [f"mix/le_{int(e)}" for e in self.edges]
 
     def __call__(self, plan_step: int) -> dict:

@@ -89,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
                    "move samples between the packs of a slot to even their cost (default refine)")
-    p.add_argument("--step-mix", choices=["stratified", "sorted"], default="stratified",
-                   help="hbp: how a group's cost-sorted slots become steps: stratified = every step takes one slot of "
-                   "each cost stratum (steps span the group's lengths); sorted = consecutive slots (the paper; steps "
-                   "homogeneous in length, which costs quality) (default stratified)")
+    p.add_argument("--step-mix", choices=["mixed", "stratified", "sorted"], default="mixed",
+                   help="hbp: how balanced slots become optimizer steps: sorted = consecutive cost-sorted slots of one "
+                   "group (the paper; steps homogeneous in length, which costs quality); stratified = one slot of "
+                   "each cost stratum of one group; mixed = stratified, and every optimizer step holds slots of "
+                   "every group (the trainer switches SP between them) (default mixed)")
     p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers "
                    "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,

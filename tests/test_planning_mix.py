@@ -1,9 +1,11 @@
-"""Length mix of hbp's steps (#16): the stratified dealing of slots to steps, and the mix metrics.
+"""Length mix of hbp's steps (#16): stratified dealing of slots to steps, optimizer steps that mix the groups, and
+the mix metrics.
 
 hbp cuts every group's packs into cost-sorted slots (the balance). With step_mix="sorted" a step took m consecutive
 slots, so a step held only short samples or only long ones, which costs held-out quality (bench/bench_quality.py).
-With "stratified" (default) every full step takes one slot of each of m cost strata: the same packs and slots
-(so the same balance), steps that span the group's length range."""
+With "stratified" every full step takes one slot of each of m cost strata: the same packs and slots (so the same
+balance), steps that span the group's length range. With "mixed" (default) every optimizer step also holds slots of
+every group in proportion (one plan step per group, Plan.optimizer_step), the same slots again."""
 
 from __future__ import annotations
 
@@ -127,11 +129,12 @@ def test_stratified_steps_follow_the_data_mix_closer_than_sorted_ones(seed):
     """On a long-tailed mix, sorted dealing gives steps of only the shortest samples (mix_TV near isf's double);
     stratified dealing brings the mean step closer to the data's length mix, at the same balance."""
     lengths = _long_tailed(seed)
-    cfg = PlanConfig(world_size=4, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=1 << 15, seed=seed)
+    cfg = PlanConfig(world_size=4, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=1 << 15, seed=seed,
+                     step_mix="stratified")
     mixed, plain = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="sorted"))
     isf = make_plan(lengths, replace(cfg, strategy="isf"))
     assert mixed.metrics["mix_TV"] < 0.8 * plain.metrics["mix_TV"]
-    assert isf.metrics["mix_TV"] < mixed.metrics["mix_TV"]  # the hierarchy still keeps long samples in SP steps
+    assert isf.metrics["mix_TV"] < mixed.metrics["mix_TV"]  # steps of one group: long samples only in SP steps
     assert mixed.metrics["ABR"] == pytest.approx(plain.metrics["ABR"])
     # Within the sp=1 group, where stratification acts alone, every step's token share of samples up to 256
     # tokens is far more even.
@@ -141,6 +144,98 @@ def test_stratified_steps_follow_the_data_mix_closer_than_sorted_ones(seed):
         return float(step_mix(plan)[0][plan.step_group == 0][:, :5].sum(axis=1).std())
 
     assert short_share_spread(mixed) < 0.5 * short_share_spread(plain)
+
+
+def _optimizer_step_slots(plan: Plan) -> list:
+    """Per optimizer step: [(group, slots of it)], in plan order."""
+    out: list = []
+    for s, k in enumerate(plan.optimizer_steps().tolist()):
+        if k == len(out):
+            out.append([])
+        out[k].append((int(plan.step_group[s]), int(plan.step_micro_batches()[s])))
+    return out
+
+
+@SETTINGS
+@given(cases())
+def test_mixed_optimizer_steps_hold_every_group_in_proportion_with_the_same_slots(case):
+    """step_mix="mixed": the same slots as stratified (so the same ABR/DBR/PR/CR), every sample once; an optimizer step
+    holds one plan step per group; its capacity is within half a slot of global_tokens (but the curriculum's and the
+    last); after the curriculum every group's slots are spread in proportion over the run (its share of any prefix
+    of the slots within a few slots); the first K optimizer steps are whole steps of the lowest group; plan.json and
+    plan.npz keep the optimizer steps."""
+    lengths, cfg = case
+    mixed = make_plan(lengths, replace(cfg, step_mix="mixed"))
+    strat = make_plan(lengths, replace(cfg, step_mix="stratified"))
+    mixed.validate()
+    assert _slots(mixed) == _slots(strat)
+    for key in ("ABR", "DBR", "PR", "CR", "tokens", "num_packs", "num_slots"):
+        assert mixed.metrics[key] == pytest.approx(strat.metrics[key], abs=1e-12), key
+    per_opt = _optimizer_step_slots(mixed)
+    assert mixed.num_optimizer_steps == len(per_opt) == mixed.metrics["num_steps"]
+    groups = {g for g in np.unique(mixed.step_group).tolist()}
+    slot_cap = {g: cfg.groups[g].pack_len * cfg.replicas(g) for g in groups}
+    lowest = min(groups)
+    k = min(cfg.curriculum_steps, int(np.count_nonzero(strat.step_group == lowest)))
+    assert all(len(p) == 1 and p[0][0] == lowest for p in per_opt[:k])
+    if len(groups) == 1:
+        assert mixed.optimizer_step is None  # nothing to mix: one plan step per optimizer step
+        return
+    big = max(slot_cap.values())
+    for parts in per_opt[k:-1]:
+        capacity = sum(slot_cap[g] * n for g, n in parts)
+        assert abs(capacity - cfg.global_tokens) <= big / 2 + 1e-9 or capacity <= cfg.global_tokens + big / 2
+        assert capacity >= cfg.global_tokens - big / 2 - max(slot_cap.values()), parts
+    rest = [g for parts in per_opt[k:] for g, n in parts for _ in range(n)]
+    slot_order = np.asarray(rest)
+    for g in groups:
+        share = np.mean(slot_order == g)
+        seen = np.cumsum(slot_order == g)
+        # one tail step per group may move as a whole (up to m slots)
+        slack = len(groups) + max(cfg.micro_batches(h) for h in groups)
+        assert np.all(np.abs(seen - share * np.arange(1, len(slot_order) + 1)) <= slack)
+    back = Plan.from_dict(mixed.to_dict())
+    assert np.array_equal(back.optimizer_step, mixed.optimizer_step)
+    assert back.metrics["mix_TV"] == pytest.approx(mixed.metrics["mix_TV"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_steps_hold_the_datas_length_mix(seed):
+    """With optimizer steps that mix the groups, the steps' length mix is as close to the data's as a random fill
+    (isf) gets, or closer (mix_TV), and far closer than steps of one group; the balance is the same."""
+    lengths = _long_tailed(seed)
+    cfg = PlanConfig(world_size=4, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=1 << 15, seed=seed)
+    mixed, strat = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="stratified"))
+    isf = make_plan(lengths, replace(cfg, strategy="isf"))
+    assert mixed.metrics["mix_TV"] < 0.6 * strat.metrics["mix_TV"]
+    assert mixed.metrics["mix_TV"] < 1.2 * isf.metrics["mix_TV"]
+    assert mixed.metrics["ABR"] == pytest.approx(strat.metrics["ABR"])
+
+
+def test_binary_plan_keeps_the_optimizer_steps(tmp_path):
+    from hbp_train.planning.plan_npz import read_npz, write_npz
+
+    plan = make_plan(_long_tailed(0, 600), PlanConfig(world_size=2, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)],
+                                                      global_tokens=8192))
+    assert plan.optimizer_step is not None and plan.num_optimizer_steps < plan.num_steps
+    write_npz(plan, tmp_path / "p.npz")
+    back = read_npz(tmp_path / "p.npz")
+    back.validate()
+    assert np.array_equal(back.optimizer_step, plan.optimizer_step)
+    assert back.metrics["num_steps"] == plan.num_optimizer_steps
+
+
+def test_validate_rejects_broken_optimizer_steps():
+    plan = make_plan(_long_tailed(0, 600), PlanConfig(world_size=2, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)],
+                                                      global_tokens=8192))
+    good = plan.optimizer_step.copy()
+    for bad in (good + 1, np.r_[good[:-1], good[-1] + 2]):
+        plan.optimizer_step = bad
+        with pytest.raises(ValueError, match="optimizer_step must number"):
+            plan.validate()
+    plan.optimizer_step = np.zeros(plan.num_steps, np.int64)  # one optimizer step of all plan steps
+    with pytest.raises(ValueError, match="two plan steps of the same group"):
+        plan.validate()
 
 
 def test_step_mix_sorted_is_refused_when_misspelt():
@@ -179,3 +274,28 @@ def test_plan_mix_metrics():
     d = plan.to_dict()
     assert [s["mix_TV"] for s in d["step_metrics"]] == pytest.approx(tv.tolist())
     assert d["metrics"]["mix_TV"] == pytest.approx(0.5)
+
+
+def test_simulated_time_of_mixed_steps():
+    """Mixing groups moves whole slots: the simulated compute time (ZeRO-2/3: sum of slot times) is the stratified
+    plan's; with ZeRO's collectives, the per-step collectives and the optimizer count once per optimizer step."""
+    from hbp_train.perf.cost_model import CostModel
+    from hbp_train.planning.simulator import SimConfig, simulate, zero_comm_seconds
+
+    cfg = PlanConfig(world_size=8, groups=[GroupSpec(1024, 1), GroupSpec(2048, 4)], global_tokens=1 << 14, seed=1)
+    lengths = _long_tailed(1)
+    mixed, strat = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="stratified"))
+    assert mixed.num_optimizer_steps < mixed.num_steps
+    model = CostModel.from_calibration()
+    a, b = simulate(mixed, model), simulate(strat, model)
+    assert a.total_seconds == pytest.approx(b.total_seconds, rel=1e-12)
+    assert len(a.step_seconds) == mixed.num_optimizer_steps
+    zero = SimConfig(zero_stage=2)
+    c = simulate(mixed, model, zero)
+    assert len(c.step_seconds) == mixed.num_optimizer_steps
+    assert c.optimizer_seconds == pytest.approx(c.optimizer_seconds_per_step * mixed.num_optimizer_steps)
+    # ZeRO-2: collectives per micro-batch (slot) and per step, and the optimizer, once per OPTIMIZER step
+    comm = zero_comm_seconds(model.shape.num_params, cfg.world_size, zero)
+    slots = int(mixed.metrics["num_slots"])
+    expected = slots * comm["micro"] + mixed.num_optimizer_steps * (comm["step"] + comm["optimizer"])
+    assert c.total_seconds - a.total_seconds == pytest.approx(expected, rel=1e-9)

@@ -7,7 +7,7 @@ under DeepSpeed ZeRO, docs/planning.md). With T_r the tokens and A_r = sum of le
 * DBR = mean over slots of sum_r (T_max - T_r) / (T_max * N)   (data/dist balance ratio)
 * PR  = 1 - sum tokens / sum over packs of its group's pack_len  (padding ratio)
 * CR  = tokens in steps whose group has sp > 1 / sum tokens      (communication ratio)
-* AveT = sum tokens / (number of steps * world_size)            (average tokens per rank per step)
+* AveT = sum tokens / (number of optimizer steps * world_size)  (average tokens per rank per step)
 * sp_required_share = share of tokens in samples longer than the largest sp=1 group's pack_len (they must use
   SP whatever the plan; 1.0 when no group has sp=1) — the floor CR is compared with.
 * length mix: samples fall into MIX_BUCKETS octave buckets of length below the largest pack_len (``mix_edges``);
@@ -44,7 +44,8 @@ def mix_edges(pack_lens) -> np.ndarray:
     return np.unique(np.array([max(1, top >> k) for k in range(MIX_BUCKETS - 1, -1, -1)], np.int64))
 
 
-def token_mix(lengths: np.ndarray, edges: np.ndarray, group: np.ndarray | None = None, num_groups: int = 1) -> np.ndarray:
+def token_mix(lengths: np.ndarray, edges: np.ndarray, group: np.ndarray | None = None,
+              num_groups: int = 1) -> np.ndarray:
     """Token share per length bucket of ``lengths`` ([B]); with ``group`` (an id in [0, num_groups) per length) one
     row per group ([num_groups, B]; all zeros for a group without tokens)."""
     lengths = np.asarray(lengths, np.int64)
@@ -65,31 +66,42 @@ def mix_distance(mix: np.ndarray, reference: np.ndarray) -> np.ndarray:
 
 
 def step_mix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """(per-step token share per length bucket [num_steps, B], the whole plan's mix [B])."""
+    """(token share per length bucket of every OPTIMIZER step [num_optimizer_steps, B], the whole plan's mix [B]).
+
+    An optimizer step's mix is that of all samples its plan steps train on (one plan step per optimizer step
+    unless the plan mixes groups, ``Plan.optimizer_step``)."""
     edges = mix_edges([g.pack_len for g in plan.config.groups])
     step_sizes = np.diff(plan.step_ptr)
     step_of_pack = np.zeros(plan.num_packs, np.int64)
-    step_of_pack[plan.step_packs] = np.repeat(np.arange(plan.num_steps), step_sizes)
+    step_of_pack[plan.step_packs] = np.repeat(plan.optimizer_steps(), step_sizes)
     step_of_sample = np.repeat(step_of_pack, np.diff(plan.pack_ptr))
     lengths = plan.lengths[plan.pack_samples]
-    return token_mix(lengths, edges, step_of_sample, plan.num_steps), token_mix(lengths, edges)
+    return token_mix(lengths, edges, step_of_sample, plan.num_optimizer_steps), token_mix(lengths, edges)
 
 
 def mix_report(plan: Plan, name: str = "") -> str:
-    """A few lines for a plan report: the data's token share per length bucket, the mean share of each group's
-    steps, and how far the steps are from the data's mix (mix_TV mean and worst step per group)."""
+    """A few lines for a plan report: the data's token share per length bucket, then the mean share of the optimizer
+    steps and how far they are from the data's mix (mix_TV mean and worst step): per group for steps of one group,
+    in one row for optimizer steps that mix the groups."""
     if not plan.num_steps or "mix_TV" not in plan.step_metrics:
         return ""
-    mix, _ = step_mix(plan)
+    mix, data_mix = step_mix(plan)
+    tv = mix_distance(mix, data_mix)
     edges = plan.metrics["mix_edges"]
-    tv = plan.step_metrics["mix_TV"]
-    lines = [f"{'length mix (token share)':<26}" + "".join(f"{'<=' + str(e):>7}" for e in edges) + "   mix_TV mean / max"]
-    lines.append(f"{'  data':<26}" + "".join(f"{x:>7.2f}" for x in plan.metrics["data_mix"]))
-    for g in np.unique(plan.step_group):
-        steps = plan.step_group == g
-        label = f"  {name + ' ' if name else ''}group {int(g)} ({int(steps.sum())} steps)"
-        lines.append(f"{label:<26}" + "".join(f"{x:>7.2f}" for x in mix[steps].mean(axis=0))
-                     + f"   {tv[steps].mean():.3f} / {tv[steps].max():.3f}")
+    lines = [f"{'length mix (token share)':<34}" + "".join(f"{'<=' + str(e):>7}" for e in edges)
+             + "   mix_TV mean / max"]
+    lines.append(f"{'  data':<34}" + "".join(f"{x:>7.2f}" for x in data_mix))
+    opt = plan.optimizer_steps()
+    first = np.r_[True, np.diff(opt) != 0] if len(opt) else np.zeros(0, bool)
+    mixed = np.bincount(opt, minlength=len(mix)) > 1  # optimizer steps of several plan steps (groups)
+    rows = [(f"{int(mixed.sum())} steps mixing the groups", mixed)] if mixed.any() else []
+    group_of = plan.step_group[first]
+    rows += [(f"group {int(g)} ({int(np.sum(~mixed & (group_of == g)))} steps)", ~mixed & (group_of == g))
+             for g in np.unique(group_of[~mixed])]
+    for label, sel in rows:
+        label = f"  {name + ' ' if name else ''}{label}"
+        lines.append(f"{label:<34}" + "".join(f"{x:>7.2f}" for x in mix[sel].mean(axis=0))
+                     + f"   {tv[sel].mean():.3f} / {tv[sel].max():.3f}")
     return "\n".join(lines)
 
 
@@ -149,10 +161,11 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "PR": float(1.0 - total / capacity) if capacity else 0.0,
         "ABR": float(slot_abr.mean()) if len(slot_abr) else 0.0,
         "CR": float(sp_tokens / total) if total else 0.0,
-        "AveT": float(total / (num_steps * cfg.world_size)) if num_steps else 0.0,
+        "AveT": float(total / (plan.num_optimizer_steps * cfg.world_size)) if num_steps else 0.0,
         "sp_required_share": float(required / total) if total else 0.0,
         "tokens": total,
-        "num_steps": num_steps,
+        "num_steps": plan.num_optimizer_steps,  # optimizer steps (plan steps of several groups may share one)
+        "num_plan_steps": num_steps,
         "num_packs": plan.num_packs,
         "num_slots": int(len(slot_abr)),
         "num_samples": plan.num_samples,
@@ -164,8 +177,9 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "mean_deferred_wait_steps": float(np.mean([d["waited_steps"] for d in plan.deferred])) if plan.deferred else 0.0,
     }
     mix, data_mix = step_mix(plan)
-    step_tv = mix_distance(mix, data_mix) if num_steps else np.zeros(0)
-    metrics["mix_TV"] = float(step_tv.mean()) if num_steps else 0.0
+    opt_tv = mix_distance(mix, data_mix) if num_steps else np.zeros(0)
+    step_tv = opt_tv[plan.optimizer_steps()] if num_steps else np.zeros(0)  # a plan step: its optimizer step's
+    metrics["mix_TV"] = float(opt_tv.mean()) if num_steps else 0.0
     metrics["mix_edges"] = mix_edges([g.pack_len for g in cfg.groups]).tolist()
     metrics["data_mix"] = data_mix.tolist()
     reps = np.array([cfg.replicas(g) for g in range(len(cfg.groups))], np.int64)

@@ -12,8 +12,9 @@ loss goes down:
 
 Token lengths follow a long-tailed mix, like real SFT data: most samples are short (lognormal, median about 90
 tokens, tens to a few hundred), ``LONG_FRACTION`` of them are long (uniform between a quarter of and almost
-``--max-tokens``). Lengths are planned in words with a conservative tokens-per-word estimate, so rendered with the
-shipped tokenizer's chat template no sample exceeds ``--max-tokens`` (the longest reach about 90% of it). About a
+``--max-tokens``); ``--long-fraction`` changes that share (bench/bench_quality.py's second dataset raises it).
+Lengths are planned in words with a conservative tokens-per-word estimate, so rendered with the shipped
+tokenizer's chat template no sample exceeds ``--max-tokens`` (the longest reach about 90% of it). About a
 tenth of the samples are multi-turn (2-3 exchanges; only samples with room for them) and about a third have a
 system turn.
 
@@ -22,9 +23,10 @@ generated changes the tokenizer, so retrain and re-ship it (tests/test_train_tok
 
 Usage::
 
-    python -m data_tools.make_demo_data --out demo.jsonl [--num-samples 2000] [--max-tokens 2048] [--seed 0]
+    python -m data_tools.make_demo_data --out demo.jsonl [--num-samples 2000] [--max-tokens 2048] [--seed 0] \
+        [--long-fraction 0.04]
 
-Library: ``generate(num_samples, max_tokens, seed) -> list[dict]``.
+Library: ``generate(num_samples, max_tokens, seed, long_fraction) -> list[dict]``.
 """
 
 from __future__ import annotations
@@ -108,28 +110,33 @@ def _exchange(rng: np.random.Generator, task: str, budget_tokens: int) -> tuple[
     return f"{' '.join(passage)}\nWhat is the secret code?", f"The secret code is {code}."
 
 
-def _sample_target_tokens(rng: np.random.Generator, max_tokens: int) -> int:
+def _sample_target_tokens(rng: np.random.Generator, max_tokens: int, long_fraction: float = LONG_FRACTION) -> int:
     """Draw one sample's planned token length from the long-tailed mix."""
     ceiling = int(0.95 * max_tokens)
-    if rng.random() < LONG_FRACTION:
+    if rng.random() < long_fraction:
         target = rng.uniform(max_tokens / 4, ceiling)
     else:
         target = rng.lognormal(np.log(SHORT_MEDIAN_TOKENS), SHORT_SIGMA)
     return int(np.clip(target, min(MIN_TOKENS, ceiling), ceiling))
 
 
-def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0) -> list[dict]:
-    """Return ``num_samples`` chat records ``{"messages": [{"role", "content"}, ...]}``; same arguments, same output."""
+def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0,
+             long_fraction: float = LONG_FRACTION) -> list[dict]:
+    """Return ``num_samples`` chat records ``{"messages": [{"role", "content"}, ...]}``; same arguments, same output.
+
+    ``long_fraction``: share of samples drawn from the long part of the mix (0..1)."""
     if num_samples < 1:  # an empty dataset fails in every later stage
         raise UserError(f"num_samples must be >= 1, got {num_samples}")
     if max_tokens < 64:
         raise UserError(f"max_tokens must be >= 64 (room for one short exchange), got {max_tokens}")
     if seed < 0:  # numpy's generator rejects it with a message that names no option
         raise UserError(f"seed must be >= 0, got {seed}")
+    if not 0.0 <= long_fraction <= 1.0:
+        raise UserError(f"long_fraction must be between 0 and 1, got {long_fraction}")
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(num_samples):
-        target = _sample_target_tokens(rng, max_tokens)
+        target = _sample_target_tokens(rng, max_tokens, long_fraction)
         messages = []
         if rng.random() < SYSTEM_FRACTION:
             system = SYSTEM_PROMPTS[int(rng.integers(len(SYSTEM_PROMPTS)))]
@@ -160,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest sample, in tokens of the shipped tokenizer with its chat template; the long "
                              "tail reaches almost this (default 2048, sized for the CPU demo)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same file (default 0)")
+    parser.add_argument("--long-fraction", type=float, default=LONG_FRACTION,
+                        help=f"share of long samples (a quarter of to almost --max-tokens), 0..1 (default {LONG_FRACTION})")
     return parser
 
 
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 def write(args: argparse.Namespace) -> int:
     """Generate and write the file the parsed arguments ask for; exit code 2 with one line on bad input."""
     try:
-        records = generate(args.num_samples, args.max_tokens, args.seed)
+        records = generate(args.num_samples, args.max_tokens, args.seed, args.long_fraction)
     except UserError as e:  # name the flag, not the function argument
         print(f"error: --{str(e).replace('_', '-', 1)}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
                    "move samples between the packs of a slot to even their cost (default refine)")
+    p.add_argument("--step-mix", choices=["mixed", "stratified", "sorted"], default="mixed",
+                   help="hbp: how balanced slots become optimizer steps: sorted = consecutive cost-sorted slots of one "
+                   "group (the paper; steps homogeneous in length, which costs quality); stratified = one slot of "
+                   "each cost stratum of one group; mixed = stratified, and every optimizer step holds slots of "
+                   "every group (the trainer switches SP between them) (default mixed)")
     p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers "
                    "(default 4)")
     p.add_argument("--isf-threshold", type=int, default=None,
@@ -271,7 +276,7 @@ def check_shards_dir(path: str) -> None:
                        "replaces; move it out or choose another --shards directory")
 
 
-METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"),
+METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"), ("mix_TV", "{:.4f}"),
                ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"), ("num_packs", "{}"),
                ("num_dropped", "{}"), ("empty_packs", "{}")]
 
@@ -336,7 +341,8 @@ def run(argv=None) -> int:
         cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,
                          global_tokens=args.global_tokens, max_len=args.max_len,
                          curriculum_steps=args.curriculum_steps, seed=args.seed, isf_rounds=args.isf_rounds,
-                         isf_threshold=args.isf_threshold, balance=args.balance, progress=not args.quiet,
+                         isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
+                         progress=not args.quiet,
                          pack_cost=pack_cost)
         t0 = time.perf_counter()
         plan = make_plan(lengths, cfg)
@@ -373,6 +379,12 @@ def run(argv=None) -> int:
                 datasets.enable_progress_bars()
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
+    from hbp_train.planning.metrics import mix_report
+
+    # The steps' length mix beside the data's: far above isf's mix_TV means length-skewed steps (docs/planning.md).
+    report = mix_report(plan, args.strategy)
+    if report:
+        print(report)
     if plan.metrics["num_dropped"]:
         print(f"dropped {plan.metrics['num_dropped']} samples longer than the largest pack_len "
               f"({groups[-1].pack_len}): reason longer_than_max_pack_len")

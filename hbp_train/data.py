@@ -1,9 +1,13 @@
-"""Packed-shard loader and collate: this rank's micro-batches for plan step ``s``.
+"""Packed-shard loader and collate: this rank's micro-batches for optimizer step ``s``.
 
 Reads ``OUT/plan.json`` (or the binary ``OUT/plan.npz``, memory-mapped: planning/plan_npz.py) and the memory-mapped ``OUT/group_<g>/`` datasets written by ``data_tools.pack --shards``
 (formats: docs/architecture.md). For step ``s`` in group ``g`` (SP degree ``sp``), this rank serves replica
 ``r = rank // sp`` and gets that replica's packs, one micro-batch each. The step's global loss-token and sample
-counts come from the plan and the shard metadata, so every rank knows them without a collective.
+counts come from the plan and the shard metadata, so every rank knows them without a collective. An optimizer step
+is one plan step, or several of different groups when the plan mixes groups (plan steps with the same
+"optimizer_step", hbp step_mix="mixed"): its micro-batches are those of its plan steps one after the other, each
+tagged with its group's "sp", "group" and "ckpt_layers" (the trainer switches the SP degree between them), and its
+global counts cover all of them.
 
 Legend: T = tokens in a pack, n = samples in a pack, m = micro-batches (packs) per replica in a step.
 """
@@ -67,14 +71,16 @@ class StepBatch:
     """Everything one rank needs for one optimizer step."""
 
     step: int
-    """Global step index (epoch * plan steps + plan step)."""
+    """Global step index (epoch * optimizer steps of the plan + optimizer step)."""
     plan_step: int
-    """Index into plan['steps']."""
+    """The plan's optimizer step (an index into plan['steps'] when every plan step is its own optimizer step)."""
     group: int
+    """The group of the step's (first) plan step; in a step that mixes groups each micro-batch has its "group"."""
     sp: int
+    """The SP degree of that plan step; each micro-batch has its own "sp" too."""
     replica: int
     micro_batches: list
-    """This replica's packs, in order; ``len`` = m, which varies by step."""
+    """This rank's packs, in order; ``len`` = m, which varies by step. Each carries "sp", "group", "ckpt_layers"."""
     rank_loss_tokens: int
     """Loss tokens of this replica over all its micro-batches."""
     rank_num_samples: int
@@ -87,6 +93,10 @@ class StepBatch:
     """Checkpointed layers for this step's group, from the plan (None: the trainer's default)."""
     plan_metrics: dict = field(default_factory=dict)
     """The plan's ABR/DBR/tokens for this step."""
+    num_packs: int = 0
+    """Packs of the step, all replicas, empty ones included."""
+    capacity_tokens: int = 0
+    """Sum of pack_len over the step's packs (all replicas): the tokens it could hold (live padding ratio)."""
 
 
 def collate_pack(row: dict, check_counts: bool = True, where: str = "") -> dict:
@@ -208,6 +218,7 @@ class PackedData:
                 raise UserError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
                                 f"(run data_tools.pack --shards {path})")
         self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
+        self._set_optimizer_steps([s.get("optimizer_step", i) for i, s in enumerate(self.steps)], plan_path)
         self._check_rows()
 
     def _open_npz(self, plan_path: str) -> None:
@@ -228,6 +239,17 @@ class PackedData:
         names = header.get("step_metrics", [])
         self._step_metric_arrays = {k: arrays[f"step_metric_{k}"] for k in names}
         self.step_metrics = _LazyStepMetrics(self._step_metric_arrays, len(arrays["step_group"]))
+        num_plan_steps = len(arrays["step_group"])
+        self._set_optimizer_steps(arrays["optimizer_step"] if "optimizer_step" in arrays else np.arange(num_plan_steps),
+                                  plan_path)
+
+    def _set_optimizer_steps(self, optimizer_step, where: str) -> None:
+        """CSR of the optimizer steps over the plan steps: optimizer step k runs plan steps _opt_ptr[k]..[k+1]."""
+        opt = np.asarray(optimizer_step, np.int64)
+        if len(opt) and (opt[0] != 0 or np.any((np.diff(opt) != 0) & (np.diff(opt) != 1))):
+            raise UserError(f"{where}: the steps' optimizer_step must count 0, 1, 2, ... in order; rewrite the "
+                            f"shards with data_tools.pack --shards {self.path}")
+        self._opt_ptr = np.r_[0, np.flatnonzero(np.diff(opt)) + 1, len(opt)].astype(np.int64)
 
     def _step_entry(self, s: int) -> dict:
         """Step ``s`` as plan.json lists it: {"group", "replicas": [[samples of each pack]], "rows": [[row]]}."""
@@ -241,7 +263,10 @@ class PackedData:
         packs = [[np.asarray(flat[int(ptr[p]):int(ptr[p + 1])]).tolist() for p in rep] for rep in ids.tolist()]
         if self.plan.get("unequal_micro_batches"):  # as in plan.json: a replica lists its own packs only
             packs = [[pk for pk in rep if pk] for rep in packs]
-        return {"group": g, "replicas": packs, "rows": np.asarray(a["pack_row"])[ids].tolist()}
+        entry = {"group": g, "replicas": packs, "rows": np.asarray(a["pack_row"])[ids].tolist()}
+        if "optimizer_step" in a:
+            entry["optimizer_step"] = int(a["optimizer_step"][s])
+        return entry
 
     def _check_rows(self) -> None:
         """Open every group now and check that the plan's rows exist: damaged or stale shards fail here, in one
@@ -268,7 +293,28 @@ class PackedData:
 
     @property
     def num_steps(self) -> int:
-        return len(self.steps) if self._npz is None else len(self._npz["step_group"])
+        """Optimizer steps of the plan (= plan steps unless the plan mixes groups in a step)."""
+        return len(self._opt_ptr) - 1
+
+    @property
+    def num_plan_steps(self) -> int:
+        return int(self._opt_ptr[-1])
+
+    def plan_steps_of(self, opt_step: int) -> range:
+        """The plan steps optimizer step ``opt_step`` runs, in order."""
+        return range(int(self._opt_ptr[opt_step]), int(self._opt_ptr[opt_step + 1]))
+
+    def sample_lengths(self) -> Optional[np.ndarray]:
+        """Every sample's token length as the plan lists it ("lengths"), or None for a plan without them."""
+        if self._npz is not None:
+            return np.asarray(self._npz["lengths"], np.int64)
+        lengths = self.plan.get("lengths")
+        return None if lengths is None else np.asarray(lengths, np.int64)
+
+    def step_samples(self, opt_step: int) -> np.ndarray:
+        """The sample indices of every pack of optimizer step ``opt_step`` (all its plan steps, all replicas)."""
+        entries = [self._step_entry(s) for s in self.plan_steps_of(opt_step)]
+        return np.asarray([i for e in entries for replica in e["replicas"] for pack in replica for i in pack], np.int64)
 
     def sp_degrees(self) -> list:
         return sorted({int(g.get("sp", 1)) for g in self.groups})
@@ -298,8 +344,9 @@ class PackedData:
         return int(self._loss_tokens[group][row])
 
     def plan_step(self, step: int) -> int:
-        """The plan step that global step ``step`` runs: epoch 0 in plan order, later epochs in their own seeded
-        order when shuffle_epochs (the same on every rank and after a resume: it depends only on seed and epoch)."""
+        """The plan's optimizer step that global step ``step`` runs: epoch 0 in plan order, later epochs in their own
+        seeded order when shuffle_epochs (the same on every rank and after a resume: it depends only on seed and
+        epoch)."""
         epoch, index = divmod(step, self.num_steps)
         if epoch == 0 or not self.shuffle_epochs:
             return index
@@ -313,7 +360,26 @@ class PackedData:
         ``equal_counts``: give every replica the step's largest micro-batch count, padding with empty micro-batches
         (ZeRO-2/3 meet in a collective after every micro-batch). False: only this replica's own packs, for plans
         with unequal counts (bytescale) under ZeRO-1, where ranks meet once per step."""
-        plan_step = self.plan_step(step)
+        opt_step = self.plan_step(step)
+        parts = [self._plan_step_batch(s, rank, pad_token_id, equal_counts) for s in self.plan_steps_of(opt_step)]
+        first = parts[0]
+        if len(parts) > 1:
+            _token_mean_divisors(parts, rank, self.world_size)
+        micro_batches = [mb for part in parts for mb in part["micro_batches"]]
+        metrics = [self.step_metrics[s] if s < len(self.step_metrics) else {} for s in self.plan_steps_of(opt_step)]
+        return StepBatch(
+            step=step, plan_step=opt_step, group=first["group"], sp=first["sp"], replica=first["replica"],
+            micro_batches=micro_batches, rank_loss_tokens=sum(mb["num_loss_tokens"] for mb in micro_batches),
+            rank_num_samples=sum(mb["num_samples"] for mb in micro_batches),
+            global_loss_tokens=sum(p["global_loss_tokens"] for p in parts),
+            global_num_samples=sum(p["global_num_samples"] for p in parts), dp_size=first["dp_size"],
+            ckpt_layers=first["ckpt_layers"], plan_metrics=_combined_step_metrics(metrics),
+            num_packs=sum(p["num_packs"] for p in parts), capacity_tokens=sum(p["capacity_tokens"] for p in parts),
+        )
+
+    def _plan_step_batch(self, plan_step: int, rank: int, pad_token_id: int, equal_counts: bool) -> dict:
+        """This rank's micro-batches of one plan step (tagged with the step's sp, group and ckpt_layers) and the plan
+        step's global counts."""
         entry = self._step_entry(plan_step)
         group = int(entry["group"])
         sp = int(self.groups[group].get("sp", 1))
@@ -326,27 +392,62 @@ class PackedData:
                             f"world_size/sp = {self.world_size}//{sp}")
         # m is the same for all replicas except in bytescale plans, whose JSON omits a replica's trailing empty packs
         num_micro = max(len(r) for r in rows) if equal_counts else max(1, len(rows[replica]))
-        global_loss_tokens = sum(self.pack_loss_tokens(group, row) for r in rows for row in r)
-        global_num_samples = sum(len(p) for r in packs for p in r)
         ds = self.dataset(group)
+        ckpt_layers = self.groups[group].get("ckpt_layers")
         micro_batches = []
         for k in range(num_micro):
             row = rows[replica][k] if k < len(rows[replica]) else None
             # Empty packs ([] in the plan, a zero-token row in the shards) become a dummy micro-batch.
             if _is_empty_row(row) or (k < len(packs[replica]) and len(packs[replica][k]) == 0):
-                micro_batches.append(empty_micro_batch(pad_token_id))
-                continue
-            record = ds[int(row)]
-            if len(record["input_ids"]) == 0:
-                micro_batches.append(empty_micro_batch(pad_token_id))
+                micro_batch = empty_micro_batch(pad_token_id)
             else:
-                where = f"{self.path}/group_{group} row {row}"
-                micro_batches.append(collate_pack(record, self.check_counts, where))
-        metrics = self.step_metrics[plan_step] if plan_step < len(self.step_metrics) else {}
-        return StepBatch(
-            step=step, plan_step=plan_step, group=group, sp=sp, replica=replica, micro_batches=micro_batches,
-            rank_loss_tokens=sum(mb["num_loss_tokens"] for mb in micro_batches),
-            rank_num_samples=sum(mb["num_samples"] for mb in micro_batches),
-            global_loss_tokens=global_loss_tokens, global_num_samples=global_num_samples, dp_size=dp_size,
-            ckpt_layers=self.groups[group].get("ckpt_layers"), plan_metrics=dict(metrics),
-        )
+                record = ds[int(row)]
+                if len(record["input_ids"]) == 0:
+                    micro_batch = empty_micro_batch(pad_token_id)
+                else:
+                    micro_batch = collate_pack(record, self.check_counts, f"{self.path}/group_{group} row {row}")
+            micro_batch.update(sp=sp, group=group, ckpt_layers=ckpt_layers)
+            micro_batches.append(micro_batch)
+        num_packs = max(len(r) for r in rows) * dp_size
+        replica_loss_tokens = [sum(self.pack_loss_tokens(group, row) for row in r) for r in rows]
+        return {"micro_batches": micro_batches, "group": group, "sp": sp, "replica": replica, "dp_size": dp_size,
+                "ckpt_layers": ckpt_layers, "num_packs": num_packs,
+                "capacity_tokens": num_packs * int(self.groups[group]["pack_len"]),
+                "replica_loss_tokens": replica_loss_tokens, "global_loss_tokens": sum(replica_loss_tokens),
+                "global_num_samples": sum(len(p) for r in packs for p in r)}
+
+
+def _token_mean_divisors(parts: list, rank: int, world_size: int) -> None:
+    """token_mean in a step that mixes groups: the mean over ranks of each rank's token mean, a rank's tokens being
+    its own packs in the sp=1 plan steps and the packs of its SP group in the others. An SP pack's token losses are
+    split over its group's ranks, each dividing its slice by its own count before the SP sum, so every rank of the
+    group must divide by the same number: sp / sum over the group of 1 / count, which weights the pack as the
+    mean over those ranks of 1 / count does. Sets micro_batch["rank_loss_tokens"] (the trainer's divisor)."""
+    counts = np.zeros(world_size)
+    for part in parts:
+        sp = part["sp"]
+        for j, tokens in enumerate(part["replica_loss_tokens"]):
+            counts[j * sp:(j + 1) * sp] += tokens
+    counts = np.maximum(counts, 1.0)
+    for part in parts:
+        sp = part["sp"]
+        ranks = counts[(rank // sp) * sp:(rank // sp + 1) * sp]
+        divisor = float(sp / np.sum(1.0 / ranks))
+        for micro_batch in part["micro_batches"]:
+            micro_batch["rank_loss_tokens"] = divisor
+
+
+def _combined_step_metrics(metrics: list) -> dict:
+    """The plan's step metrics of an optimizer step from those of its plan steps: ABR/DBR averaged over their slots
+    (weighted by micro-batches), tokens and micro-batches summed, anything else from the first plan step."""
+    if len(metrics) == 1:
+        return dict(metrics[0])
+    out = dict(metrics[0])
+    weight = [float(m.get("micro_batches", 1)) for m in metrics]
+    for key in ("ABR", "DBR"):
+        if all(key in m for m in metrics):
+            out[key] = sum(w * m[key] for w, m in zip(weight, metrics)) / sum(weight)
+    for key in ("tokens", "micro_batches"):
+        if all(key in m for m in metrics):
+            out[key] = sum(m[key] for m in metrics)
+    return out

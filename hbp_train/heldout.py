@@ -39,11 +39,11 @@ def evaluate(run, data: PackedData) -> dict:
     try:
         for step in bar:
             step_batch = data.step_batch(step, rank, run.pad_token_id)
-            sp = step_batch.sp
-            run.sp.set_active(sp)
             # Every rank of the step runs every micro-batch (empty packs are dummies): the SP all-to-alls and the
             # ZeRO-3 parameter gathers are collectives and need all their ranks.
             for micro_batch in step_batch.micro_batches:
+                sp = micro_batch.get("sp", step_batch.sp)  # a step that mixes groups switches degree
+                run.sp.set_active(sp)
                 batch = to_device(run.sp.split(micro_batch), run.device)
                 loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                                 batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)

@@ -7,6 +7,11 @@ for the step is all-gathered (one small vector per rank, also carrying the flags
 live imbalance is max/mean over ranks; ``balance/live_BR`` applies the plan's ABR formula (1 - mean/max) to the
 measured times so the two can be compared directly.
 
+``mix/…`` (``StepLengthMix``) is the length mix of the samples a step trains on, all replicas together: the token
+share per length bucket and ``mix/tv``, its total-variation distance to the whole plan's mix (0 = the data's mix,
+1 = lengths the data has none of; hbp_train/planning/metrics.py). A run whose steps sit far above the plan report's
+isf mix_TV trains on length-skewed batches, which costs quality (bench/bench_quality.py).
+
 MFU counts attention FLOPs per sample (sum of len^2 over the samples of a pack, not T^2): a packed pack of short
 samples does far less attention work than one long sample of the same T.
 """
@@ -23,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -191,6 +197,35 @@ def all_gather_floats(values: list, device: torch.device) -> torch.Tensor:
     out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local)
     return torch.stack(out).cpu()
+
+
+class StepLengthMix:
+    """``mix/…`` metrics of a plan step, from the plan the packed shards hold (its sample lengths and the samples of
+    every step's packs, all replicas): the step's token share per length bucket (``mix/le_<edge>``: samples of at
+    most that many tokens and more than the bucket below) and ``mix/tv``, its distance to the plan's whole mix (the
+    plan's "data_mix"; planning/metrics.py). ``data`` is a ``data.PackedData``; {} for a plan without lengths."""
+
+    def __init__(self, data):
+        from hbp_train.planning.metrics import mix_edges, token_mix
+
+        self.data = data
+        self.lengths = data.sample_lengths()
+        if self.lengths is None:
+            return
+        metrics = data.plan.get("metrics") or {}
+        self.edges = np.asarray(metrics.get("mix_edges") or mix_edges([g["pack_len"] for g in data.groups]), np.int64)
+        reference = metrics.get("data_mix")
+        known = reference is not None and len(reference) == len(self.edges)
+        self.reference = np.asarray(reference, np.float64) if known else token_mix(self.lengths, self.edges)
+        self.names = [f"mix/le_{int(e)}" for e in self.edges]
+
+    def __call__(self, plan_step: int) -> dict:
+        from hbp_train.planning.metrics import mix_distance, token_mix
+
+        if self.lengths is None or not 0 <= plan_step < self.data.num_steps:
+            return {}
+        mix = token_mix(self.lengths[self.data.step_samples(plan_step)], self.edges)
+        return {"mix/tv": float(mix_distance(mix, self.reference)[0]), **dict(zip(self.names, mix.tolist()))}
 
 
 class MetricsLogger:
@@ -365,6 +400,7 @@ def format_line(m: dict) -> str:
         f" DBR {_fmt(m['balance/plan_DBR'], '.3f')}) | mem {m['memory/peak_gib']:.2f} GiB"
         f" | group {m['plan/group']} sp={m['plan/sp']} m {m['plan/micro_batches']}"
         f"{' cr ' + format(m['sp/cr'], '.2f') if m.get('sp/cr') is not None else ''}"
+        f"{' | mix tv ' + format(m['mix/tv'], '.2f') if m.get('mix/tv') is not None else ''}"
         f" | data {m['perf/data_wait_pct']:.1f}%"
         f"{' | eval loss ' + format(m['loss/eval'], '.4f') if 'loss/eval' in m else ''}"
     )

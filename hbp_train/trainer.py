@@ -11,7 +11,9 @@ one the normalizer's formula defines, whatever m (tests/test_trainer_dist.py pro
 Per step, in order: the group's activation-checkpointing depth, the SP degree (attention size switch), then per
 micro-batch the SP split of the collated pack, forward, loss normalization (the SP loss reduction hooks in there),
 backward; then the optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the
-stop and NaN flags every rank must agree on).
+stop and NaN flags every rank must agree on). A step that mixes packing groups (hbp step_mix="mixed": one plan step
+per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
+loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import MetricsLogger, all_gather_floats, comm_wait_timer, peak_memory_gib, reset_peak_memory
+from hbp_train.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, comm_wait_timer, peak_memory_gib,
+                                 reset_peak_memory)
 
 ON_NAN = ("skip", "abort")
 
@@ -154,6 +157,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
+    step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
@@ -195,8 +199,9 @@ def train(cfg, config_yaml: str = "") -> dict:
                 lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
-                skipped=skipped, num_skipped=num_skipped, pack_len=int(run.data.groups[step_batch.group]["pack_len"]),
-                num_packs=step_batch.dp_size * len(step_batch.micro_batches))
+                skipped=skipped, num_skipped=num_skipped,
+                pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs)
+            m.update(step_mix(step_batch.plan_step))
             m.update(run.sp.stats.step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
             if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):
@@ -274,16 +279,22 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
 def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
     ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
-    engine, sp = run.engine, step_batch.sp
-    set_checkpointed_layers(run.model, step_ckpt_layers(run.cfg, step_batch.group, step_batch.ckpt_layers,
-                                                        run.data.groups if run.data is not None else None))
-    run.sp.set_active(sp)  # SP: the attention dispatcher switches to the step's degree
+    engine = run.engine
+    active = None  # (group, sp) the model is set up for
     shape = parse_model_shape(run.model.config)
     num_micro = len(step_batch.micro_batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # MoE: Σ pack aux x its local loss tokens
     tokens = flops = loss_tokens = 0.0
     for k, micro_batch in enumerate(step_batch.micro_batches):
+        # A step that mixes packing groups (plan step_mix="mixed") switches group settings between micro-batches.
+        group, sp = micro_batch.get("group", step_batch.group), micro_batch.get("sp", step_batch.sp)
+        if (group, sp) != active:
+            set_checkpointed_layers(run.model, step_ckpt_layers(
+                run.cfg, group, micro_batch.get("ckpt_layers", step_batch.ckpt_layers),
+                run.data.groups if run.data is not None else None))
+            run.sp.set_active(sp)  # SP: the attention dispatcher switches to the group's degree
+            active = (group, sp)
         if micro_batch["num_samples"]:
             # Under SP each rank of the group does 1/sp of the pack's work (its token slice, its share of heads).
             tokens += micro_batch["input_ids"].shape[1] / sp
@@ -304,13 +315,13 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
             has_label_T = (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)
             loss_T = loss_T + run.router_aux.coef * aux * has_label_T
             aux_sum += aux.detach().double() * has_label_T.sum()
-        engine.backward(_normalized_loss(run, loss_T, batch, step_batch))
+        engine.backward(_normalized_loss(run, loss_T, batch, step_batch, sp))
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
     return {"loss_sum": float(loss_sum), "aux_sum": float(aux_sum), "loss_tokens": loss_tokens, "tokens": tokens,
             "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum)))}
 
 
-def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
+def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch, sp: int):
     """The micro-batch's scalar for backward.
 
     SP: each rank holds the token losses of its slice only. Its partial loss is scaled for the W/sp data-parallel
@@ -320,9 +331,11 @@ def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch):
     return run.sp.reduce_loss(normalize_loss(
         loss_T, batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
         # max(.., 1): a replica (or step) may hold only empty packs; its token sum is 0 anyway.
-        global_loss_tokens=max(step_batch.global_loss_tokens, 1), rank_loss_tokens=max(step_batch.rank_loss_tokens, 1),
+        global_loss_tokens=max(step_batch.global_loss_tokens, 1),
+        # token_mean: this rank's loss tokens (a step mixing groups gives its SP packs one divisor per SP group)
+        rank_loss_tokens=max(batch.get("rank_loss_tokens", step_batch.rank_loss_tokens), 1),
         global_num_samples=max(step_batch.global_num_samples, 1), rank_num_samples=step_batch.rank_num_samples,
-        dp_world_size=run.grad_divisor // step_batch.sp,  # SP: W/sp replicas, see above
+        dp_world_size=run.grad_divisor // sp,  # SP: W/sp replicas of this micro-batch's group, see above
         num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
         sample_loss_tokens_T=batch["sample_loss_tokens"],
     ))

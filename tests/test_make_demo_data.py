@@ -107,3 +107,25 @@ def test_interrupt_while_writing_keeps_the_earlier_file(tmp_path, capsys, monkey
     assert main(["--out", str(out), "--num-samples", "5", "--max-tokens", "512", "--seed", "1"]) == 130
     assert capsys.readouterr().err == f"make_demo_data: interrupted; --out {out} was left as it was\n"
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["demo.jsonl"]
+
+
+def test_long_fraction_option(tokenizer_dir, tmp_path, capsys):
+    """--long-fraction sets the share of long samples (bench/bench_quality.py's second dataset); the default mix is
+    unchanged, and every sample still fits --max-tokens."""
+    from transformers import AutoTokenizer
+
+    assert generate(100, 2048, seed=0) == generate(100, 2048, seed=0, long_fraction=LONG_FRACTION)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def lengths(fraction):
+        return np.array([len(tokenizer.apply_chat_template(r["messages"], tokenize=True)["input_ids"])
+                         for r in generate(300, 2048, seed=0, long_fraction=fraction)])
+
+    few, many = np.mean(lengths(0.0) > 512), lengths(0.5)
+    assert few <= 0.03  # only the lognormal's far tail
+    assert 0.35 <= np.mean(many > 512) <= 0.65 and many.max() <= 2048
+    out = tmp_path / "long.jsonl"
+    assert main(["--out", str(out), "--num-samples", "20", "--seed", "3", "--long-fraction", "0.3"]) == 0
+    assert [json.loads(line) for line in out.read_text().splitlines()] == generate(20, 2048, 3, 0.3)
+    assert main(["--out", str(out), "--long-fraction", "1.5"]) == 2
+    assert "error: --long-fraction must be between 0 and 1, got 1.5" in capsys.readouterr().err

@@ -222,3 +222,17 @@ def test_wandb_without_the_package_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(UserError, match=r"logging.wandb=true needs the wandb package"):
         MetricsLogger(LoggingConfig(tensorboard=False, progress_bar=False, wandb=True), str(tmp_path), 0, 1)
+
+
+def test_step_length_mix_shows_in_the_line():
+    """mix/tv (telemetry.StepLengthMix, tested on packed shards in test_planning_shards.py) shows in the rank-0 line
+    when the step metrics carry it."""
+    cfg = LoggingConfig(tensorboard=False, progress_bar=False, jsonl=False)
+    logger = MetricsLogger(cfg, "unused", rank=1, total_steps=1)
+    row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=1, flops=1.0)
+    m = logger.step_metrics(step=0, total_steps=1, gathered=_gathered([row]), columns=STAT_COLUMNS, lr=0.1,
+                            grad_norm=1.0, step_time=1.0, data_time=0.0, group=0, sp=1, num_micro_batches=1,
+                            plan_metrics={}, skipped=False, num_skipped=0)
+    assert "mix tv" not in format_line(m)
+    m.update({"mix/tv": 0.4321, "mix/le_16": 1.0})
+    assert "| mix tv 0.43" in format_line(m)

@@ -30,7 +30,12 @@ def test_full_run_writes_plan_table_and_plot(tmp_path, lengths_file, capsys):
     printed = capsys.readouterr().out
     assert "hbp" in printed and "isf" in printed and "ABR" in printed and "sp_required_share" in printed
     assert "dropped 1 samples" in printed
+    # The length mix of the steps beside the data's (#16): one row for the data, one for hbp's steps that mix the
+    # groups, one per group for steps of one group (the curriculum's), with mix_TV mean / max.
+    assert "mix_TV" in printed and "  data " in printed and "steps mixing the groups" in printed
+    assert "hbp group 0 (" in printed  # at least the 2 curriculum steps
     d = json.loads(out.read_text())
+    assert 0 < d["metrics"]["mix_TV"] <= 1 and all(0 <= s["mix_TV"] <= 1 for s in d["step_metrics"])
     for key in ("version", "world_size", "groups", "steps", "dropped", "metrics", "step_metrics", "num_samples"):
         assert key in d
     assert d["dropped"] == [{"index": len(lengths) - 1, "reason": "longer_than_max_pack_len"}]

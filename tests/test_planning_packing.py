@@ -132,12 +132,14 @@ def test_lpt_repack_deals_every_sample_once_within_capacity_and_evens_the_cost()
 
 def test_tail_steps_are_balanced_like_full_steps():
     # A group's last, partial step used to be made of the packer's least-filled packs (ABR up to ~0.25 on this
-    # mix); its samples are now dealt afresh by attention cost.
+    # mix); its samples are now dealt afresh by attention cost. (Steps of one group each, to find the tails; with
+    # step_mix="mixed" the same slots are dealt to steps that mix the groups: tests/test_planning_mix.py.)
     from bench.bench_planner import long_tailed_lengths
 
     lengths = long_tailed_lengths(20000, 1)
     plan = make_plan(lengths, PlanConfig(world_size=16, groups=[GroupSpec(16384, 1), GroupSpec(131072, 8)],
-                                         strategy="hbp", global_tokens=16 * 131072, max_len=131072, seed=0))
+                                         strategy="hbp", global_tokens=16 * 131072, max_len=131072, seed=0,
+                                         step_mix="stratified"))
     steps = plan.to_dict()["step_metrics"]
     full = max(s["micro_batches"] for s in steps)
     tails = [s for s in steps if s["micro_batches"] != full]

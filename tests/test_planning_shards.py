@@ -150,8 +150,10 @@ def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
     assert b._npz is not None and isinstance(b._npz["pack_samples"], np.memmap)
     assert (a.num_steps, a.world_size, a.sp_degrees()) == (b.num_steps, b.world_size, b.sp_degrees())
     assert b.plan.get("unequal_micro_batches", False) == (strategy == "bytescale")
-    for step in range(a.num_steps):
+    assert a.num_plan_steps == b.num_plan_steps
+    for step in range(a.num_plan_steps):
         assert a._step_entry(step) == b._step_entry(step)
+    for step in range(a.num_steps):
         for rank in range(4):
             x, y = a.step_batch(step, rank), b.step_batch(step, rank)
             assert (x.group, x.sp, x.global_loss_tokens, x.global_num_samples, x.rank_loss_tokens) == \
@@ -163,3 +165,36 @@ def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
     assert plan_fingerprint(str(tmp_path / "b")) != plan_fingerprint(str(tmp_path / "j"))
     assert main(common + ["--shards", str(tmp_path / "b")]) == 0  # an earlier binary output is replaced
     assert (tmp_path / "b" / "plan.json").is_file() and not (tmp_path / "b" / "plan.npz").exists()
+
+
+@pytest.mark.parametrize("plan_format,step_mix_method", [("json", "sorted"), ("npz", "sorted"), ("json", "mixed"),
+                                                          ("npz", "mixed")])
+def test_live_length_mix_of_packed_shards_is_the_plans(tmp_path, tokenized, plan_format, step_mix_method):
+    """telemetry.StepLengthMix over the loader (plan.json or plan.npz): every optimizer step's token share per length
+    bucket (all its plan steps and replicas) and mix/tv equal the plan's own; a plan without lengths gives {}."""
+    from hbp_train.data import PackedData
+    from hbp_train.planning import Plan
+    from hbp_train.planning.metrics import mix_distance, step_mix
+    from hbp_train.telemetry import StepLengthMix
+
+    src, _ = tokenized
+    out = tmp_path / "packed"
+    assert main(["--dataset", str(src), "--shards", str(out), "--world-size", "4", "--groups", "64:1,256:2",
+                 "--global-tokens", "512", "--quiet", "--plan-format", plan_format, "--out", str(tmp_path / "p.json"),
+                 "--step-mix", step_mix_method]) == 0
+    plan = Plan.from_json(tmp_path / "p.json")
+    data = PackedData(str(out))
+    assert data.num_steps == plan.num_optimizer_steps
+    mix = StepLengthMix(data)
+    shares, data_mix = step_mix(plan)
+    tv = mix_distance(shares, data_mix)
+    for s in range(data.num_steps):
+        m = mix(s)
+        assert m["mix/tv"] == pytest.approx(tv[s])
+        assert [m[f"mix/le_{e}"] for e in plan.metrics["mix_edges"]] == pytest.approx(shares[s].tolist())
+    if step_mix_method == "sorted":
+        assert max(mix(s)["mix/tv"] for s in range(data.num_steps)) > 0.3  # some steps far from the data's mix
+    assert mix(data.num_steps) == {}
+    if plan_format == "json":
+        data.plan.pop("lengths")
+        assert StepLengthMix(data)(0) == {}

@@ -352,3 +352,106 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     assert logged[-1]["sp/cr"] == pytest.approx((tokens[1] + tokens[3]) / sum(tokens))
     assert all(m["time/compute_s/rank0"] > 0 and m["time/compute_s/rank1"] > 0 for m in logged)
     assert "sp=2" in format_line(logged[1]) and "sp=1" in format_line(logged[0])
+
+
+# Two optimizer steps that each mix the groups (hbp step_mix="mixed"): plan steps 0 (sp=1) + 1 (sp=2), then 2 + 3.
+MIXED_OPTIMIZER_STEP = [0, 0, 1, 1]
+MIXED_CASES = [(2, "ave_token"), (2, "token_mean"), (3, "sample_mean")]
+
+
+def _mixed_worker(rank, world_size, shards, out):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from hbp_train import config, trainer
+    from hbp_train.build import build
+    from hbp_train.distributed.groups import init_distributed
+    from hbp_train.heldout import evaluate
+    from tests.assets.packed_fixture import TINY_LLAMA
+
+    init_distributed()
+    model_cfg = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
+    results = {}
+    for zero_stage, normalizer in MIXED_CASES:
+        cfg = config.load([
+            "experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}_{normalizer}",
+            "logging=quiet", f"model.config={model_cfg}", f"deepspeed.zero_stage={zero_stage}",
+            f"loss.normalizer={normalizer}", "train.warmup_steps=0", "train.lr=1e-2", "train.grad_clip=0",
+        ])
+        run = build(cfg)
+        named = list(run.engine.module.named_parameters())
+        results[(zero_stage, normalizer, "eval")] = evaluate(run, run.data)["loss/eval"]
+        per_step = []
+        for step in range(run.data.num_steps):
+            params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
+            step_batch = run.data.step_batch(step, rank)
+            trainer.forward_backward(run, step_batch)
+            per_step.append({"params": params, "grads": {n: safe_get_full_grad(p).clone() for n, p in named},
+                             "sp": [mb["sp"] for mb in step_batch.micro_batches]})
+            run.engine.step()
+        results[(zero_stage, normalizer)] = per_step
+        del run
+    cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet"])
+    trainer.train(cfg)
+    deepspeed.comm.barrier()
+    return results if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_path, tokenizer_dir):
+    """A plan whose optimizer steps each hold a plan step at sp=1 and one at sp=2 (plan.json "optimizer_step"): on 2
+    ranks the trainer runs both in one step, switching the SP degree between micro-batches, and every optimizer
+    step's gradient is the normalizer's single-process gradient over all its samples (token_mean: per rank, its
+    own sp=1 packs and the sp=2 packs it shares); the held-out loss is the token mean; the loop logs 2 steps."""
+    import json
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss, synthetic_samples, write_packed
+
+    samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
+    shards = write_packed(str(tmp_path / "packed"), samples, SP_TRAINER_STEPS, world_size=2)
+    with open(f"{shards}/plan.json") as f:
+        plan = json.load(f)
+    plan["groups"][1]["sp"] = 2
+    for step, k in zip(plan["steps"], MIXED_OPTIMIZER_STEP):
+        step["optimizer_step"] = k
+    with open(f"{shards}/plan.json", "w") as f:
+        json.dump(plan, f)
+    results = run_distributed(_mixed_worker, 2, shards, str(tmp_path / "runs"))[0]
+
+    def reference_step(k, normalizer):
+        """The optimizer step's samples as reference_normalized_loss takes them."""
+        parts = [s for s, o in zip(SP_TRAINER_STEPS, MIXED_OPTIMIZER_STEP) if o == k]
+        sp1, sp2 = [p for p in parts if len(p["replicas"]) == 2], [p for p in parts if len(p["replicas"]) == 1]
+        shared = [pk for p in sp2 for pk in p["replicas"][0]]
+        if normalizer == "token_mean":  # each rank: its sp=1 replica's packs and the sp=2 packs of its SP group
+            return {"replicas": [[pk for p in sp1 for pk in p["replicas"][r]] + shared for r in range(2)]}
+        return {"replicas": [[pk for p in parts for rep in p["replicas"] for pk in rep]]}
+
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY_LLAMA, vocab_size=TOKENIZER_VOCAB, use_cache=False), attn_implementation="eager")
+    every_pack = {"replicas": [[p for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r]]}
+    for case, per_step in results.items():
+        if case[-1] == "eval":
+            continue
+        zero_stage, normalizer = case
+        assert len(per_step) == 2 and all(set(s["sp"]) == {1, 2} for s in per_step)  # both degrees in each step
+        model.load_state_dict({k.removeprefix("model."): v for k, v in per_step[0]["params"].items()})
+        with torch.no_grad():
+            reference = float(reference_normalized_loss(model, samples, every_pack, "ave_token"))
+        assert results[case + ("eval",)] == pytest.approx(reference, rel=1e-5), case
+        for k, got in enumerate(per_step):
+            model.load_state_dict({n.removeprefix("model."): v for n, v in got["params"].items()})
+            model.zero_grad()
+            reference_normalized_loss(model, samples, reference_step(k, normalizer), normalizer).backward()
+            for name, param in model.named_parameters():
+                ref, grad = param.grad, got["grads"]["model." + name]
+                rel = float((grad - ref).norm() / ref.norm())
+                assert rel <= 1e-5, (zero_stage, normalizer, k, name, rel)
+    with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert [m["plan/step"] for m in logged] == [0, 1] and [m["plan/micro_batches"] for m in logged] == [4, 2]
+    assert logged[-1]["sp/cr"] == pytest.approx(
+        sum(len(samples[i][0]) for s in (1, 3) for r in SP_TRAINER_STEPS[s]["replicas"] for p in r for i in p)
+        / sum(len(samples[i][0]) for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r for i in p))

@@ -6,6 +6,8 @@ each replica's sum. ``balance=True`` sorts packs by cost and cuts the sorted ord
 packs (the paper's attention-balance sorting); with ``refine`` every slot still uneven after that gets a local
 search that moves or swaps single samples between its packs (``refine_slot``). Sorting alone cannot fix the
 top of the cost distribution, where neighbouring packs differ a lot; re-forming packs can.
+``mix_steps`` deals the sorted slots to steps one per cost stratum (``stratify_slots``) instead of m consecutive
+ones, so steps are not homogeneous in length (#16); the slots, hence the balance, stay the same.
 ``balance=False`` keeps the packs' order (the isf baseline).
 
 Tail rule (every sample is trained, no step has uneven replicas): a group whose pack count is not a multiple of
@@ -157,6 +159,8 @@ def build_steps(
     config: PlanConfig,
     balance: bool = True,
     refine: bool | None = None,
+    mix_steps: bool = False,
+    rng: np.random.Generator | None = None,
 ):
     """Turn packs into steps, group by group.
 
@@ -164,10 +168,14 @@ def build_steps(
     have been split or empty ones added, refined slots re-formed; see the module docstring) and the steps,
     slot-major (``step_packs[step_ptr[s] + k*R + r]``), ordered group by group (full steps in slot order, then
     the tail). Step order is decided later (curriculum.order_steps). ``refine`` defaults to
-    ``config.balance == "refine"`` (only used with ``balance``). Deterministic given the packs.
+    ``config.balance == "refine"`` (only used with ``balance``). ``mix_steps`` (with ``balance``): full steps take
+    one slot of each of m cost strata (``stratify_slots``, seeded by ``rng``, which it needs) instead of m
+    consecutive slots. Deterministic given the packs (and ``rng``).
     """
     if refine is None:
         refine = config.balance == "refine"
+    if mix_steps and rng is None:
+        raise ValueError("build_steps(mix_steps=True) needs the rng that seeds the dealing")
     tokens = pack_tokens(lengths, pack_ptr, pack_samples)
     cost = pack_costs(lengths, pack_ptr, pack_samples, pack_group, config) if balance else None
     n_packs = len(pack_ptr) - 1
@@ -215,6 +223,8 @@ def build_steps(
             full = full[np.argsort(-cost[full], kind="stable")]
             if refine and r > 1 and len(full):
                 full = refine_layout(full, g)
+            if mix_steps and num_full > 1:
+                full = stratify_slots(full, r, m, rng)
         else:
             full, tail = ids[:num_full * per_step], ids[num_full * per_step:]
         if num_full:
@@ -251,6 +261,21 @@ def build_steps(
         step_packs = new_index[step_packs]
     step_ptr = np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64)
     return pack_ptr, pack_samples, pack_group.astype(np.int32), step_ptr, step_packs, np.asarray(step_groups, np.int32)
+
+
+def stratify_slots(layout: np.ndarray, r: int, m: int, rng: np.random.Generator) -> np.ndarray:
+    """Deal cost-sorted slots to steps so that every step holds one slot of each of m cost strata.
+
+    ``layout`` is slot-major (``num_steps * m`` slots of ``r`` packs, sorted by cost, heaviest first). Cutting it into
+    runs of m consecutive slots makes every step homogeneous in pack cost, hence in sample length (a step of only
+    the shortest samples next to a step of only the longest). Here the sorted slots are cut into m strata of
+    ``num_steps`` consecutive slots; step j takes slot ``perm_k[j]`` of stratum k for every k (``perm_k`` a seeded
+    permutation). The slots themselves are unchanged, so every slot keeps its balance (ABR, DBR), while every step
+    draws its packs from the whole cost range of the group like a random batch would."""
+    slots = layout.reshape(m, -1, r)  # [stratum, step, replica]
+    num_steps = slots.shape[1]
+    pick = np.stack([rng.permutation(num_steps) for _ in range(m)])  # [stratum, step]
+    return slots[np.arange(m)[:, None], pick].transpose(1, 0, 2).reshape(-1)
 
 
 def _lpt_repack(samples: np.ndarray, lengths: np.ndarray, num_bins: int, cap: int) -> list[np.ndarray] | None:

@@ -7,8 +7,9 @@ For groups i = n..1 (largest first):
 3. **GreedyFill**: top up group i's packs with samples still unpacked in the groups below (``fill_bins`` with no
    new bins); those samples leave their group. The paper walks D_{i-1}, ..., D_1 in turn; we sweep all lower
    groups together from the largest size class down, which fills at least as tightly (first-fit decreasing).
-4. **Balance**: steps are built per group by ``balance.build_steps`` (cost-sorted slots), then ordered by
-   ``curriculum.order_steps`` (seeded shuffle, curriculum, interleave).
+4. **Balance**: steps are built per group by ``balance.build_steps`` (cost-sorted slots, dealt to steps one per
+   cost stratum so that every step spans the group's lengths), then ordered by ``curriculum.order_steps``
+   (seeded shuffle, curriculum, interleave).
 
 ``fill_bins`` is a vectorised first-fit-decreasing: samples are bucketed into size classes [2^(c/2), 2^((c+1)/2))
 and processed from the largest class down, in random (seeded) order within a class. For a class whose largest
@@ -25,7 +26,7 @@ import time
 import numpy as np
 
 from hbp_train.planning.balance import build_steps, reorder_steps
-from hbp_train.planning.curriculum import order_steps, sample_levels
+from hbp_train.planning.curriculum import mix_group_steps, order_steps, sample_levels
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 
 # Size classes per doubling of length: 2 -> classes [2^(c/2), 2^((c+1)/2)), samples within 1.41x of each other.
@@ -175,15 +176,23 @@ def plan_hbp(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr, pack_samples, pack_group = pack_hierarchical(lengths, kept, config, rng)
     bar.update()
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
-        lengths, pack_ptr, pack_samples, pack_group, config, balance=True
+        lengths, pack_ptr, pack_samples, pack_group, config, balance=True,
+        mix_steps=config.step_mix == "stratified", rng=rng,
     )
     bar.update()
-    order = order_steps(step_group, config.curriculum_steps, rng)
-    step_ptr, step_packs, step_group = reorder_steps(step_ptr, step_packs, step_group, order)
+    optimizer_step = None
+    if config.step_mix == "mixed":
+        step_ptr, step_packs, step_group, optimizer_step = mix_group_steps(
+            step_ptr, step_packs, step_group, config, rng, empty_pack=np.diff(pack_ptr) == 0)
+        if np.all(np.diff(optimizer_step) > 0):
+            optimizer_step = None  # one group: every optimizer step is one plan step
+    else:
+        order = order_steps(step_group, config.curriculum_steps, rng)
+        step_ptr, step_packs, step_group = reorder_steps(step_ptr, step_packs, step_group, order)
     bar.update()
     bar.close()
     return Plan(
         config=config, lengths=lengths, pack_ptr=pack_ptr, pack_samples=pack_samples, pack_group=pack_group,
-        step_ptr=step_ptr, step_packs=step_packs, step_group=step_group, dropped=dropped,
+        step_ptr=step_ptr, step_packs=step_packs, step_group=step_group, optimizer_step=optimizer_step, dropped=dropped,
         dropped_reason=[DROP_TOO_LONG] * len(dropped), extra={"planning_seconds": time.perf_counter() - t0},
     )

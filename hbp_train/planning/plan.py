@@ -31,6 +31,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_ISF_ROUNDS = 1000
 STRATEGIES = ("hbp", "isf")
 BALANCE_METHODS = ("refine", "sort")
+STEP_MIX_METHODS = ("mixed", "stratified", "sorted")
 DROP_TOO_LONG = "longer_than_max_pack_len"
 
 # A per-pack cost: (lengths of the samples of all packs, flat in pack order; CSR pointer [num_packs + 1];
@@ -90,6 +91,12 @@ class PlanConfig:
     """ISF: a pack is kept in a round if it holds at least pack_len - threshold tokens; None = pack_len // 64."""
     balance: str = "refine"
     """hbp step building: "sort" (paper: sort packs by cost, chunk) or "refine" (sort, then a swap pass)."""
+    step_mix: str = "mixed"
+    """hbp: how balanced slots become optimizer steps. "sorted": m consecutive cost-sorted slots of one group (the
+    paper's chunking: steps homogeneous in length, which costs quality; #16); "stratified": one slot of each of m
+    cost strata of one group (steps span the group's lengths); "mixed" (default): stratified, then every optimizer
+    step takes slots of every group in proportion to the group's slots, as one plan step per group
+    (``Plan.optimizer_step``; the trainer switches the SP degree between them)."""
     pack_cost: PackCostFn | None = None
     """Per-pack cost the balancer equalises across replicas (e.g. from hbp_train.perf.cost_model); None = sum len^2."""
     progress: bool = False
@@ -130,6 +137,8 @@ class PlanConfig:
             raise UserError(f"isf_threshold must be >= 0 or None, got {self.isf_threshold}")
         if self.balance not in BALANCE_METHODS:
             raise UserError(f"balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
+        if self.step_mix not in STEP_MIX_METHODS:
+            raise UserError(f"step_mix must be one of {STEP_MIX_METHODS}, got {self.step_mix!r}")
 
     def replicas(self, group: int) -> int:
         """Number of replicas (SP groups) of a step in ``group``."""
@@ -172,6 +181,11 @@ class Plan:
     """int64: pack ids of all steps, slot-major within a step (index k * R + r = replica r, micro-batch k)."""
     step_group: np.ndarray
     """int32 [num_steps]: group index of every step."""
+    optimizer_step: np.ndarray | None = None
+    """int64 [num_steps] or None: the optimizer step every plan step belongs to (0, 1, 2, ..., each value on
+    consecutive plan steps of distinct groups). The plan steps of one optimizer step accumulate their gradients
+    into one update, each at its own group's SP degree (hbp with step_mix="mixed": every optimizer step holds slots
+    of every group). None: every plan step is an optimizer step of its own."""
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """int64: indices of dropped samples (sorted)."""
     dropped_reason: list[str] = field(default_factory=list)
@@ -197,6 +211,16 @@ class Plan:
     @property
     def num_steps(self) -> int:
         return int(len(self.step_ptr) - 1)
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        return self.num_steps if self.optimizer_step is None or not self.num_steps else int(self.optimizer_step[-1]) + 1
+
+    def optimizer_steps(self) -> np.ndarray:
+        """int64 [num_steps]: the optimizer step of every plan step (``optimizer_step``, or one per plan step)."""
+        if self.optimizer_step is None:
+            return np.arange(self.num_steps, dtype=np.int64)
+        return np.asarray(self.optimizer_step, np.int64)
 
     @property
     def pack_tokens(self) -> np.ndarray:
@@ -279,6 +303,18 @@ class Plan:
             raise ValueError("plan: a step's pack count is not a positive multiple of its replica count")
         if np.any(self.pack_group[self.step_packs] != np.repeat(self.step_group, sizes)):
             raise ValueError("plan: a step holds a pack of another group")
+        if self.optimizer_step is not None:
+            opt = np.asarray(self.optimizer_step)
+            steps_ok = len(opt) == 0 or (opt[0] == 0 and np.all((np.diff(opt) == 0) | (np.diff(opt) == 1)))
+            if len(opt) != self.num_steps or not steps_ok:
+                raise ValueError("plan: optimizer_step must number the plan steps 0, 1, 2, ... in order")
+            same = np.diff(opt) == 0
+            if self.unequal_micro_batches and np.any(same):
+                raise ValueError("plan: unequal micro-batch counts (bytescale) cannot share an optimizer step")
+            # Plan steps of one optimizer step run one after the other: one per group, so a group never appears twice.
+            pairs = np.unique(np.stack([opt, self.step_group.astype(np.int64)]), axis=1)
+            if pairs.shape[1] != self.num_steps:
+                raise ValueError("plan: an optimizer step holds two plan steps of the same group")
         empty = np.flatnonzero(np.diff(self.pack_ptr) == 0)
         if self.extra.get("unequal_micro_batches") and not self.unequal_micro_batches:
             raise ValueError("plan: unequal_micro_batches is only valid for strategy 'bytescale'")
@@ -319,6 +355,8 @@ class Plan:
             if self.unequal_micro_batches:  # drop the in-memory padding: replicas list their own packs only
                 replicas = [[pk for pk in rep if pk] for rep in replicas]
             entry = {"group": g, "replicas": replicas}
+            if self.optimizer_step is not None:
+                entry["optimizer_step"] = int(self.optimizer_step[s])
             if step_rows is not None:
                 entry["rows"] = step_rows[s]
             steps.append(entry)
@@ -391,6 +429,8 @@ class Plan:
             pack_samples=np.asarray(flat, np.int64), pack_group=np.asarray(pack_group, np.int32),
             step_ptr=np.concatenate([[0], np.cumsum(step_sizes, dtype=np.int64)]).astype(np.int64),
             step_packs=np.asarray(step_packs, np.int64), step_group=np.asarray(step_group, np.int32),
+            optimizer_step=(np.asarray([int(s["optimizer_step"]) for s in d["steps"]], np.int64)
+                            if d["steps"] and "optimizer_step" in d["steps"][0] else None),
             dropped=np.asarray([x["index"] for x in dropped], np.int64),
             dropped_reason=[x["reason"] for x in dropped], deferred=list(d.get("deferred", [])),
             extra={k: v for k, v in d.items() if k not in known},

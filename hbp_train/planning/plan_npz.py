@@ -13,7 +13,9 @@ Members of the archive (all stored, not deflated, so each can be memory-mapped a
   ``dropped``, ``dropped_reason_code`` (index into the header's reason table): the Plan's arrays as they are in
   memory (slot-major steps, bytescale's padding packs included), each in the narrowest integer type holding it;
 * ``step_metric_<name>``: one per-step metric array each;
-* optional ``pack_row`` (int64 [num_packs]): the packed-shard row of every pack (``data_tools.pack --shards``).
+* optional ``pack_row`` (int64 [num_packs]): the packed-shard row of every pack (``data_tools.pack --shards``);
+* optional ``optimizer_step`` (int64 [num_steps]): ``Plan.optimizer_step`` of a plan whose optimizer steps span
+  several plan steps (hbp step_mix="mixed").
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def write_npz(plan: Plan, path, pack_row: np.ndarray | None = None) -> None:
         arrays[f"step_metric_{name}"] = np.asarray(values)
     if pack_row is not None:
         arrays["pack_row"] = _narrow(np.asarray(pack_row, np.int64))
+    if plan.optimizer_step is not None:
+        arrays["optimizer_step"] = _narrow(np.asarray(plan.optimizer_step, np.int64))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
 
     def write(tmp):
@@ -136,6 +140,7 @@ def read_npz(path, mmap: bool = True) -> Plan:
     # per array (milliseconds at 10M samples). The loader (data.py) reads the memory maps as they are instead.
     typed = {name: np.asarray(arrays[name], np.int32 if name.endswith("group") else np.int64) for name in ARRAYS}
     plan = Plan(config=cfg, **typed,
+                optimizer_step=np.asarray(arrays["optimizer_step"], np.int64) if "optimizer_step" in arrays else None,
                 dropped_reason=[reasons[c] for c in np.asarray(arrays["dropped_reason_code"]).tolist()],
                 deferred=list(header.get("deferred", [])), metrics=dict(header.get("metrics", {})),
                 step_metrics={k: arrays[f"step_metric_{k}"] for k in header.get("step_metrics", [])},

@@ -139,7 +139,7 @@ class SimResult:
     pack_seconds: np.ndarray
     """float64 [num_packs]: predicted time of every pack on its replica."""
     step_seconds: np.ndarray
-    """float64 [num_steps]: wall time of every step (with the modelled collectives and optimizer step, if any)."""
+    """float64 [num_steps]: wall time of every optimizer step (with the modelled collectives and optimizer, if any)."""
     slot_step: np.ndarray
     """int64 [num_slots]: step of every slot (micro-batch k of all replicas of a step)."""
     slot_ptr: np.ndarray
@@ -264,6 +264,15 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
         key = np.repeat(base, step_sizes) + replica_of
         per_replica = np.bincount(key, replica_s, minlength=int(step_r.sum()))
         step_s = np.maximum.reduceat(per_replica, base) if num_steps else np.zeros(0)
+    if plan.optimizer_step is not None:
+        # Optimizer steps of several plan steps (groups mixed, hbp step_mix="mixed"): their plan steps run one after
+        # the other and share one boundary. Under "step" sync this sums each plan step's slowest replica, an upper
+        # bound of the optimizer step's slowest replica.
+        opt = plan.optimizer_steps()
+        num_steps = plan.num_optimizer_steps
+        step_s = np.bincount(opt, step_s, minlength=num_steps)
+        slots_per_step = np.bincount(opt, slots_per_step, minlength=num_steps)
+        slot_step = opt[slot_step]
     step_comm, optimizer = None, 0.0
     if config.zero_stage is not None:
         comm = zero_comm_seconds(model.shape.num_params, plan.config.world_size, config)

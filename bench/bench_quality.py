@@ -12,7 +12,7 @@ held-out counterpart; then, for every strategy and plan seed, plan the training 
 run's metrics.jsonl. One training at a time (the machine has 2 cores). About a minute per run on 2 free cores.
 
 Strategies (VARIANTS below): isf, sorted, hbp (step_mix="mixed", the default: optimizer steps that mix the groups),
-hbp-stratified (steps of one group, one slot per cost stratum), hbp-unmixed (step_mix="sorted": hbp before #16),
+hbp-stratified (steps of one group, one slot per cost stratum), hbp-unmixed (step_mix="sorted": the earlier hbp),
 and the ablations and diagnostics that found the cause (isf-split, hbp-1group, isf-120, isf-nocurr,
 hbp-noshuffle, isf-sum, hbp-sum; see their comments).
 
@@ -101,7 +101,7 @@ VARIANTS = {
     "isf": (_plan("isf"), []),
     "sorted": (_plan("sorted"), []),
     "hbp": (_plan("hbp"), []),  # step_mix="mixed": optimizer steps that mix the groups, spread over the costs
-    # hbp with only the first half of the fix (steps of one group, one slot per cost stratum), and before #16
+    # hbp with only the first half of the fix (steps of one group, one slot per cost stratum), and the earlier hbp
     # (m consecutive cost-sorted slots per step: steps homogeneous in length)
     "hbp-stratified": (_plan("hbp", step_mix="stratified"), []),
     "hbp-unmixed": (_plan("hbp", step_mix="sorted"), []),

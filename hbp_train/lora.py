@@ -10,7 +10,7 @@ keep them unmerged with ``--adapter``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from hbp_train.errors import UserError

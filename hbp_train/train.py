@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 
 
@@ -59,6 +60,10 @@ def set_cuda_allocator(environ=os.environ) -> str:
     return environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def run(cfg, config_yaml: str) -> dict:
     """Everything after the config: distributed set-up, the training, the tear-down."""
     import numpy as np
@@ -75,6 +80,9 @@ def run(cfg, config_yaml: str) -> dict:
     torch.manual_seed(cfg.train.seed)
     init_distributed()
     lock = None
+    # A SIGTERM outside the loop (set-up, tear-down; the loop installs its own finish-save-exit handler, e.g. when
+    # the launcher dies just as the run ends) still runs the finally below, so the folder's lock is released.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # A launcher killed with SIGKILL cannot pass anything on: each worker notices by itself (parent_watch.py).
     watch = parent_watch.watch_parent() if parent_watch.under_launcher() else None
     try:
@@ -89,6 +97,7 @@ def run(cfg, config_yaml: str) -> dict:
             watch.set()
         if lock is not None:
             lock.release()
+        signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
             dist.destroy_process_group()
     return summary

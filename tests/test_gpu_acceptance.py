@@ -32,7 +32,18 @@ def test_unknown_check_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
 def test_dry_run_runs_every_check_end_to_end_on_the_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets these for a dry run; restored after the test
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    assert acc.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    # The trainer check sets up a 1-process group in this process (RANK, MASTER_PORT, ...): recorded here so they
+    # are removed after the test, and the group torn down, or a later subprocess inherits a port in use.
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    try:
+        assert acc.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     report = json.loads((tmp_path / "acceptance.json").read_text())
     assert report["complete"] and report["dry_run"] and set(report["checks"]) == set(acc.CHECKS)
     failed = {name: r["error"] for name, r in report["checks"].items() if "error" in r}

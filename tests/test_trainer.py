@@ -190,7 +190,9 @@ def test_resume_nan_and_export_single_process(shards, tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    # A process of its own: none of this test process's distributed settings (another test may have set them).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "hbp_train.train", *overrides(shards, str(out), "data.epochs=100")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"

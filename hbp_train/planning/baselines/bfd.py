@@ -26,9 +26,9 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from hbp_train.planning.balance import build_steps, reorder_steps
-from hbp_train.planning.curriculum import order_steps, sample_levels
-from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
+from hbp_train.planning.balance import build_steps
+from hbp_train.planning.baselines.sorted import single_group_plan
+from hbp_train.planning.plan import Plan, PlanConfig
 
 _SHIFT = 32  # key = gap << 32 | pack id: sorting the keys sorts by gap, then by pack id (deterministic ties)
 _MASK = (1 << _SHIFT) - 1
@@ -100,15 +100,5 @@ def plan_bfd(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
         lengths, pack_ptr, pack_samples, pack_group, config, balance=False
     )
-    if len(step_group):
-        pack_max = np.maximum.reduceat(np.r_[lengths[pack_samples], 0], pack_ptr[:-1])
-        pack_max = np.where(np.diff(pack_ptr) > 0, pack_max, 0)
-        step_max = np.maximum.reduceat(pack_max[step_packs], step_ptr[:-1])
-        level = sample_levels(step_max, [g.pack_len for g in config.groups])
-        step_ptr, step_packs, step_group = reorder_steps(
-            step_ptr, step_packs, step_group, order_steps(level, config.curriculum_steps, rng))
-    return Plan(
-        config=config, lengths=lengths, pack_ptr=pack_ptr, pack_samples=pack_samples, pack_group=pack_group,
-        step_ptr=step_ptr, step_packs=step_packs, step_group=step_group, dropped=dropped,
-        dropped_reason=[DROP_TOO_LONG] * len(dropped), extra={"planning_seconds": time.perf_counter() - t0},
-    )
+    return single_group_plan(config, lengths, pack_ptr, pack_samples, pack_group, step_ptr, step_packs,
+                             step_group, dropped, rng, t0)

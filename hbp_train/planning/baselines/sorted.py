@@ -38,6 +38,14 @@ def plan_sorted(lengths: np.ndarray, config: PlanConfig) -> Plan:
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
         lengths, pack_ptr, order.astype(np.int64), pack_group, config, balance=False
     )
+    return single_group_plan(config, lengths, pack_ptr, pack_samples, pack_group, step_ptr, step_packs,
+                             step_group, dropped, rng, t0)
+
+
+def single_group_plan(config: PlanConfig, lengths, pack_ptr, pack_samples, pack_group, step_ptr, step_packs,
+                      step_group, dropped, rng, t0: float) -> Plan:
+    """The Plan of a one-group baseline (sorted, bfd): its steps put in curriculum order by the group level of
+    each step's longest sample (curriculum.order_steps), as hbp orders its steps."""
     if len(step_group):
         pack_max = np.maximum.reduceat(np.r_[lengths[pack_samples], 0], pack_ptr[:-1])
         pack_max = np.where(np.diff(pack_ptr) > 0, pack_max, 0)

@@ -111,6 +111,7 @@ VARIANTS = {
     # step order: isf without its short-first curriculum; hbp replaying the plan's interleaved order every epoch
     # (the trainer shuffles the steps of later epochs uniformly by default, data.shuffle_epochs)
     "isf-nocurr": (_plan("isf", curriculum_steps=0), []),
+    "hbp-nocurr": (_plan("hbp", curriculum_steps=0), []),
     # isf stopped after 120 steps (hbp's count on the demo: its denser packs need fewer steps)
     "isf-120": (_plan("isf"), ["train.max_steps=120"]),
     "hbp-noshuffle": (_plan("hbp", step_mix="stratified"), ["data.shuffle_epochs=false"]),

@@ -171,3 +171,50 @@ def _plan_dict(lengths):
             "global_tokens": 1000, "groups": [{"pack_len": int(lengths.max() * k), "sp": 1, "ckpt_layers": None} for k in (3, 4)],
             "steps": TWO_RANK_STEPS, "dropped": [], "deferred": [], "num_samples": len(lengths),
             "lengths": lengths.tolist()}
+
+
+def test_optimizer_steps_that_mix_groups(tmp_path):
+    """Plan steps sharing an "optimizer_step" are one StepBatch: the micro-batches of each plan step in turn, tagged
+    with its group's sp, group and ckpt_layers; global counts over all; the plan's step metrics combined (ABR over
+    the slots); num_steps counts optimizer steps, later epochs permute them whole; token_mean gets one divisor per
+    SP group; a plan numbering them out of order is refused in one line."""
+    steps = [{"group": 0, "replicas": [[[0, 1], [2]], [[3], [4, 5]]]},  # sp=1: two replicas
+             {"group": 1, "replicas": [[[6, 7]]]},                         # sp=2: one replica over both ranks
+             {"group": 0, "replicas": [[[8]], [[9, 10]]]}]
+    shards = write_packed(str(tmp_path / "p"), SAMPLES, steps, world_size=2)
+    with open(f"{shards}/plan.json") as f:
+        plan = json.load(f)
+    plan["groups"][1].update(sp=2, ckpt_layers=1)
+    plan["step_metrics"] = [{"ABR": 0.1, "micro_batches": 2, "tokens": 10}, {"ABR": 0.4, "micro_batches": 1,
+                                                                              "tokens": 5}, {"ABR": 0.0}]
+    for step, k in zip(plan["steps"], [0, 0, 1]):
+        step["optimizer_step"] = k
+    with open(f"{shards}/plan.json", "w") as f:
+        json.dump(plan, f)
+    data = PackedData(shards, shuffle_epochs=True, seed=3)
+    assert data.num_steps == 2 and data.num_plan_steps == 3 and list(data.plan_steps_of(0)) == [0, 1]
+    lt = {i: loss_tokens(SAMPLES[i][1]) for i in range(11)}
+    for rank in (0, 1):
+        batch = data.step_batch(0, rank)
+        assert [(mb["group"], mb["sp"], mb["ckpt_layers"]) for mb in batch.micro_batches] == \
+            [(0, 1, None), (0, 1, None), (1, 2, 1)]
+        assert batch.global_loss_tokens == sum(lt[i] for i in range(8))
+        assert batch.global_num_samples == 8 and batch.num_packs == 4 + 1
+        assert batch.capacity_tokens == 4 * plan["groups"][0]["pack_len"] + plan["groups"][1]["pack_len"]
+        assert batch.plan_metrics["ABR"] == pytest.approx((2 * 0.1 + 0.4) / 3) and batch.plan_metrics["tokens"] == 15
+        # token_mean: rank r counts its own sp=1 packs and the sp=2 pack; the sp=2 pack's divisor is shared
+        own = [lt[0] + lt[1] + lt[2], lt[3] + lt[4] + lt[5]]
+        shared = lt[6] + lt[7]
+        counts = [own[0] + shared, own[1] + shared]
+        assert [mb["rank_loss_tokens"] for mb in batch.micro_batches[:2]] == pytest.approx([counts[rank]] * 2)
+        assert batch.micro_batches[2]["rank_loss_tokens"] == pytest.approx(2 / (1 / counts[0] + 1 / counts[1]))
+    single = data.step_batch(1, 0)
+    assert [mb["sp"] for mb in single.micro_batches] == [1] and "rank_loss_tokens" not in single.micro_batches[0]
+    later = sorted(data.plan_step(s) for s in range(2, 4))
+    assert later == [0, 1]  # epoch 2 runs both optimizer steps once
+    for step, k in zip(plan["steps"], [0, 2, 2]):
+        step["optimizer_step"] = k
+    with open(f"{shards}/plan.json", "w") as f:
+        json.dump(plan, f)
+    with pytest.raises(UserError, match="optimizer_step must count 0, 1, 2"):
+        PackedData(shards)

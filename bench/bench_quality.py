@@ -100,6 +100,7 @@ def _isf_split(lengths, seed):
 VARIANTS = {
     "isf": (_plan("isf"), []),
     "sorted": (_plan("sorted"), []),
+    "bfd": (_plan("bfd"), []),  # best-fit decreasing into the largest pack (TRL / ms-swift packing)
     "hbp": (_plan("hbp"), []),  # step_mix="mixed": optimizer steps that mix the groups, spread over the costs
     # hbp with only the first half of the fix (steps of one group, one slot per cost stratum), and the earlier hbp
     # (m consecutive cost-sorted slots per step: steps homogeneous in length)
@@ -120,7 +121,7 @@ VARIANTS = {
     "isf-sum": (_plan("isf"), ["loss.normalizer=sum", "train.grad_clip=0"]),
     "hbp-sum": (_plan("hbp", step_mix="stratified"), ["loss.normalizer=sum", "train.grad_clip=0"]),
 }
-DEFAULT_VARIANTS = "isf,sorted,hbp,hbp-stratified,hbp-unmixed"
+DEFAULT_VARIANTS = "isf,sorted,bfd,hbp,hbp-unmixed"
 
 
 def env() -> dict:
@@ -204,7 +205,12 @@ def simulated_speedups(plans: dict) -> dict:
         return {}
     model, sim = CostModel.from_calibration(), SimConfig()
     base = simulate(plans["isf"], model, sim)
-    return {name: speedup(base, simulate(plan, model, sim)) for name, plan in plans.items()}
+    out = {name: speedup(base, simulate(plan, model, sim)) for name, plan in plans.items()}
+    if "hbp" in plans:  # SP per sample: its simulated upper bound over hbp, times hbp's speed-up over isf
+        from hbp_train.planning.dynsp import dynsp_bound
+
+        out["dynsp bound"] = out["hbp"] * dynsp_bound(plans["hbp"], model, sim)["speedup_bound"]
+    return out
 
 
 def train(plan, tok: Path, held_packed: Path, run_dir: Path, epochs: int, overrides: list[str]) -> float:
@@ -257,6 +263,8 @@ def run_dataset(name: str, strategies: list[str], seeds: list[int], epochs: int,
             out[s]["speedup"].append(speed.get(s, float("nan")))
             out[s]["stats"].append(plan_stats(plan, loss_tokens))
             print(f"[{name}] {s:<18} seed {seed}: held-out loss {loss:.4f} ({how})", flush=True)
+        if "dynsp bound" in speed:
+            out.setdefault("dynsp bound", []).append(speed["dynsp bound"])
     return out
 
 
@@ -266,6 +274,7 @@ def summary_table(name: str, res: dict, seeds: list[int]) -> str:
              "SIMULATED speed-up over isf (compute only, mean over seeds); plan figures (mean over seeds)",
              f"{'strategy':<18}{'held-out loss':>32}{'vs isf':>9}  {'per seed':<24}{'speed-up':>9}{'ABR':>8}"
              f"{'mix_TV':>8}{'lt cv':>7}{'long w':>8}{'steps':>7}"]
+    bound = res.pop("dynsp bound", None)
     for s, r in res.items():
         loss = np.asarray(r["loss"])
         st = {k: np.mean([x[k] for x in r["stats"]]) for k in r["stats"][0]}
@@ -274,6 +283,11 @@ def summary_table(name: str, res: dict, seeds: list[int]) -> str:
                      f"{diff:>9}  {' '.join(f'{x:.3f}' for x in loss):<24}{np.mean(r['speedup']):>8.3f}x"
                      f"{st['ABR']:>8.4f}{st['mix_TV']:>8.3f}{st['loss_tokens_cv']:>7.2f}{st['long_loss_weight']:>8.2f}"
                      f"{st['num_steps']:>7.0f}")
+    if bound is not None:
+        res["dynsp bound"] = bound
+        lines.append(f"{'dynsp (bound)':<18}{'(hbp plan: same loss)':>32}{'':>9}  {'':<24}{np.mean(bound):>8.3f}x"
+                     "   SP per sample, simulated UPPER bound; not trained: the SP degree does not change the "
+                     "loss (SP=1 equals SP=2 in the tests), and it only earns its trainer code at >= 5%")
     return "\n".join(lines)
 
 
@@ -285,7 +299,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items()):
-        names = list(res)
+        names = [s for s in res if s != "dynsp bound"]
         for i, s in enumerate(names):
             loss = np.asarray(res[s]["loss"])
             ax.scatter(np.full(len(loss), i), loss, s=14, color="0.6", zorder=2)

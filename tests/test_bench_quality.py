@@ -72,3 +72,19 @@ def test_unknown_names_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--strategies", "isf,nope"])
     assert "unknown dataset or strategy 'nope'" in capsys.readouterr().err
+
+
+def test_dynsp_bound_is_reported_beside_the_trained_strategies(bench, tmp_path):
+    """The SP-per-sample bound rides with hbp (it is hbp's plan at other SP degrees: the same loss), is at least
+    hbp's speed-up, and the table and the plot show the trained strategies with it."""
+    lengths = _lengths(2)
+    plans = {s: bench.VARIANTS[s][0](lengths, 0) for s in ("isf", "bfd", "hbp")}
+    speed = bench.simulated_speedups(plans)
+    assert speed["isf"] == pytest.approx(1.0) and speed["dynsp bound"] >= speed["hbp"] > 0
+    stats = bench.plan_stats(plans["hbp"], np.maximum(1, lengths // 4))
+    res = {s: {"loss": [5.0, 5.1], "speedup": [speed[s]] * 2, "stats": [stats, stats]} for s in plans}
+    res["dynsp bound"] = [speed["dynsp bound"]] * 2
+    table = bench.summary_table("demo", res, [0, 1])
+    assert "bfd" in table and f"{speed['dynsp bound']:.3f}x" in table and "dynsp bound" in res
+    bench.plot({"demo": res}, tmp_path / "q.png")
+    assert (tmp_path / "q.png").stat().st_size > 0

@@ -115,14 +115,14 @@ def read_oom(run_dir: Path, sp: int) -> Optional[dict]:
 
 @dataclass
 class LaunchResult:
-    """What one degree's torchrun(s) gave: its measurements, what it skipped, and whether it finished."""
+    """What one degree's torchrun(s) gave: its measurements and whether it finished."""
 
     sp: int
     status: str
     """"measured" (finished), "failed" or "timeout" (the rest of the degree is estimated)."""
     measurements: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    """The launcher's own: a failed or stopped torchrun (one line naming the degree, the reason and the log)."""
     log: str = ""
     wall_s: float = 0.0
     attempts: int = 0
@@ -173,9 +173,8 @@ class SpLauncher:
             new, done = read_results(results)
             result.measurements.extend(new)
             if done is not None:  # finished (a crash while tearing down after that loses nothing)
+                # Its skips and warnings are not copied: the parent's replay of the same search meets them again.
                 result.status = "measured"
-                result.skipped.extend(done.get("skipped", []))
-                result.warnings.extend(f"sp={sp} run: {w}" for w in done.get("warnings", []))
                 break
             oom = read_oom(self.run_dir, sp) if code == EXIT_OOM else None
             if oom is not None:

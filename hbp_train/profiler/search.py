@@ -296,7 +296,6 @@ class Profiler:
                 result = self.launcher.run(sp, todo, self.cfg.time_budget_s - self.elapsed(),
                                            [m for m in self.measurements if m.sp == sp])
                 self.add_measurements(result.measurements)
-                self.skipped.extend(result.skipped)
                 self.runs.append(result.summary())
                 for w in result.warnings:
                     self._warn(w)

@@ -54,6 +54,7 @@ OUT_OF_RANGE = {
     "profile.memory_metric": "guess", "profile.ckpt_probe_layers": "-1", "profile.warmup_iters": "-1",
     "profile.iters": "0", "profile.time_budget_s": "0", "profile.docs": "/nonexistent/docs", "profile.seed": "-1",
     "profile.calibration": "/nonexistent/calibration.json", "profile.device_memory_gb": "0", "profile.output": "''",
+    "profile.device": "tpu", "profile.measure_devices": "0", "profile.worker_timeout_s": "0",
 }
 NO_RANGE = {  # every value of the type is valid: only the wrong type is checked
     "data.check_counts": "bool", "data.shuffle_epochs": "bool", "deepspeed.offload_optimizer": "bool",

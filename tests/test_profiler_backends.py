@@ -1,5 +1,5 @@
-"""Tests for hbp_train/profiler/backends.py: the GPU back-end's real fwd+bwd path on a tiny CPU model (times only),
-its SP estimate, OOM handling, and the synthetic packs (document lengths, per-rank slices)."""
+"""Tests for hbp_train/profiler/backends.py: the GPU back-end's real fwd+bwd path on a tiny CPU model (times and
+autograd-saved memory), its SP estimate, OOM handling, and the synthetic packs (document lengths, per-rank slices)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ def test_measurement_code_path_on_a_tiny_cpu_model():
     plain = b.measure(128, 1, 0, 1)
     ckpt = b.measure(128, 1, 2, 1)
     est = b.measure(128, 2, 1, 1)
+    states = model_state_bytes(shape.num_params, 2, JobSettings())
     for m in (plain, ckpt, est):
-        assert not m.oom and m.time_s > 0 and m.peak_mem_bytes is None
+        # CPU: the training job's model states plus the bytes autograd saved (no allocator peak, no NVML)
+        assert not m.oom and m.time_s > 0 and m.peak_mem_bytes > states and m.nvml_used_bytes is None
+        assert m.source == "cpu" and m.ranks == 1
+    assert plain.peak_mem_bytes > ckpt.peak_mem_bytes, "checkpointing both layers must save activation memory"
     assert not plain.estimated and est.estimated and "slice" in est.note
     # The estimate's arithmetic, with the slice run replaced by a known reading: slice time + the attention swap
     # (whole-pack attention / sp for the slice's own) + (2L + c) forward all-to-all sets; memory + a2a buffers.

@@ -98,7 +98,14 @@ def test_cli_dry_run_8b_from_a_config_json_alone(tmp_path, capsys):
     assert top["ckpt_layers"] == min(fits) and 0 < top["ckpt_layers"] < 32
     # One document per pack makes the shortest candidate the best: said in the output.
     assert data["l_best"] == 8192 and any("profile.docs" in w for w in data["warnings"])
-    # Every sp > 1 would run as its 1/sp slice on one GPU.
+    # An 8-GPU node (gpus_per_node=8) measures every degree up to 8 on that many GPUs, at the configuration's time.
+    want = sum(4 * m["time_s"] for m in data["measurements"] if m["time_s"])
+    assert data["profiler"]["predicted_gpu_measure_s"] == pytest.approx(want, abs=0.1)
+    # A node lending one GPU runs every sp > 1 as its 1/sp slice on it.
+    rc, _, err = run_cli(["experiment=llama3_8b_128k", f"model.name_or_path={model_dir}", "profile.dry_run=true",
+                          "profile.progress=false", f"profile.output={path}", "profile.measure_devices=1"], capsys)
+    assert rc == 0, err
+    data = json.loads(path.read_text())
     want = sum(4 * m["time_s"] / m["sp"] for m in data["measurements"] if m["time_s"])
     assert data["profiler"]["predicted_gpu_measure_s"] == pytest.approx(want, abs=0.1)
     assert [(g.pack_len, g.sp, g.ckpt_layers) for g in parse_groups("auto", str(path), 8)] == \

@@ -4,9 +4,11 @@ One small interface, `MeasureBackend.measure(pack_len, sp, ckpt_layers, iters) -
 result (Measurement(oom=True)), never an exception.
 
   GpuBackend       the real model (hbp_train.model) on this machine's GPU: fwd+bwd with the chunked loss on a
-                   synthetic pack; torch peak-allocated and NVML used memory. SP degrees above the GPUs present
-                   are *estimated* from the per-rank slice (pack_len/sp on one GPU) plus the cost model's
-                   attention and all-to-all terms (docs/profiler.md states the model).
+                   synthetic pack; torch peak-allocated and NVML used memory (on the CPU, device=cpu: the bytes
+                   autograd saves). In one process every sp > 1 is *estimated* from the per-rank slice (pack_len/sp
+                   on one GPU) plus the cost model's attention and all-to-all terms (docs/profiler.md states the
+                   model); in a measuring torchrun (profiler/worker.py, `use_sequence_parallel`) each rank runs its
+                   slice of the pack through the Ulysses attention of distributed/ulysses.py: measured.
   AnalyticBackend  no GPU (profile.dry_run): hbp_train.perf.cost_model for time, hbp_train.perf.memory for memory.
   CurveBackend     injected time/memory curves, for tests and what-if studies.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
@@ -54,9 +57,11 @@ class Measurement:
     oom: bool = False
     """The configuration ran out of memory: infeasible."""
     estimated: bool = False
-    """Not measured as such: sp exceeds the GPUs present, derived from the per-rank slice + a comm model."""
+    """Not measured as such: sp exceeds the GPUs measured together, derived from the per-rank slice + a comm model."""
     source: str = "gpu"
-    """Where the numbers come from: "gpu", "analytic" or "curve"."""
+    """Where the numbers come from: "gpu", "cpu", "analytic" or "curve"."""
+    ranks: int = 1
+    """Processes that ran it: sp when an SP group of sp ranks measured it (one torchrun per degree), else 1."""
     purpose: str = ""
     """Why it was measured: "ckpt-all", "ckpt-probe", "verify" (Alg. 4)."""
     wall_s: float = 0.0
@@ -82,7 +87,7 @@ class MeasureBackend(Protocol):
     """What the profiler needs from a way of measuring. Implementations: GpuBackend, AnalyticBackend, CurveBackend."""
 
     name: str
-    """"gpu", "analytic" or "curve": written next to every measurement."""
+    """"gpu", "cpu", "analytic" or "curve": written next to every measurement."""
     num_layers: int
     """Decoder layers of the model (the range of ckpt_layers)."""
     device_memory_bytes: int
@@ -224,7 +229,9 @@ class AnalyticBackend:
 
 class GpuBackend:
     """Measure on this machine's first GPU (one process). sp=1 runs the whole pack; sp > 1 cannot be run on one
-    GPU and is estimated from the per-rank slice (see `_estimate`).
+    GPU and is estimated from the per-rank slice (see `_estimate`) -- unless this process is one rank of a
+    measuring torchrun (`use_sequence_parallel`): then its degree is run for real, each rank its slice of the pack
+    through the Ulysses attention, and the group's reading is the slowest rank's time and the largest rank's memory.
 
     Each measurement: build a synthetic pack (random token ids, position_ids restarting per document, labels on
     every token), set the checkpointed layers, run `warmup_iters` + `iters` fwd+bwd with the chunked LM-head loss,
@@ -232,9 +239,11 @@ class GpuBackend:
     the GPU holds the bf16 params and grads in full; the training job holds its ZeRO shards plus fp32 optimizer
     states, so `model_state_bytes(...) - 4 x params` is added to both memory readings (no optimizer is built:
     its step costs the same per token for every configuration).
-    """
 
-    name = "gpu"
+    On the CPU (device="cpu", profile.device=cpu: tests and checks of the measuring path) there is no allocator
+    peak: memory is the model states plus the bytes autograd saves for backward in the first iteration (counted
+    with saved-tensor hooks), which leaves out transient buffers (a recomputed layer, a loss chunk's logits).
+    """
 
     def __init__(self, model_cfg, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings,
                  vocab_size: Optional[int] = None, device=None):
@@ -247,7 +256,11 @@ class GpuBackend:
         self.cfg, self.cost_model, self.loss_chunk = cfg, cost_model, job.loss_chunk_tokens
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.on_gpu = self.device.type == "cuda"
+        self.name = "gpu" if self.on_gpu else "cpu"
         self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
+        self._on_device = True
+        self.sequence_parallel = None  # this rank's SequenceParallel inside a measuring torchrun
+        self.measured_sp = 1  # the SP degree this process runs for real (with its peers); others are estimated
         self.model.train()
         self.num_layers = len(decoder_layers(self.model))
         self.params = model_num_params(self.model)
@@ -264,26 +277,51 @@ class GpuBackend:
     def hardware(self) -> dict:
         torch = self.torch
         if not self.on_gpu:
-            return {"backend": "gpu", "device": str(self.device), "note": "CPU run: times only, no memory"}
+            return {"backend": "cpu", "device": str(self.device),
+                    "note": "CPU run: times and autograd-saved activation memory, not a GPU's"}
         props = torch.cuda.get_device_properties(self.device)
         info = {"backend": "gpu", "gpu_name": props.name, "device_memory_bytes": int(props.total_memory),
                 "gpus_measured": 1, "torch": torch.__version__, "cuda": torch.version.cuda}
         info["nvml"] = nvml_hardware()
         return info
 
+    def use_sequence_parallel(self, pstate, sp: int) -> None:
+        """Make this process one rank of an SP group of degree `sp` (inside a measuring torchrun, every rank calls
+        it): the model's attention becomes the Ulysses attention of distributed/ulysses.py on `pstate`'s groups
+        (distributed/groups.py), and `measure(l, sp, ...)` runs this rank's slice for real."""
+        from hbp_train.distributed.ulysses import setup_sequence_parallel
+
+        self.sequence_parallel = setup_sequence_parallel(self.model, pstate)
+        self.sequence_parallel.set_active(sp)
+        self.measured_sp = self.num_gpus = sp
+
+    def release(self) -> None:
+        """Free this process's GPU for the measuring torchruns (they use GPUs 0..sp-1 too): the model waits in host
+        memory until the next measurement here."""
+        if self.on_gpu and self._on_device:
+            self.model.to("cpu")
+            self._on_device = False
+            self.torch.cuda.empty_cache()
+
     def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
         docs = synthetic_docs(pack_len, self.pool, self.cfg.seed)
         if sp > self.num_gpus:
             return self._estimate(pack_len, docs, sp, ckpt_layers, iters)
-        t, peak, used = self._run(docs, ckpt_layers, iters)
-        return self._measurement(pack_len, sp, ckpt_layers, t, peak, used, estimated=False)
+        if sp != self.measured_sp:
+            raise ValueError(f"this process measures sp={self.measured_sp} (with its peers), not sp={sp}")
+        t, peak, used = self._run(docs, ckpt_layers, iters, sp)
+        note = f"measured on {sp} ranks (one torchrun)" if sp > 1 else ""
+        return self._measurement(pack_len, sp, ckpt_layers, t, peak, used, estimated=False, note=note)
 
     def _measurement(self, pack_len, sp, ckpt, t, peak, used, estimated, note="") -> Measurement:
+        ranks = sp if sp > 1 and not estimated else 1
         if t is None:
-            return Measurement(pack_len, sp, ckpt, None, None, None, oom=True, estimated=estimated, note=note)
+            return Measurement(pack_len, sp, ckpt, None, None, None, oom=True, estimated=estimated,
+                               source=self.name, ranks=ranks, note=note)
         fix = self.state_correction
         return Measurement(pack_len, sp, ckpt, t, None if peak is None else peak + fix,
-                           None if used is None else used + fix, estimated=estimated, note=note)
+                           None if used is None else used + fix, estimated=estimated, source=self.name,
+                           ranks=ranks, note=note)
 
     def _estimate(self, pack_len, docs, sp, ckpt, iters) -> Measurement:
         """One rank of an SP group runs pack_len/sp tokens through the linear layers and LM head, and attention of
@@ -305,12 +343,18 @@ class GpuBackend:
         return self._measurement(pack_len, sp, ckpt, float(t), None if peak is None else peak + buffers,
                                  None if used is None else used + buffers, True, note)
 
-    def _run(self, docs: list[int], ckpt: int, iters: int):
-        """(median seconds, peak allocated bytes, NVML used bytes) of fwd+bwd on one pack, or (None,)*3 on OOM."""
+    def _run(self, docs: list[int], ckpt: int, iters: int, sp: int = 1):
+        """(median seconds, peak allocated bytes, NVML used bytes) of fwd+bwd on one pack, or (None,)*3 on OOM.
+        sp > 1 (a measuring torchrun): this rank's slice of the pack, the group's loss summed over the SP group,
+        and the readings agreed over the group (slowest time, largest memory); an OOM raises RankOutOfMemory,
+        since this rank cannot tell its peers that are waiting in an all-to-all."""
         torch = self.torch
         from hbp_train.loss import chunked_token_losses
         from hbp_train.model import forward_hidden, set_checkpointed_layers
 
+        if not self._on_device:
+            self.model.to(self.device)
+            self._on_device = True
         tokens = sum(docs)
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
         input_ids = torch.randint(0, self.vocab, (1, tokens), generator=gen).to(self.device)
@@ -319,6 +363,12 @@ class GpuBackend:
         labels = torch.roll(input_ids, -1, dims=1)
         ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
         labels[0, ends] = IGNORE_INDEX
+        if sp > 1:  # this rank's slice, exactly as the trainer's collate step cuts it
+            from hbp_train.distributed.ulysses import split_for_sp
+
+            local = split_for_sp({"input_ids": input_ids, "position_ids": position_ids, "shift_labels": labels},
+                                 sp, self.sequence_parallel.pstate.sp_rank(sp))
+            input_ids, position_ids, labels = local["input_ids"], local["position_ids"], local["shift_labels"]
         set_checkpointed_layers(self.model, ckpt)
         weight = self.model.get_output_embeddings().weight
         times, oom = [], False
@@ -326,11 +376,15 @@ class GpuBackend:
         if self.on_gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+        saved = None if self.on_gpu else _SavedBytes(torch, self.model)  # CPU: no allocator peak to read
         try:
             for i in range(self.cfg.warmup_iters + iters):
                 timer = _Timer(torch, self.on_gpu)
-                hidden = forward_hidden(self.model, input_ids, position_ids)
-                loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
+                with saved if (saved is not None and i == 0) else nullcontext():
+                    hidden = forward_hidden(self.model, input_ids, position_ids)
+                    loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
+                    if sp > 1:  # every rank back-propagates its group's loss, as in training
+                        loss = self.sequence_parallel.reduce_loss(loss)
                 loss.backward()
                 timer.stop()
                 del hidden, loss
@@ -343,6 +397,8 @@ class GpuBackend:
 
             if not is_oom(exc):
                 raise
+            if sp > 1:
+                raise RankOutOfMemory(sum(docs), sp, ckpt) from None
             oom = True
         hidden = loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
         # Outside the except block, so the exception's frames (holding activations) are gone before freeing.
@@ -351,14 +407,70 @@ class GpuBackend:
         elif self.on_gpu:
             result = (float(np.median([t.seconds() for t in times])),
                       int(torch.cuda.max_memory_allocated(self.device)), nvml_used_bytes(self.device.index or 0))
-        else:
-            result = (float(np.median([t.seconds() for t in times])), None, None)
+        else:  # the model's params and grads as a GPU would hold them, plus what autograd saved
+            held = sum(2 * p.numel() * p.element_size() for p in self.model.parameters())
+            result = (float(np.median([t.seconds() for t in times])), held + saved.bytes, None)
+        if sp > 1 and not oom:
+            result = self._agree(result, sp)
         self.model.zero_grad(set_to_none=True)
         if oom:
             gc.collect()  # reference cycles through the exception's frames may still hold activations
         if self.on_gpu:
             torch.cuda.empty_cache()
         return result
+
+
+    def _agree(self, result, sp: int):
+        """One reading for the SP group: every rank gets the slowest rank's time and the largest rank's memory."""
+        import torch.distributed as dist
+
+        torch = self.torch
+        values = torch.tensor([-1.0 if v is None else float(v) for v in result], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.sequence_parallel.pstate.sp_group(sp))
+        t, peak, used = values.tolist()
+        return t, None if peak < 0 else int(peak), None if used < 0 else int(used)
+
+
+class RankOutOfMemory(RuntimeError):
+    """This rank of a measuring torchrun ran out of memory inside an SP configuration. Its peers may be waiting in
+    a collective it will never join, so the worker records the configuration and ends the torchrun (worker.py);
+    the parent relaunches it for the rest."""
+
+    def __init__(self, pack_len: int, sp: int, ckpt_layers: int):
+        super().__init__(f"out of memory at pack_len={pack_len} sp={sp} ckpt_layers={ckpt_layers}")
+        self.pack_len, self.sp, self.ckpt_layers = pack_len, sp, ckpt_layers
+
+
+class _SavedBytes:
+    """While active: the bytes of the distinct storages autograd saves for backward, parameters excluded (the
+    activation memory a GPU would hold at the end of the forward; the CPU has no allocator peak to read)."""
+
+    def __init__(self, torch, model):
+        self.torch = torch
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.sizes: dict[int, int] = {}
+        self._hooks = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params:  # a storage saved twice (or as views) counts once
+            self.sizes[ptr] = max(self.sizes.get(ptr, 0), storage.nbytes())
+        return t
+
+    def __enter__(self):
+        self.sizes = {}
+        self._hooks = self.torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
 
 
 class _Timer:

@@ -1,7 +1,8 @@
 """`python -m hbp_train.profiler [OVERRIDES...]`: profile, choose the packing groups, write profile.json.
 
 Thin entry point: reads the run config (the trainer's, with profile.* overrides), builds the model shape, the cost
-model and a measurement back-end, runs hbp_train.profiler.search.Profiler, prints the report and writes the file
+model, a measurement back-end and the launcher of the SP > 1 measurements (one torchrun per degree this node has
+devices for, launcher.py), runs hbp_train.profiler.search.Profiler, prints the report and writes the file
 ``data_tools.pack --groups auto --profile profile.json`` reads. A user mistake (UserError) is one line, exit 2.
 """
 
@@ -21,6 +22,7 @@ from hbp_train.perf.memory import JobSettings
 from hbp_train.perf.shape import ModelShape, model_shape_of, sp_heads_problem
 from hbp_train.profiler.backends import AnalyticBackend, GpuBackend
 from hbp_train.profiler.config import ProfileConfig
+from hbp_train.profiler.launcher import SpLauncher, launched_degrees, measuring_devices
 from hbp_train.profiler.report import format_table
 from hbp_train.profiler.search import Profiler
 
@@ -50,7 +52,11 @@ profile.* options (defaults in brackets):
   seed [0]                  seed for document lengths and token ids
   dry_run [false]           no GPU: analytic estimate (cost model + memory model), labelled "analytic"
   calibration ['']          cost-model calibration JSON (default: the shipped H100 one, scaled to the model)
-  device_memory_gb [80]     device memory assumed by dry_run
+  device_memory_gb [80]     device memory assumed by dry_run and device=cpu
+  device [cuda]             cuda, or cpu (the real model on the CPU, gloo: checks the measuring path)
+  measure_devices [null]    devices that measure SP > 1 together, one torchrun per degree (null = the CUDA
+                            devices present; device=cpu: 1); larger degrees are estimated
+  worker_timeout_s [600]    a measuring torchrun is stopped this long after the time budget; its rest estimated
   output [profile.json]     where to write the profile
   progress [true]           tqdm progress bar
 
@@ -127,7 +133,7 @@ def profile(argv: list) -> int:
     pcfg: ProfileConfig = run.profile
     job = JobSettings(zero_stage=run.deepspeed.zero_stage, offload_optimizer=run.deepspeed.offload_optimizer,
                       loss_chunk_tokens=run.loss.chunk_size)
-    if not pcfg.dry_run:
+    if not pcfg.dry_run and pcfg.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -141,25 +147,40 @@ def profile(argv: list) -> int:
         backend = AnalyticBackend(shape, pcfg, cost_model, job)
     else:
         try:
-            backend = GpuBackend(run.model, pcfg, cost_model, job, vocab_size=vocab)
+            backend = GpuBackend(run.model, pcfg, cost_model, job, vocab_size=vocab,
+                                 device="cpu" if pcfg.device == "cpu" else None)
         except OSError as e:  # the weights under model.name_or_path are missing or unreadable
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"model.name_or_path: cannot load the model ({reason}); a GPU profile needs the "
                             "weights, a dry run (profile.dry_run=true) only config.json") from None
+    if pcfg.device == "cpu" and not pcfg.dry_run:
+        log.warning("profile.device=cpu: times and memory of the CPU, for checking the measuring path; profile on "
+                    "the GPUs to plan a GPU job")
+    sp_degrees = usable_sp_degrees(pcfg.sp_candidates(), shape)
+    devices = measuring_devices(pcfg)
+    launcher = SpLauncher(overrides, pcfg, launched_degrees(sp_degrees, devices, pcfg.gpus_per_node), vocab,
+                          backend.device_memory_bytes)
+    if launcher.degrees:
+        log.info("measuring sp=%s on this node's devices (one torchrun each; logs in %s)",
+                 ",".join(map(str, launcher.degrees)), launcher.run_dir)
     setup_s = time.monotonic() - t0
-    profiler = Profiler(backend, pcfg, sp_degrees=usable_sp_degrees(pcfg.sp_candidates(), shape))
+    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher)
     out = profiler.run()  # ProfileError (a UserError) when nothing fits
     out["hardware"] = backend.hardware()
     out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}
+    out["hardware"]["measure_devices"] = devices
     out["job"] = {"world_size": pcfg.world_size, **asdict(job)}
     out["config"] = asdict(pcfg)
     out["profiler"]["setup_s"] = round(setup_s, 3)
     out["profiler"]["total_s"] = round(time.monotonic() - t0, 3)
     if pcfg.dry_run:
-        # What the same profile would spend measuring on a GPU (iterations only: no model build, no OOM cost).
-        # GpuBackend runs every sp > 1 as its l/sp slice on one GPU: about time/sp of the SP configuration.
+        # What the same profile would spend measuring on a GPU node (iterations only: no model build, no OOM
+        # cost). A degree up to the node's GPUs (measure_devices, else gpus_per_node) runs on sp GPUs at its own
+        # time; a larger one runs as its l/sp slice on one GPU: about time/sp of the SP configuration.
+        node = min(pcfg.measure_devices or pcfg.gpus_per_node, pcfg.gpus_per_node)
         out["profiler"]["predicted_gpu_measure_s"] = round(sum(
-            (pcfg.warmup_iters + pcfg.iters) * m["time_s"] / m["sp"] for m in out["measurements"] if m["time_s"]), 1)
+            (pcfg.warmup_iters + pcfg.iters) * m["time_s"] / (1 if m["sp"] <= node else m["sp"])
+            for m in out["measurements"] if m["time_s"]), 1)
     write_output("profile.output", pcfg.output, lambda p: p.write_text(json.dumps(out, indent=1) + "\n"))
     print(format_table(out))
     print(f"wrote {pcfg.output}: use it with  python -m data_tools.pack --groups auto --profile {pcfg.output} "

@@ -54,7 +54,17 @@ class ProfileConfig:
     calibration: str = ""
     """Cost-model calibration JSON (empty = the shipped H100 Llama-3-8B layer); scaled to the model's shape."""
     device_memory_gb: float = 80.0
-    """Device memory in GB (1e9 bytes) assumed by --dry-run (the GPU backend reads the real one)."""
+    """Device memory in GB (1e9 bytes) assumed by --dry-run and by device=cpu (the GPU backend reads the real one)."""
+    device: str = "cuda"
+    """Where measurements run: "cuda" (the GPUs) or "cpu" (the real model on the CPU, gloo between processes;
+    times and autograd-saved activation memory: for checking the measuring path, not for planning a GPU job)."""
+    measure_devices: Optional[int] = None
+    """Devices this machine lends to measuring SP > 1: each SP degree up to it (and up to gpus_per_node) is measured
+    by one torchrun of that many ranks; larger degrees are estimated. None = the CUDA devices present (device=cpu:
+    1, i.e. estimate every sp > 1); 1 = measure sp=1 only."""
+    worker_timeout_s: float = 600.0
+    """A measuring torchrun is stopped after the time budget left plus this many seconds (start-up, model load, the
+    measurement under way); the points of its SP degree it did not measure are then estimated, with a warning."""
     output: str = "profile.json"
     """Where to write the profile (groups, every measurement, hardware, model shape, profiler timings)."""
     progress: bool = True
@@ -91,6 +101,12 @@ class ProfileConfig:
             raise UserError(f"profile.docs: {self.docs!r} is neither 'single' nor an existing file/directory")
         if self.device_memory_gb <= 0:
             raise UserError(f"profile.device_memory_gb must be > 0, got {self.device_memory_gb}")
+        if self.device not in ("cuda", "cpu"):
+            raise UserError(f"profile.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.measure_devices is not None and self.measure_devices < 1:
+            raise UserError(f"profile.measure_devices must be >= 1 or null, got {self.measure_devices}")
+        if self.worker_timeout_s <= 0:
+            raise UserError(f"profile.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
         if not self.output:
             raise UserError("profile.output must name a file")
         if self.seed < 0:

@@ -19,7 +19,7 @@ def format_table(profile: dict) -> str:
             else m["peak_mem_bytes"]
         status = "OOM" if m["oom"] else ("over budget" if mem is None or mem > budget else "ok")
         tps = m["pack_len"] / (m["time_s"] * m["sp"]) if m["time_s"] else None
-        source = m["source"] + (" (estimated)" if m["estimated"] else "")
+        source = _source(m)
         rows.append(f"{m['pack_len']:>9} {m['sp']:>3} {m['ckpt_layers']:>4} {m['purpose']:<10} "
                     f"{_fmt(m['time_s'], 1e3, '.1f'):>9} {_fmt(tps, 1, ',.0f'):>10} "
                     f"{_fmt(m['peak_mem_bytes'], 1 / GIB, '.1f'):>8} {_fmt(m['nvml_used_bytes'], 1 / GIB, '.1f'):>8} "
@@ -28,7 +28,8 @@ def format_table(profile: dict) -> str:
     label = " (ANALYTIC ESTIMATE, nothing measured)" if profile["source"] == "analytic" else ""
     rows.append(f"chosen groups{label}: l_best={profile['l_best']} l_max={profile['l_max']}")
     for g in profile["groups"]:
-        flags = (" estimated" if g["estimated"] else "") + (f" [{g['source']}]" if g["source"] != "gpu" else "")
+        flags = (" estimated" if g["estimated"] else (" measured" if g["source"] in ("gpu", "cpu") else "")) + \
+            (f" [{g['source']}]" if g["source"] != "gpu" else "")
         rows.append(f"  pack_len={g['pack_len']:>7} sp={g['sp']} ckpt_layers={g['ckpt_layers']:<3} "
                     f"tok/s/GPU={_fmt(g['tokens_per_s_per_gpu'], 1, ',.0f')}  ({g['role']}){flags}")
     for s in profile["skipped"]:
@@ -36,12 +37,27 @@ def format_table(profile: dict) -> str:
     for w in profile["warnings"]:
         rows.append(f"warning: {w}")
     p = profile["profiler"]
+    for run in p.get("sp_runs", []):
+        rows.append(f"sp={run['sp']}: {run['status']} on {run['ranks']} ranks (one torchrun, {run['attempts']} "
+                    f"start(s), {run['measured']} points, {run['wall_s']:.1f} s); log: {run['log']}")
+    if "measured" in p:
+        rows.append(f"points: {p['measured']} measured, {p['estimated']} estimated from a 1-GPU slice")
     rows.append(f"profiler: {p['num_measurements']} measurements, {p['wall_s']:.1f} s "
                 f"(budget {p['time_budget_s']:g} s{', exhausted' if p['budget_exhausted'] else ''})")
     if "predicted_gpu_measure_s" in p:
         rows.append(f"predicted GPU measuring time for this profile: {p['predicted_gpu_measure_s']:.0f} s "
                     "(timed iterations only)")
     return "\n".join(rows)
+
+
+def _source(m: dict) -> str:
+    """Where a row's numbers come from: measured (on how many ranks) or estimated; analytic/curve as they are."""
+    if m["estimated"]:
+        return f"{m['source']} estimated"
+    if m["source"] in ("gpu", "cpu"):
+        ranks = m.get("ranks", 1)
+        return f"{m['source']} measured" + (f" on {ranks} ranks" if ranks > 1 else "")
+    return m["source"]
 
 
 def _fmt(value, scale, spec) -> str:

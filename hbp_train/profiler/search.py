@@ -16,8 +16,15 @@ does one rank use? On top of it:
                             sp=1 with their own checkpoint count): groups [l1, l_best, l2, l_max] when
                             l2 > l_best, else [l1, l_best, l_max] (deduplicated, ascending).
 
-The whole profiler: config.py (ProfileConfig), backends.py (measuring), nvml.py, report.py (the table), cli.py
-(``python -m hbp_train.profiler``, which writes profile.json for ``data_tools.pack --groups auto``).
+SP degrees measured on several GPUs (a `launcher`, profiler/launcher.py): before the per-length loop, the
+degrees are profiled one after the other, smallest first: the in-process ones (sp=1) here, each launched one by ONE
+torchrun that runs GreedyProfileCkpt for every length it is given (profiler/worker.py, this same class). A length
+goes to a degree only if no smaller degree already needs no checkpointing (`prune`). Their measurements join the
+cache, so the per-length loop then replays them (same answers, same decisions) instead of estimating.
+
+The whole profiler: config.py (ProfileConfig), backends.py (measuring), launcher.py + worker.py (SP > 1 on the
+node's GPUs), nvml.py, report.py (the table), cli.py (``python -m hbp_train.profiler``, which writes profile.json
+for ``data_tools.pack --groups auto``).
 """
 
 from __future__ import annotations
@@ -83,7 +90,8 @@ class Profiler:
     """
 
     def __init__(self, backend: MeasureBackend, cfg: ProfileConfig, clock: Callable[[], float] = time.monotonic,
-                 sp_degrees: Optional[list[int]] = None):
+                 sp_degrees: Optional[list[int]] = None, launcher=None,
+                 on_measurement: Optional[Callable[[Measurement], None]] = None):
         self.backend = backend
         self.cfg = cfg
         self.clock = clock
@@ -95,6 +103,11 @@ class Profiler:
         self._cache: dict[tuple[int, int, int], Measurement] = {}
         self._start: Optional[float] = None
         self._bar = None
+        self.launcher = launcher
+        """SP degrees measured by torchruns: `.degrees` and `.run(sp, lengths, budget_left_s, known)` (launcher.py)."""
+        self.on_measurement = on_measurement
+        """Called with every new measurement (the worker streams them to its parent)."""
+        self.runs: list[dict] = []  # one entry per launched SP degree: status, ranks, log, wall time
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -107,6 +120,31 @@ class Profiler:
         if message not in self.warnings:
             self.warnings.append(message)
             log.warning(message)
+
+    def add_measurements(self, measurements) -> None:
+        """Known measurements (a torchrun's, or an earlier attempt's): answered from the cache from now on."""
+        for m in measurements:
+            key = (m.pack_len, m.sp, m.ckpt_layers)
+            if key not in self._cache:
+                self._cache[key] = m
+                self.measurements.append(m)
+
+    def measure_degree(self, sp: int, lengths: list[int]) -> dict[int, CkptChoice]:
+        """GreedyProfileCkpt at degree `sp` for each length, in the given order, within the time budget (a length
+        left when it runs out is recorded as skipped)."""
+        if self._start is None:
+            self._start = self.clock()
+        choices = {}
+        for length in lengths:
+            if self.budget_exhausted() and not self._has_measured(length, sp):
+                self.skipped.append({"pack_len": length, "sp": sp, "purpose": "length",
+                                     "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
+                continue
+            choices[length] = self.greedy_profile_ckpt(length, sp)
+        return choices
+
+    def _has_measured(self, pack_len: int, sp: Optional[int] = None) -> bool:
+        return any(k[0] == pack_len and (sp is None or k[1] == sp) for k in self._cache)
 
     def _measure(self, pack_len: int, sp: int, ckpt: int, purpose: str) -> Optional[Measurement]:
         """A cached measurement, or None when the time budget forbids starting a new one (recorded as skipped)."""
@@ -123,6 +161,8 @@ class Profiler:
         m.wall_s = self.clock() - started
         self._cache[key] = m
         self.measurements.append(m)
+        if self.on_measurement is not None:
+            self.on_measurement(m)
         if self._bar is not None:
             self._bar.set_postfix_str(f"l={pack_len} sp={sp} ckpt={ckpt} {_status(m, self)}", refresh=True)
         return m
@@ -212,8 +252,12 @@ class Profiler:
         total = sum(1 for l in lengths for sp in self.sp_degrees if l % sp == 0)
         self._bar = _progress(total, self.cfg.progress)
         try:
+            if self.launcher is not None and self.launcher.degrees:
+                self._launched_degrees(lengths)
             for length in reversed(lengths):
-                if self.budget_exhausted():
+                if self.budget_exhausted() and not self._has_measured(length):
+                    if any(s.get("pack_len") == length and s.get("purpose") == "length" for s in self.skipped):
+                        continue  # already recorded by the degree-by-degree pass
                     self.skipped.append({"pack_len": length, "purpose": "length",
                                          "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
                     continue
@@ -233,6 +277,37 @@ class Profiler:
                 self._bar.close()
                 self._bar = None
         return self._report(strategies, groups)
+
+    def _launched_degrees(self, lengths: list[int]) -> None:
+        """Profile the degrees up to the largest launched one, smallest first, before the per-length loop: in this
+        process (sp=1) or by one torchrun per degree. A length is given to a degree unless a smaller degree already
+        needs no checkpointing there (prune); a failed torchrun leaves its points to the estimate, with a warning."""
+        choices: dict[tuple[int, int], CkptChoice] = {}
+        top = max(self.launcher.degrees)
+        for sp in [d for d in self.sp_degrees if d <= top]:
+            todo = [l for l in reversed(lengths) if l % sp == 0 and not (self.cfg.prune and any(
+                c.ckpt_layers == 0 for (l2, d), c in choices.items() if l2 == l and d < sp))]
+            if not todo:
+                continue
+            if sp in self.launcher.degrees:
+                if self.budget_exhausted():
+                    break
+                self.release_backend()
+                result = self.launcher.run(sp, todo, self.cfg.time_budget_s - self.elapsed(),
+                                           [m for m in self.measurements if m.sp == sp])
+                self.add_measurements(result.measurements)
+                self.runs.append(result.summary())
+                for w in result.warnings:
+                    self._warn(w)
+            # In-process degrees are measured here; a launched degree's points are cache hits (a replay).
+            for length, choice in self.measure_degree(sp, todo).items():
+                choices[length, sp] = choice
+
+    def release_backend(self) -> None:
+        """Let the backend free the GPU it holds before a torchrun needs it."""
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release()
 
     def select_groups(self, strategies: dict[int, Strategy]) -> list[dict]:
         """Alg. 1 stage 2: [l1, l_best, (l2,) l_max], each with its own sp and ckpt_layers."""
@@ -291,6 +366,10 @@ class Profiler:
             "memory_budget_bytes": self.budget_bytes,
             "memory_metric": self.cfg.memory_metric,
             "profiler": {"wall_s": round(self.elapsed(), 3),
+                         "measured": sum(1 for m in self.measurements
+                                         if not m.estimated and m.source in ("gpu", "cpu")),
+                         "estimated": sum(1 for m in self.measurements if m.estimated),
+                         "sp_runs": self.runs,
                          "measure_s": round(sum(m.wall_s for m in self.measurements), 3),
                          "num_measurements": len(self.measurements),
                          "time_budget_s": self.cfg.time_budget_s,

@@ -99,7 +99,8 @@ def apply_lora(model, settings: LoraSettings) -> None:
     from peft import inject_adapter_in_model
 
     values = asdict(settings)
-    fused = [name for name, param in model.named_parameters() if param.dim() == 3]  # MoE experts (module docstring)
+    # the fused MoE expert tensors (module docstring); ZeRO-3 keeps a partitioned parameter's shape in ds_shape
+    fused = [name for name, param in model.named_parameters() if len(getattr(param, "ds_shape", param.shape)) == 3]
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -100,6 +100,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
     if set(missing) - tied or unexpected:
         raise UserError(f"{os.path.join(root, tag)}: weights do not match the model config "
                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    _remove_other_kind(out, adapter)  # an earlier export of the other kind must not leave a mixed folder
     if adapter:  # the adapters alone, for peft over the base model (whose weights the frozen ones are)
         save_adapter(model, out, torch_dtype, base_model=_base_model_of(os.path.join(root, tag)))
     else:
@@ -173,6 +174,17 @@ def end_of_turn_ids(tokenizer) -> list[int]:
         if tokenizer.decode([token_id]).strip():
             return []  # text, not a special token, follows the answer
     return []
+
+
+def _remove_other_kind(out: str, adapter: bool) -> None:
+    """Delete from ``out`` (empty or an earlier export: checked above) the files an export of the other kind wrote:
+    a full model's config and weights before an adapter is written, an adapter's before a full model is."""
+    for name in os.listdir(out):
+        model_file = name in ("config.json", "generation_config.json") or (
+            name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")))
+        adapter_file = name in ("adapter_config.json", "adapter_model.safetensors")
+        if (model_file if adapter else adapter_file) and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
 
 
 def _base_model_of(tag_dir: str):

@@ -109,12 +109,13 @@ def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(var
     assert not hasattr(merged.config, "hbp_lora")
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(input_ids=ids).logits, results["logits"], rtol=1e-4, atol=1e-5)
-    # --adapter: a peft adapter folder that loads over the base model to the same logits
-    out = export(str(tmp_path / "runs" / "z2" / "full"), str(tmp_path / "adapter"), adapter=True)
+    # --adapter: a peft adapter folder that loads over the base model to the same logits (written over the merged
+    # export: its full-model files go)
+    out = export(str(tmp_path / "runs" / "z2" / "full"), str(tmp_path / "hf"), adapter=True)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
     with open(os.path.join(out, "hbp_export.json")) as f:
         assert json.load(f)["adapter"] is True
-    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in os.listdir(out))
+    assert not any(f.startswith("model") or f == "config.json" for f in os.listdir(out)), os.listdir(out)
     loaded = PeftModel.from_pretrained(_initial(family), out)
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, results["logits"], rtol=1e-4, atol=1e-5)

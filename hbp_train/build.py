@@ -27,6 +27,7 @@ from hbp_train.data import PackedData
 from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.errors import UserError
+from hbp_train.lora import zero3_external_parameters
 from hbp_train.loss import chunked_token_losses
 from hbp_train.moe import RouterAux, router_aux_of
 
@@ -254,6 +255,9 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
             deepspeed.zero.register_external_parameter(wrapper, head.bias)
     engine, _, _, _ = deepspeed.initialize(
         model=wrapper, model_parameters=[p for p in wrapper.parameters() if p.requires_grad], config=ds_config)
+    if cfg.deepspeed.zero_stage == 3:  # after initialize: the adapters' weights are partitioned only now
+        for module, param in zero3_external_parameters(model):
+            deepspeed.zero.register_external_parameter(module, param)
     if engine.lr_scheduler is not None:
         # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
         # A resumed run overwrites this with the checkpoint's scheduler state.

@@ -1,12 +1,13 @@
 """Export a training checkpoint to an HF safetensors directory that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-``python -m hbp_train.export --checkpoint RUN_DIR[/checkpoints[/step_N]] --out HF_DIR [--dtype bf16]``
+``python -m hbp_train.export --checkpoint RUN_DIR[/checkpoints[/step_N]] --out HF_DIR [--dtype bf16] [--adapter]``
 
 The weights are consolidated from the DeepSpeed ZeRO-1/2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
 checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
 the standard attention (training used use_cache=False and the packed attention). LoRA/DoRA adapters
-(model.lora) are merged into the base weights (hbp_train/lora.py). ``--out`` must be new, empty or
+(model.lora) are merged into the base weights (hbp_train/lora.py), or with ``--adapter`` written alone as a peft
+adapter folder (``peft.PeftModel.from_pretrained(base_model, HF_DIR)``) with the tokenizer. ``--out`` must be new, empty or
 an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
 
 ``generation_config.json`` starts from the base model's own (saved in ``hf/`` with its sampling settings and eos
@@ -28,15 +29,15 @@ DTYPES = ("fp32", "bf16", "fp16")
 MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it
 
 
-def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
-    """Write HF_DIR (config, safetensors weights, generation config, tokenizer); returns it. Raises UserError on
-    bad input."""
+def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False) -> str:
+    """Write HF_DIR (config, safetensors weights, generation config, tokenizer; ``adapter``: the peft adapter folder
+    and the tokenizer); returns it. Raises UserError on bad input."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hbp_train.checkpoint import resolve
-    from hbp_train.lora import apply_lora, lora_settings_of, merge_lora
+    from hbp_train.lora import apply_lora, lora_settings_of, merge_lora, save_adapter
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"--out {out}: exists and is not a directory")
@@ -70,6 +71,10 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     except (OSError, ValueError, TypeError) as e:  # a damaged hf/ folder: transformers' message, first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{hf_dir}: cannot load the saved config/tokenizer ({first})") from None
+    lora = lora_settings_of(config)
+    if adapter and lora is None:
+        raise UserError(f"--adapter: {os.path.join(root, tag)} was trained without adapters (model.lora.r=0); "
+                        f"export it without --adapter")
     config.use_cache = True
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(tokenizer, name, None) is not None:
@@ -88,22 +93,25 @@ def export(checkpoint: str, out: str, dtype: str = "fp32") -> str:
     # The engine wraps the HF model as `model` (build.PackedCausalLM).
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    lora = lora_settings_of(config)
-    if lora is not None:  # trained with adapters: rebuild them to load the checkpoint, merged below
+    if lora is not None:  # trained with adapters: rebuild them to load the checkpoint, merged (or saved) below
         apply_lora(model, lora)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
         raise UserError(f"{os.path.join(root, tag)}: weights do not match the model config "
                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
-    if lora is not None:
-        merge_lora(model)  # full HF weights: base + the adapters' update
-    model = model.to(torch_dtype)
-    model.generation_config = generation_config
-    model.save_pretrained(out, safe_serialization=True)
+    _remove_other_kind(out, adapter)  # an earlier export of the other kind must not leave a mixed folder
+    if adapter:  # the adapters alone, for peft over the base model (whose weights the frozen ones are)
+        save_adapter(model, out, torch_dtype, base_model=_base_model_of(os.path.join(root, tag)))
+    else:
+        if lora is not None:
+            merge_lora(model)  # full HF weights: base + the adapters' update
+        model = model.to(torch_dtype)
+        model.generation_config = generation_config
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, MARKER), "w") as f:
-        json.dump({"checkpoint": os.path.join(root, tag), "dtype": dtype}, f)
+        json.dump({"checkpoint": os.path.join(root, tag), "dtype": dtype, "adapter": adapter}, f)
         f.write("\n")
     return out
 
@@ -168,6 +176,28 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return []
 
 
+def _remove_other_kind(out: str, adapter: bool) -> None:
+    """Delete from ``out`` (empty or an earlier export: checked above) the files an export of the other kind wrote:
+    a full model's config and weights before an adapter is written, an adapter's before a full model is."""
+    for name in os.listdir(out):
+        model_file = name in ("config.json", "generation_config.json") or (
+            name.startswith("model") and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")))
+        adapter_file = name in ("adapter_config.json", "adapter_model.safetensors")
+        if (model_file if adapter else adapter_file) and os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+
+
+def _base_model_of(tag_dir: str):
+    """The run's ``model.name_or_path`` (its config.yaml in the checkpoint), for the adapter's
+    ``base_model_name_or_path``; None for a model built from a config or an unreadable config."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(OmegaConf.load(os.path.join(tag_dir, "config.yaml")), "model.name_or_path")
+    except Exception:  # noqa: BLE001 -- only a label in adapter_config.json; the weights do not depend on it
+        return None
+
+
 def _is_tied(model, key: str) -> bool:
     """A missing key that is the tied LM head (shares the embedding)."""
     head = model.get_output_embeddings()
@@ -188,13 +218,18 @@ def main(argv: list | None = None) -> int:
                              "overwritten); created if missing. A finished export holds hbp_export.json")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype of the saved weights (default fp32: the optimizer's master weights as they are)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a run trained with model.lora: write the peft adapter folder (adapter_config.json, "
+                             "adapter_model.safetensors) instead of merging the adapters into full weights")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.dtype)
+        out = export(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
     except UserError as e:
         print(f"export error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(f"[export] wrote {out} (load with AutoModelForCausalLM.from_pretrained({out!r}))")
+    load = "peft.PeftModel.from_pretrained(base_model, {!r})" if args.adapter else \
+        "AutoModelForCausalLM.from_pretrained({!r})"
+    print(f"[export] wrote {out} (load with {load.format(out)})")
     return 0
 
 

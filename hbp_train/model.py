@@ -165,7 +165,9 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
                     raise
                 raise transformers_error(exc) from None
     model.config.use_cache = False
-    apply_lora(model, cfg.lora)  # r > 0: adapters injected, every other weight frozen
+    # under ZeRO-3, peft gathers a partitioned weight it reads (DoRA's column norms) when transformers reports ZeRO-3
+    with _hf_zero3(zero3_config if cfg.lora.r else None):
+        apply_lora(model, cfg.lora)  # r > 0: adapters injected, every other weight frozen
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()

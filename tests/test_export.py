@@ -16,7 +16,7 @@ def test_help_lists_every_option(capsys):
         main(["--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "--checkpoint" in text and "--out" in text and "--dtype" in text
+    assert "--checkpoint" in text and "--out" in text and "--dtype" in text and "--adapter" in text
 
 
 def test_not_a_checkpoint_is_one_line_exit_2(tmp_path, capsys):
@@ -108,6 +108,14 @@ def _consolidated(monkeypatch, reference, drop=()):
     monkeypatch.setattr(z2f, "get_fp32_state_dict_from_zero_checkpoint", lambda root, tag=None: state)
 
 
+def test_adapter_export_of_a_run_without_adapters_is_one_line_exit_2(tmp_path, tokenizer_dir, capsys):
+    tag, _ = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=True)
+    assert main(["--checkpoint", str(tag), "--out", str(tmp_path / "adapter"), "--adapter"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "trained without adapters (model.lora.r=0)" in err
+    assert not (tmp_path / "adapter").exists()  # refused before anything is written
+
+
 def test_export_of_a_tied_model_enables_the_cache_and_reloads_the_same_weights(tmp_path, tokenizer_dir, monkeypatch):
     import torch
     from safetensors import safe_open
@@ -129,7 +137,7 @@ def test_export_of_a_tied_model_enables_the_cache_and_reloads_the_same_weights(t
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["eos_token_id"], generation["bos_token_id"]) == (stops, tokenizer.bos_token_id)
     assert generation["use_cache"] is True
-    assert json.loads((out / MARKER).read_text()) == {"checkpoint": str(tag), "dtype": "fp32"}
+    assert json.loads((out / MARKER).read_text()) == {"checkpoint": str(tag), "dtype": "fp32", "adapter": False}
     loaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     ids = torch.arange(1, 20)[None]
     with torch.no_grad():

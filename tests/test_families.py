@@ -23,10 +23,13 @@ AUX_COEF = 0.5  # MoE router loss weight in the SP test (large, so that a wrong 
 
 
 def tiny_model(family: str, **overrides):
-    """The tiny model of ``family``; "<family>+lora": with LoRA adapters (rank 4) on every linear layer."""
-    family, _, lora = family.partition("+")
-    return build_model(ModelConfig(config=tiny_config(family, **overrides), architecture=family, seed=3,
-                                   lora=LoraSettings(r=4) if lora else LoraSettings()), vocab_size=VOCAB)
+    """The tiny model of ``family``; "<family>+lora" / "<family>+dora": with LoRA / DoRA adapters (rank 4) on the
+    default targets (hbp_train/lora.py)."""
+    family, _, adapter = family.partition("+")
+    assert adapter in ("", "lora", "dora"), adapter
+    lora = LoraSettings(r=4, dora=adapter == "dora") if adapter else LoraSettings()
+    return build_model(ModelConfig(config=tiny_config(family, **overrides), architecture=family, seed=3, lora=lora),
+                       vocab_size=VOCAB)
 
 
 def make_samples(lengths=LENGTHS, seed=0):
@@ -149,7 +152,9 @@ def test_sp2_equals_sp1_for_every_family():
     (and router loss) and gradients."""
     from tests.distributed import run_distributed
 
-    families = [*sorted(FAMILIES), "qwen3_moe+lora"]  # LoRA: only the adapters get gradients
+    # with adapters (LoRA on the MoE family: attention, router and fused experts; DoRA on a dense one, whose kv head
+    # is replicated at sp=2): only the adapters get gradients
+    families = [*sorted(FAMILIES), "qwen3_moe+lora", "mistral+dora"]
     result = run_distributed(_sp_worker, 2, families, timeout=900)[0]
     for family in families:
         model = tiny_model(family, router_aux_loss_coef=AUX_COEF)

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_exit import exit_code
+
 REPO = Path(__file__).resolve().parents[1]
 
-# module -> its main and parser (every tool with flags; test_the_tools_are_every_entry_point keeps this complete)
+# Every tool with flags, by module: each has main(argv) and build_parser() (test_the_tools_are_every_entry_point
+# keeps the list complete).
 TOOLS = ["data_tools.preprocess", "data_tools.pack", "data_tools.simulate", "data_tools.compare",
          "data_tools.make_demo_data", "data_tools.train_tokenizer", "hbp_train.perf.calibrate", "hbp_train.export",
          "hbp_train.demo", "hbp_train.run_plot", "hbp_train.launch", "eval.run"]
@@ -31,7 +34,8 @@ TOOLS = ["data_tools.preprocess", "data_tools.pack", "data_tools.simulate", "dat
 HYDRA_CLIS = {"hbp_train.train", "hbp_train.config", "hbp_train.profiler", "hbp_train.profiler.cli"}
 
 # Flags where any value passes the parser: the tool parses them itself, and its one-line errors for them are
-# tested beside the tool (the test named), or they are torchrun's own, passed on as torchrun takes them.
+# tested in FREE_FORM_BAD below or beside the tool (the test named), or they are torchrun's own, passed on as
+# torchrun takes them.
 _TORCHRUN = "torchrun's own, passed on unchanged (rendezvous, logging and worker settings)"
 FREE_FORM = {
     "data_tools.preprocess --input": "files or dataset folders checked one by one, a missing one being a bad-input "
@@ -125,6 +129,7 @@ def test_every_flag_is_walked():
     assert not unwalked, "flags with no checked type (use hbp_train.cli's, or add a FREE_FORM reason): " + \
         ", ".join(unwalked)
     assert not stale, f"FREE_FORM names flags that no longer exist: {sorted(stale)}"
+    assert set(FREE_FORM_BAD) <= set(FREE_FORM)
 
 
 def test_the_tools_are_every_entry_point():
@@ -146,17 +151,50 @@ def test_a_bad_flag_is_one_line_exit_2(module, prefix, prog, option, flag, value
     afile.write_text("{}\n")
     value = value.format(missing=tmp_path / "missing", file=afile, dir=tmp_path)
     argv = [*prefix, *option, value]
-    main = importlib.import_module(module).main
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
+    code = exit_code(importlib.import_module(module).main, argv)
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert code == 2, (argv, captured.err)
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert re.fullmatch(rf"{re.escape(prog)}: error: {re.escape(flag)}: .+ \(.+\)", lines[0]), lines[0]
     assert not captured.out
+
+
+# Free-form flags given a bad value on top of a valid command line (BASE_ARGV, {lengths} and {out} filled in per
+# test): their own checks end in one line too, naming the flag or the value, before any planning or measuring.
+FREE_FORM_BAD = {
+    "data_tools.pack --groups": "256", "data_tools.pack --model-shape": "no-such-shape",
+    "data_tools.compare --groups": "256:3", "data_tools.compare --strategies": "no-such-strategy",
+    "data_tools.compare --model-shape": "no-such-shape",
+    "hbp_train.perf.calibrate --model-shape": "no-such-shape", "hbp_train.perf.calibrate --doc-lens": "16,abc",
+    "data_tools.simulate --model-shape": "no-such-shape",
+}
+BASE_ARGV = {
+    "data_tools.pack": ["--lengths", "{lengths}", "--world-size", "2", "--groups", "256:1", "--out", "{out}/plan.json",
+                        "--quiet", "--no-baseline"],
+    "data_tools.compare": ["--lengths", "{lengths}", "--world-size", "2", "--groups", "256:1", "--strategies", "isf",
+                           "--quiet"],
+    # Without --allow-cpu: a check that let the value through would end in "no CUDA GPU", which names no flag.
+    "hbp_train.perf.calibrate": ["--tokens", "128", "--doc-lens", "16", "--out", "{out}/calibration.json"],
+    "data_tools.simulate": ["--plan", "{out}/plan.json"],
+}
+
+
+@pytest.mark.parametrize("key", sorted(FREE_FORM_BAD))
+def test_a_bad_free_form_value_is_one_line_exit_2(key, tmp_path, capsys):
+    module, flag = key.split(" ")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("12\n40\n100\n")
+    if module == "data_tools.simulate":  # a plan to simulate
+        pack = importlib.import_module("data_tools.pack")
+        assert pack.main([a.format(lengths=lengths, out=tmp_path) for a in BASE_ARGV["data_tools.pack"]]) == 0
+    capsys.readouterr()
+    argv = [a.format(lengths=lengths, out=tmp_path) for a in BASE_ARGV[module]] + [flag, FREE_FORM_BAD[key]]
+    code = exit_code(importlib.import_module(module).main, argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert flag in lines[0] or repr(FREE_FORM_BAD[key]) in lines[0], lines[0]
 
 
 def _profile_cases():

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from hbp_train.cli import ArgumentParser, existing_dir, existing_file, nonneg_int, output_file, positive_int
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
@@ -136,35 +137,37 @@ def table_columns(sim_config) -> list[tuple[str, str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m data_tools.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m data_tools.compare", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", metavar="FILE", help="one token length per line (or a .npy array) (this or --dataset "
+    src.add_argument("--lengths", metavar="FILE", type=existing_file,
+                     help="one token length per line (or a .npy array) (this or --dataset "
                      "is required)")
-    src.add_argument("--dataset", metavar="DIR", help="tokenized dataset (data_tools.preprocess); its 'length' column "
+    src.add_argument("--dataset", metavar="DIR", type=existing_dir,
+                     help="tokenized dataset (data_tools.preprocess); its 'length' column "
                      "(this or --lengths is required)")
-    p.add_argument("--max-len", type=int, default=None,
+    p.add_argument("--max-len", type=positive_int, default=None,
                    help="longest sample length the data may have, as in data_tools.pack (default: the largest "
                         "pack_len); samples beyond it are warned about, and only those longer than the largest "
                         "pack_len are dropped")
-    p.add_argument("--world-size", type=int, required=True, help="number of GPUs W (required)")
+    p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs W (required)")
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
                         "use the last group; 'auto' reads them from --profile (required)")
-    p.add_argument("--profile", default=None, metavar="FILE",
+    p.add_argument("--profile", default=None, metavar="FILE", type=existing_file,
                    help="with --groups auto: the profiler's JSON (python -m hbp_train.profiler) (default: none; "
                         "--groups auto needs it)")
-    p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024, help="target tokens per optimizer step "
-                   "(default 4194304)")
-    p.add_argument("--seed", type=int, default=0, help="planning seed (default 0)")
+    p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
+                   help="target tokens per optimizer step (default 4194304)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="planning seed (default 0)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {', '.join(STRATEGIES)} (default: all)")
     add_cost_model_args(p)
     add_link_args(p)
     add_comm_args(p)
-    p.add_argument("--plot", default=None, metavar="PNG",
+    p.add_argument("--plot", default=None, metavar="PNG", type=output_file,
                    help="write the comparison plot (PNG; an existing image is replaced) (default: no plot)")
-    p.add_argument("--out", default=None, metavar="JSON",
+    p.add_argument("--out", default=None, metavar="JSON", type=output_file,
                    help="write the table (and settings) as JSON; an existing file is replaced only if it is such a "
                         "report (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

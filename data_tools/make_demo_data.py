@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hbp_train.cli import ArgumentParser, fraction, int_range, nonneg_int, output_file, positive_int
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import atomic_write, interrupted
 
@@ -154,20 +155,21 @@ def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m data_tools.make_demo_data",
         description="Write a deterministic, long-tailed synthetic chat SFT dataset (OpenAI 'messages' JSONL). The "
                     "file is written to a temporary name and moved over --out when complete: Ctrl-C (exit code 130) "
                     "leaves an earlier --out as it was.",
     )
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=output_file,
                         help="output JSONL file (parent folders are created; an existing file is replaced) (required)")
-    parser.add_argument("--num-samples", type=int, default=2000, help="number of conversations (default 2000)")
-    parser.add_argument("--max-tokens", type=int, default=2048,
+    parser.add_argument("--num-samples", type=positive_int, default=2000, help="number of conversations (default 2000)")
+    parser.add_argument("--max-tokens", type=int_range(64), default=2048,
                         help="longest sample, in tokens of the shipped tokenizer with its chat template; the long "
                              "tail reaches almost this (default 2048, sized for the CPU demo)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0); same seed, same file (default 0)")
-    parser.add_argument("--long-fraction", type=float, default=LONG_FRACTION,
+    parser.add_argument("--seed", type=nonneg_int, default=0,
+                        help="random seed (>= 0); same seed, same file (default 0)")
+    parser.add_argument("--long-fraction", type=fraction, default=LONG_FRACTION,
                         help=f"share of long samples (a quarter of to almost --max-tokens), 0..1 (default {LONG_FRACTION})")
     return parser
 

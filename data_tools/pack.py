@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hbp_train.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
+                           output_file, positive_int)
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
@@ -31,38 +33,35 @@ class CliError(UserError):
     """A user mistake in the command line or its input files: printed as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + message
-        raise CliError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    from hbp_train.planning.plan import MAX_ISF_ROUNDS
+
+    p = ArgumentParser(
         prog="python -m data_tools.pack",
         description="Plan hierarchical balance packing (hbp) or the naive isf baseline: which samples go into which "
         "pack, which packs each replica runs in each optimizer step. Writes plan.json (docs/architecture.md). "
         "Outputs are written only when complete: Ctrl-C (exit code 130) leaves earlier ones as they were.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", metavar="FILE",
+    src.add_argument("--lengths", metavar="FILE", type=existing_file,
                      help="token length of every sample: a text file with one positive integer per line, or a .npy "
                      "array; sample i is line i (this or --dataset is required)")
-    src.add_argument("--dataset", metavar="DIR",
+    src.add_argument("--dataset", metavar="DIR", type=existing_dir,
                      help="tokenized dataset from data_tools.preprocess (HF save_to_disk); its 'length' column is used "
                      "(this or --lengths is required)")
-    p.add_argument("--shards", metavar="OUT",
+    p.add_argument("--shards", metavar="OUT", type=output_dir,
                    help="with --dataset: also write packed shards to OUT (OUT/plan.json with per-step rows, "
                    "OUT/group_<g>/ one row per pack). OUT must be new, empty or an earlier --shards output, which "
                    "is replaced as a whole once the new set is complete (default: no shards)")
-    p.add_argument("--max-len", type=int, default=None,
+    p.add_argument("--max-len", type=positive_int, default=None,
                    help="longest sample length the data may have (the preprocess max_len); must not exceed the "
                    "largest group's pack_len (default: the largest pack_len)")
-    p.add_argument("--world-size", type=int, required=True, help="number of GPUs (ranks) W (required)")
+    p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs (ranks) W (required)")
     p.add_argument("--groups", required=True,
                    help="ascending pack_len:sp[:ckpt_layers] pairs, comma separated, e.g. 16384:1,131072:8; sp is a "
                    "power of two dividing W; samples longer than the last pack_len are dropped. 'auto' reads them "
                    "from --profile (required)")
-    p.add_argument("--profile", metavar="FILE",
+    p.add_argument("--profile", metavar="FILE", type=existing_file,
                    help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
                    "(default: none; --groups auto needs it)")
     p.add_argument("--strategy", choices=["hbp", "isf", "bfd", "sorted", "wlb", "bytescale"], default="hbp",
@@ -70,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "best-fit decreasing into the largest pack_len (TRL / ms-swift packing); sorted = "
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
                    "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
-    p.add_argument("--calibration", metavar="FILE", default=None,
+    p.add_argument("--calibration", metavar="FILE", type=existing_file, default=None,
                    help="balance predicted pack time from this cost-model calibration (hbp_train.perf.calibrate JSON) "
                    "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
@@ -79,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
                    "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
-    p.add_argument("--global-tokens", type=int, default=4 * 1024 * 1024,
+    p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
                    help="target tokens per optimizer step; micro-batches per replica m = max(1, round(G / (pack_len "
                    "* W/sp))) (default 4194304)")
-    p.add_argument("--curriculum-steps", type=int, default=0,
+    p.add_argument("--curriculum-steps", type=nonneg_int, default=0,
                    help="the first K steps use only the shortest group (isf: only packs of short samples) (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same "
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same "
                    "plan (default 0)")
     p.add_argument("--balance", choices=["refine", "sort"], default="refine",
                    help="hbp slot balancing: sort = paper (sort packs by attention cost, chunk); refine = sort, then "
@@ -94,18 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "group (the paper; steps homogeneous in length, which costs quality); stratified = one slot of "
                    "each cost stratum of one group; mixed = stratified, and every optimizer step holds slots of "
                    "every group (the trainer switches SP between them) (default mixed)")
-    p.add_argument("--isf-rounds", type=int, default=4, help="isf: shuffle-and-fill rounds before packing leftovers "
-                   "(default 4)")
-    p.add_argument("--isf-threshold", type=int, default=None,
+    p.add_argument("--isf-rounds", type=int_range(0, MAX_ISF_ROUNDS), default=4,
+                   help="isf: shuffle-and-fill rounds before packing leftovers (default 4)")
+    p.add_argument("--isf-threshold", type=nonneg_int, default=None,
                    help="isf: keep a pack in a round if it holds >= pack_len - threshold tokens (default: pack_len // 64)")
     p.add_argument("--plan-format", choices=["json", "npz"], default="json",
                    help="with --shards: the plan inside OUT, OUT/plan.json or the compact binary OUT/plan.npz that "
                    "the trainer memory-maps (for millions of samples) (default json)")
-    p.add_argument("--out", metavar="FILE",
+    p.add_argument("--out", metavar="FILE", type=output_file,
                    help="where to write the plan (required unless --shards is given): JSON, or the compact binary "
                    "form (memory-mapped CSR arrays, for millions of samples) when it ends in .npz; an existing file "
                    "is replaced only if it is a plan of that form, never other data")
-    p.add_argument("--plot", metavar="PNG",
+    p.add_argument("--plot", metavar="PNG", type=output_file,
                    help="draw length histogram, per-replica attention cost (isf vs hbp) and ABR (default: no plot)")
     p.add_argument("--no-baseline", action="store_true", help="hbp: skip planning the isf baseline for comparison")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -299,8 +298,6 @@ def run(argv=None) -> int:
         raise CliError("--shards needs --dataset (the tokens come from the tokenized dataset)")
     if not args.out and not args.shards:
         raise CliError("--out FILE is required (or --shards OUT, which writes OUT/plan.json)")
-    if args.world_size < 1:
-        raise CliError(f"--world-size must be >= 1, got {args.world_size}")
     if args.out and is_binary_path(args.out):
         check_binary_plan_target(args.out)
         check_output_file("--out", args.out)
@@ -309,13 +306,6 @@ def run(argv=None) -> int:
     check_output_file("--plot", args.plot, image=True)
     if args.shards:
         check_shards_dir(args.shards)
-    for flag, val in (("--global-tokens", args.global_tokens), ("--max-len", args.max_len)):
-        if val is not None and val < 1:
-            raise CliError(f"{flag} must be >= 1, got {val}")
-    for flag, val in (("--curriculum-steps", args.curriculum_steps), ("--seed", args.seed),
-                      ("--isf-rounds", args.isf_rounds), ("--isf-threshold", args.isf_threshold)):
-        if val is not None and val < 0:
-            raise CliError(f"{flag} must be >= 0, got {val}")
     groups = parse_groups(args.groups, args.profile, args.world_size)
     if args.max_len is not None and args.max_len > groups[-1].pack_len:
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "

@@ -45,6 +45,7 @@ import numpy as np
 from data_tools.chat_labels import TEMPLATE_REASONS, ChatEncoder
 from data_tools.sft_formats import FORMATS, REASONS, FormatError, to_turns
 from data_tools.sft_inputs import FILE_REASONS, count_records, iter_records
+from hbp_train.cli import ArgumentParser, existing_dir, int_range, output_dir, positive_int
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import interrupted, replace_dir, staging_dir
@@ -353,7 +354,7 @@ def format_report(report: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     reasons = "".join(f"\n  {k}: {v}" for k, v in ERROR_REASONS.items())
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m data_tools.preprocess",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Tokenize raw SFT conversations into a labelled HF dataset (input of data_tools.pack).\n\n"
@@ -366,20 +367,22 @@ def build_parser() -> argparse.ArgumentParser:
                "it holds an earlier preprocess output.\n"
                "Policy drops (always counted): overlong, no_loss_tokens, no_loss_tokens_after_truncation.\n"
                f"Bad-input reasons (fail or skip per --on-error):{reasons}\n"
-               "Exit codes: 0 ok; 2 bad input, tokenizer or output (one line on stderr) or bad arguments\n"
-               "(argparse usage); 130 interrupted (Ctrl-C; an existing DIR is left as it was).",
+               "Exit codes: 0 ok; 2 bad input, tokenizer, output or flags (one line on stderr);\n"
+               "130 interrupted (Ctrl-C; an existing DIR is left as it was).",
     )
+    # No path check here: a missing input file is a bad-input reason like the others (--on-error skip drops it).
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
                         help="input files (.jsonl, .json array, .parquet) or saved HF dataset directories (required)")
-    parser.add_argument("--output", required=True, metavar="DIR", help="output dataset directory, built beside DIR and moved into "
+    parser.add_argument("--output", required=True, metavar="DIR", type=output_dir,
+                        help="output dataset directory, built beside DIR and moved into "
                         "place when complete (required)")
-    parser.add_argument("--tokenizer", required=True, metavar="DIR",
+    parser.add_argument("--tokenizer", required=True, metavar="DIR", type=existing_dir,
                         help="local HF tokenizer directory (loaded offline), e.g. data_tools/assets/tokenizer "
                              "(required)")
     parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
                         help="record shape; auto detects it per record: 'messages' -> OpenAI, 'conversations' -> "
                              "ShareGPT, 'instruction'/'output' -> Alpaca (default auto)")
-    parser.add_argument("--max-len", type=int, default=None, metavar="N",
+    parser.add_argument("--max-len", type=int_range(2), default=None, metavar="N",
                         help="longest sample in tokens; longer ones follow --overlong (default: no limit)")
     parser.add_argument("--overlong", default="drop", choices=("drop", "truncate"),
                         help="samples longer than --max-len: drop them (reason 'overlong') or keep the first N "
@@ -388,10 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bad input: fail stops at the first bad record with one line naming file:line and "
                              "exit code 2; skip drops it and counts it by reason in report.json/dropped.jsonl "
                              "(default fail)")
-    parser.add_argument("--num-proc", type=int, default=1, metavar="N",
+    parser.add_argument("--num-proc", type=positive_int, default=1, metavar="N",
                         help="tokenizer worker processes, at most the number of CPUs; the output is identical for "
                              "any N (default 1)")
-    parser.add_argument("--num-shards", type=int, default=None, metavar="N",
+    parser.add_argument("--num-shards", type=positive_int, default=None, metavar="N",
                         help="number of dataset shard files (default: datasets' choice, ~500 MB each)")
     return parser
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from hbp_train.cli import (ArgumentParser, existing_file, existing_path, float_range, fraction, nonneg_int,
+                           output_file, positive_float, positive_int)
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
@@ -28,7 +30,7 @@ from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig
 
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
     """The cost-model options shared by simulate, compare and pack."""
-    parser.add_argument("--calibration", default=None, metavar="FILE",
+    parser.add_argument("--calibration", default=None, metavar="FILE", type=existing_file,
                         help="calibration JSON (hbp_train.perf.calibrate format); default: the shipped H100 Llama-3-8B "
                              "layer, hbp_train/perf/calibration/h100_llama3_8b_layer.json")
     parser.add_argument("--model-shape", default=None, metavar="SHAPE",
@@ -38,24 +40,25 @@ def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--analytic", action="store_true",
                         help="ignore calibrations: time = FLOPs / (peak * efficiency) (labelled 'analytic'); "
                              "needs --model-shape (default llama3-8b)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s for --analytic "
+    parser.add_argument("--peak-tflops", type=positive_float, default=989.0, help="peak bf16 TFLOP/s for --analytic "
                         "(default 989, H100 SXM dense)")
-    parser.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak reached for --analytic "
+    parser.add_argument("--efficiency", type=float_range(0.0, 1.0, low_open=True), default=0.5,
+                        help="fraction of peak reached for --analytic "
                         "(default 0.5)")
 
 
 def add_link_args(parser: argparse.ArgumentParser) -> None:
     """Interconnect options for the Ulysses all-to-all time."""
-    parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_GBPS,
+    parser.add_argument("--intra-node-gbps", type=positive_float, default=DEFAULT_INTRA_NODE_GBPS,
                         help=f"all-to-all bandwidth per GPU inside a node, in GB/s (gigaBYTES per second; default "
                              f"{DEFAULT_INTRA_NODE_GBPS:g}); also ZeRO's collectives (--zero-stage) when the plan's "
                              "W <= --gpus-per-node")
-    parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_GBPS,
+    parser.add_argument("--inter-node-gbps", type=positive_float, default=DEFAULT_INTER_NODE_GBPS,
                         help=f"all-to-all bandwidth per GPU across nodes, GB/s (default {DEFAULT_INTER_NODE_GBPS:g}); "
                              "also ZeRO's collectives (--zero-stage) when the plan spans nodes")
-    parser.add_argument("--gpus-per-node", type=int, default=8,
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8,
                         help="GPUs per node; SP groups larger than this use the inter-node bandwidth (default 8)")
-    parser.add_argument("--ckpt-layers", type=int, default=0,
+    parser.add_argument("--ckpt-layers", type=nonneg_int, default=0,
                         help="checkpointed layers for groups whose ckpt_layers is null in the plan (default 0)")
 
 
@@ -68,10 +71,10 @@ def add_comm_args(parser: argparse.ArgumentParser) -> None:
                              "all-gather per step, 3: two all-gathers + a reduce-scatter per micro-batch) and the "
                              "AdamW step; also sets the sync (step for 0/1, micro for 2/3). Default: not modelled "
                              "(compute only, the upper bound of a speed-up)")
-    parser.add_argument("--comm-overlap", type=float, default=0.0, metavar="F",
+    parser.add_argument("--comm-overlap", type=fraction, default=0.0, metavar="F",
                         help="with --zero-stage: share 0..1 of the per-micro-batch collectives hidden behind "
                              "compute (DeepSpeed overlap_comm); default 0, all exposed (the pessimistic bound)")
-    parser.add_argument("--hbm-gbps", type=float, default=DEFAULT_HBM_GBPS,
+    parser.add_argument("--hbm-gbps", type=positive_float, default=DEFAULT_HBM_GBPS,
                         help="with --zero-stage: GPU memory bandwidth in GB/s for the memory-bound optimizer step "
                              f"(~32 bytes per parameter updated; default {DEFAULT_HBM_GBPS:g}, H100 SXM)")
 
@@ -105,9 +108,9 @@ def cost_model_from_args(args) -> CostModel:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m data_tools.simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan", action="append", required=True, metavar="PLAN_JSON",
+    p = ArgumentParser(prog="python -m data_tools.simulate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", action="append", required=True, metavar="PLAN_JSON", type=existing_path,
                    help="a plan.json (from data_tools.pack), or a --shards folder holding one; repeat to compare, "
                         "the first is the baseline (required)")
     p.add_argument("--name", action="append", default=None,
@@ -119,12 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "ZeRO-0/1 (slowest replica per step); default: from --zero-stage when given, else step for "
                         "plans with unequal micro-batch counts (bytescale), micro otherwise")
     add_comm_args(p)
-    p.add_argument("--out", default=None, metavar="REPORT_JSON",
+    p.add_argument("--out", default=None, metavar="REPORT_JSON", type=output_file,
                    help="write the report (summary per plan, and every slot's replica times) to this JSON file; an "
                         "existing file is replaced only if it is such a report (default: no report)")
-    p.add_argument("--plot", default=None, metavar="PNG",
+    p.add_argument("--plot", default=None, metavar="PNG", type=output_file,
                    help="write a comparison plot (PNG; an existing image is replaced) (default: no plot)")
-    p.add_argument("--show-slots", type=int, default=3, metavar="N",
+    p.add_argument("--show-slots", type=nonneg_int, default=3, metavar="N",
                    help="print each replica's time for the first N slots of every plan (default 3)")
     return p
 

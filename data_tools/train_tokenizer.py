@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from data_tools.chat_labels import DEFAULT_CHAT_TEMPLATE
+from hbp_train.cli import ArgumentParser, int_range, output_dir
 from hbp_train.errors import EXIT_USER_ERROR
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tokenizer"
@@ -93,20 +94,21 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
 MAX_VOCAB_SIZE = 1 << 20
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m data_tools.train_tokenizer",
         description="Train the small byte-level BPE tokenizer shipped with hbp-train (deterministic).",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=output_dir.path, default=DEFAULT_OUT,
                         help=f"output tokenizer directory (default {DEFAULT_OUT})")
-    parser.add_argument("--vocab-size", type=int, default=4096,
+    # 300: the 256 bytes, the special tokens and some merges; the trainer allocates tables of the size up front.
+    parser.add_argument("--vocab-size", type=int_range(300, MAX_VOCAB_SIZE), default=4096,
                         help=f"BPE vocabulary size incl. special tokens, 300..{MAX_VOCAB_SIZE} (default 4096)")
-    args = parser.parse_args(argv)
-    if not 300 <= args.vocab_size <= MAX_VOCAB_SIZE:  # the trainer allocates tables of this size up front
-        print(f"error: --vocab-size {args.vocab_size} must be between 300 (256 bytes + special tokens + merges) "
-              f"and {MAX_VOCAB_SIZE}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         out = train(args.out, args.vocab_size)
     except OSError as e:  # the --out path: a file in the way, no permission, a full disk

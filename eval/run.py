@@ -19,6 +19,8 @@ import warnings
 from pathlib import Path
 
 from eval.report import make_out
+from hbp_train.cli import (ArgumentParser, existing_dir, existing_path, fraction_list, int_list, nonneg_int,
+                           output_dir, positive_int)
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 
 DEFAULT_LENGTHS = "256,512,1024"
@@ -29,22 +31,8 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"warning: {message}", file=sys.stderr if file is None else file)
 
 
-def _int_list(option: str, text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UserError(f"{option} {text}: need comma-separated integers, e.g. {DEFAULT_LENGTHS}") from None
-
-
-def _float_list(option: str, text: str) -> list[float]:
-    try:
-        return [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise UserError(f"{option} {text}: need comma-separated fractions, e.g. {DEFAULT_DEPTHS}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m eval.run",
         description="Evaluate an exported hbp-train checkpoint (an HF safetensors directory with its tokenizer).",
         epilog="Subcommands: 'offline' (local long-context checks, no download), 'opencompass' (benchmarks in "
@@ -57,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "self-test on a tiny model; a second call with nothing changed returns at once. It is "
                              "kept apart because OpenCompass needs numpy<2 and datasets<4. With no subcommand, exit "
                              "after the set-up")
-    parser.add_argument("--venv", type=Path, default=None,
+    parser.add_argument("--venv", type=output_dir.path, default=None,
                         help="the OpenCompass virtual environment (default: .venv-opencompass in the repo root)")
     sub = parser.add_subparsers(dest="command", metavar="{offline,opencompass,compare}")
 
@@ -68,29 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "needle depths, scored by log-likelihood ranking against distractor values and by greedy "
                     "decoding; and held-out loss/perplexity on a tokenized dataset (label tokens only, "
                     "token-weighted). Writes OUT/results.json, OUT/results.md and OUT/needle_heatmap.png.")
-    off.add_argument("--model", type=Path, required=True, help="exported model directory (config.json, "
+    off.add_argument("--model", type=existing_dir.path, required=True, help="exported model directory (config.json, "
                      "safetensors weights, tokenizer), e.g. the output of hbp_train.export")
-    off.add_argument("--out", type=Path, required=True, help="directory for the results (created if missing)")
-    off.add_argument("--lengths", default=DEFAULT_LENGTHS,
+    off.add_argument("--out", type=output_dir.path, required=True,
+                     help="directory for the results (created if missing)")
+    off.add_argument("--lengths", default=DEFAULT_LENGTHS, type=int_list(1),
                      help=f"needle context lengths in tokens, comma-separated (default {DEFAULT_LENGTHS})")
-    off.add_argument("--depths", default=DEFAULT_DEPTHS,
+    off.add_argument("--depths", default=DEFAULT_DEPTHS, type=fraction_list,
                      help="needle depths as fractions of the haystack, 0 = start, 1 = end, comma-separated "
                           f"(default {DEFAULT_DEPTHS})")
-    off.add_argument("--trials", type=int, default=4, help="samples per (length, depth) cell (default 4)")
-    off.add_argument("--distractors", type=int, default=4,
+    off.add_argument("--trials", type=positive_int, default=4, help="samples per (length, depth) cell (default 4)")
+    off.add_argument("--distractors", type=positive_int, default=4,
                      help="wrong values the true one is ranked against in the log-likelihood score (default 4; "
                           "chance is 1/(distractors+1))")
-    off.add_argument("--max-new-tokens", type=int, default=16, help="greedy-decoding budget per sample (default 16)")
-    off.add_argument("--seed", type=int, default=0, help="seed of the needle sample generator (default 0)")
+    off.add_argument("--max-new-tokens", type=positive_int, default=16,
+                     help="greedy-decoding budget per sample (default 16)")
+    off.add_argument("--seed", type=nonneg_int, default=0, help="seed of the needle sample generator (default 0)")
     off.add_argument("--no-needle", action="store_true", help="skip the needle test (perplexity only)")
-    off.add_argument("--dataset", type=Path, default=None,
+    off.add_argument("--dataset", type=existing_dir.path, default=None,
                      help="tokenized dataset directory (data_tools.preprocess output: input_ids, labels, ...) "
                           "for held-out loss and perplexity; omitted = no perplexity")
-    off.add_argument("--max-samples", type=int, default=None,
+    off.add_argument("--max-samples", type=positive_int, default=None,
                      help="use only the first N rows of --dataset (default: all rows)")
     off.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     off.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
-    off.add_argument("--threads", type=int, default=0,
+    off.add_argument("--threads", type=nonneg_int, default=0,
                      help="CPU threads; 0 = auto: 1 for models under 100M parameters (faster: per-op overhead "
                           "dominates), torch's default otherwise (default 0)")
     off.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -104,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and log, and the results table (results.md, results.json). Runs on the CPU in float32 when no "
                     "GPU is visible, else one model instance per GPU in bfloat16. Exits 1, naming the task and its "
                     "log, when any OpenCompass task failed.")
-    oc.add_argument("--model", type=Path, required=True, help="exported model directory (HF safetensors + tokenizer)")
-    oc.add_argument("--out", type=Path, required=True,
+    oc.add_argument("--model", type=existing_dir.path, required=True,
+                    help="exported model directory (HF safetensors + tokenizer)")
+    oc.add_argument("--out", type=output_dir.path, required=True,
                     help="directory for everything the run writes (created if missing); OpenCompass runs in it")
     oc.add_argument("--datasets", default="offline",
                     help="'offline' (needle, multikey, variable_tracking, demo_qa: generated, no download), "
@@ -113,41 +104,41 @@ def build_parser() -> argparse.ArgumentParser:
                          "LongBench), or a comma list of those words and names: needle, multikey, "
                          "variable_tracking, demo_qa, mmlu, mmlu_pro, cmmlu, bbh, gsm8k, math, ruler, needlebench, "
                          "longbench (default offline)")
-    oc.add_argument("--lengths", default=DEFAULT_LENGTHS,
+    oc.add_argument("--lengths", default=DEFAULT_LENGTHS, type=int_list(1),
                     help=f"prompt lengths in tokens of the generated long-context tasks, comma-separated (default "
                          f"{DEFAULT_LENGTHS}); at most --max-seq-len")
-    oc.add_argument("--depths", default=DEFAULT_DEPTHS,
+    oc.add_argument("--depths", default=DEFAULT_DEPTHS, type=fraction_list,
                     help=f"needle depths of the generated needle tasks, 0 = start, 1 = end (default {DEFAULT_DEPTHS})")
-    oc.add_argument("--trials", type=int, default=2,
+    oc.add_argument("--trials", type=positive_int, default=2,
                     help="generated samples per (length, depth) cell; variable tracking draws as many per length "
                          "(default 2)")
-    oc.add_argument("--qa-samples", type=int, default=40, help="questions in the demo QA set (default 40)")
-    oc.add_argument("--seed", type=int, default=0, help="seed of the generated tasks (default 0)")
+    oc.add_argument("--qa-samples", type=positive_int, default=40, help="questions in the demo QA set (default 40)")
+    oc.add_argument("--seed", type=nonneg_int, default=0, help="seed of the generated tasks (default 0)")
     oc.add_argument("--long-lengths", default="32k",
                     help="context lengths for the stock RULER / NeedleBench, comma-separated, e.g. 32k,128k (the "
                          "paper reports RULER-128K); a length a benchmark has no config for is skipped with a "
                          "warning (default 32k)")
-    oc.add_argument("--data-cache", type=Path, default=None,
+    oc.add_argument("--data-cache", type=output_dir.path, default=None,
                     help="stock benchmark data root (archives unzip into ROOT/data/); default $COMPASS_DATA_CACHE, "
                          "else ~/.cache/opencompass")
-    oc.add_argument("--max-samples", type=int, default=None,
+    oc.add_argument("--max-samples", type=positive_int, default=None,
                     help="evaluate only the first N rows of every dataset (OpenCompass's reader_cfg test_range), "
                          "e.g. for a quick look at stock benchmarks on a CPU (default: all rows)")
-    oc.add_argument("--max-seq-len", type=int, default=None,
+    oc.add_argument("--max-seq-len", type=positive_int, default=None,
                     help="longest prompt the model is given (default: max_position_embeddings of config.json)")
-    oc.add_argument("--max-out-len", type=int, default=1024,
+    oc.add_argument("--max-out-len", type=positive_int, default=1024,
                     help="longest generated answer for stock benchmarks without their own limit; the generated "
                          "tasks set theirs (default 1024)")
-    oc.add_argument("--batch-size", type=int, default=8, help="inference batch size (default 8)")
-    oc.add_argument("--num-gpus", type=int, default=None,
+    oc.add_argument("--batch-size", type=positive_int, default=8, help="inference batch size (default 8)")
+    oc.add_argument("--num-gpus", type=nonneg_int, default=None,
                     help="GPUs per model instance; 0 = run on the CPU (default: 1 when a GPU is visible, else 0)")
-    oc.add_argument("--max-num-workers", type=int, default=None,
+    oc.add_argument("--max-num-workers", type=positive_int, default=None,
                     help="OpenCompass tasks run side by side, each with its own model instance (default: visible "
                          "GPUs / --num-gpus, 1 on the CPU)")
     oc.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                     help="weights dtype OpenCompass loads the model in (default auto: bfloat16 on GPUs, as trained; "
                          "float32 on the CPU, the only choice there)")
-    oc.add_argument("--venv", type=Path, default=argparse.SUPPRESS,
+    oc.add_argument("--venv", type=output_dir.path, default=argparse.SUPPRESS,
                     help="the OpenCompass virtual environment (default: .venv-opencompass in the repo root)")
     oc.add_argument("--dry-run", action="store_true",
                     help="write the suite and the config and print the command, run nothing (needs no OpenCompass "
@@ -158,9 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the results.json of each evaluation folder (offline or opencompass) and write one table "
                     "with a column per run (compare.md, compare.json) and a bar chart of the percentage scores "
                     "(compare.png).")
-    cmp.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+    cmp.add_argument("runs", type=existing_path.path, nargs="+", metavar="RUN",
                      help="--out folders of earlier 'offline' or 'opencompass' evaluations (or their results.json)")
-    cmp.add_argument("--out", type=Path, required=True, help="directory for compare.md, compare.json, compare.png")
+    cmp.add_argument("--out", type=output_dir.path, required=True,
+                     help="directory for compare.md, compare.json, compare.png")
     cmp.add_argument("--labels", default=None,
                      help="comma-separated column names, one per RUN (default: the folder names)")
     return parser
@@ -176,13 +168,9 @@ def run_offline(args) -> int:
     from eval.tasks.needle import NeedleConfig, generate_samples, to_record
 
     start = time.time()
-    lengths, depths = _int_list("--lengths", args.lengths), _float_list("--depths", args.depths)
+    lengths, depths = args.lengths, args.depths
     needle_config = NeedleConfig(lengths=lengths, depths=depths, trials=args.trials,
                                  num_distractors=args.distractors, seed=args.seed)
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens}: need >= 1")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise UserError(f"--max-samples {args.max_samples}: need >= 1")
     if args.no_needle and args.dataset is None:
         raise UserError("--no-needle without --dataset leaves nothing to evaluate; add --dataset DIR")
     # Everything that can be wrong with the input fails before the model loads.
@@ -273,12 +261,7 @@ def opencompass_options(args):
     if num_gpus and workers * num_gpus > gpus:
         raise UserError(f"--max-num-workers {workers} x --num-gpus {num_gpus}: {gpus} GPU(s) visible")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if num_gpus else "float32")
-    lengths = _int_list("--lengths", args.lengths)
-    depths = _float_list("--depths", args.depths)
-    if any(not 0.0 <= d <= 1.0 for d in depths) or not depths:
-        raise UserError(f"--depths {args.depths}: need fractions in [0, 1]")
-    if args.qa_samples < 1:
-        raise UserError(f"--qa-samples {args.qa_samples}: need >= 1")
+    lengths, depths = args.lengths, args.depths
     return oc.RunOptions(
         model_dir=model_dir, out=args.out, venv=Path(getattr(args, "venv", None) or DEFAULT_VENV), stock=stock,
         long_lengths=benchmarks.parse_lengths(args.long_lengths, stock), suite=generated, lengths=lengths,
@@ -382,7 +365,7 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
             return run_opencompass(args)
         if args.command == "compare":
             return run_compare(args)
-        parser.error("choose a subcommand (offline, opencompass or compare) or --setup-opencompass; see --help")
+        parser.error("choose a subcommand (offline, opencompass or compare) or --setup-opencompass (see --help)")
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from hbp_train.cli import ArgumentParser, output_dir, positive_int
+
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_tools" / "assets" / "tokenizer"
 OPENCOMPASS_STAGE = "OpenCompass offline suite"
@@ -64,26 +66,45 @@ def stages(out: Path, num_samples: int, nproc: int, epochs: int) -> list[tuple[s
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m hbp_train.demo",
         description="Run the whole hbp-train pipeline on the CPU on generated demo data (a few minutes).",
     )
-    parser.add_argument("--out", default=str(REPO / "runs" / "demo"),
+    parser.add_argument("--out", default=str(REPO / "runs" / "demo"), type=output_dir,
                         help="output directory, owned by the demo: a re-run replaces its outputs (default runs/demo)")
-    parser.add_argument("--num-samples", type=int, default=2000, help="synthetic chats to generate (default 2000)")
-    parser.add_argument("--nproc", type=int, default=2, help="CPU training processes (default 2)")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the plan in training (default 3)")
-    names = [name for name, _ in stages(Path("OUT"), 0, 0, 0)]
-    parser.add_argument("--only", default=None,
+    parser.add_argument("--num-samples", type=positive_int, default=2000,
+                        help="synthetic chats to generate (default 2000)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="CPU training processes (default 2)")
+    parser.add_argument("--epochs", type=positive_int, default=3, help="passes over the plan in training (default 3)")
+    names = _stage_names()
+    parser.add_argument("--only", default=None, type=stage_numbers,
                         help="comma-separated stage numbers to run (default: all): "
                              + ", ".join(f"{i} {name}" for i, name in enumerate(names, 1)))
-    args = parser.parse_args(argv)
-    if args.only and not all(s.strip().isdigit() for s in args.only.split(",")):
-        parser.error(f"--only {args.only}: expected stage numbers such as 1,2 (see --help)")
-    only = {int(s) for s in args.only.split(",")} if args.only else set(range(1, len(names) + 1))
-    if not only <= set(range(1, len(names) + 1)):
-        parser.error(f"--only {args.only}: stages are numbered 1-{len(names)} (see --help)")
+    return parser
+
+
+def _stage_names() -> list[str]:
+    return [name for name, _ in stages(Path("OUT"), 0, 0, 0)]
+
+
+def stage_numbers(text: str) -> set[int]:
+    """--only's ``type=``: comma-separated stage numbers, each one of the stages."""
+    count = len(_stage_names())
+    items = [s.strip() for s in text.split(",")]
+    if not all(s.isdigit() and 1 <= int(s) <= count for s in items):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of stage numbers (give numbers 1-{count} such as "
+                                         "1,2; see --help)")
+    return {int(s) for s in items}
+
+
+stage_numbers.bad_values = ("x", "0")  # for tests/test_cli_walk.py: a wrong type and one out of range
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = _stage_names()
+    only = args.only or set(range(1, len(names) + 1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+from hbp_train.cli import ArgumentParser, existing_dir, output_dir
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -205,15 +206,15 @@ def _is_tied(model, key: str) -> bool:
         and "lm_head" in key
 
 
-def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
         prog="python -m hbp_train.export",
         description="Export an hbp-train checkpoint (DeepSpeed ZeRO-1/2/3) to an HF safetensors model directory "
                     "with its tokenizer.")
-    parser.add_argument("--checkpoint", required=True,
+    parser.add_argument("--checkpoint", required=True, type=existing_dir,
                         help="a checkpoint: RUN_DIR or RUN_DIR/checkpoints (its 'latest' is used), or "
                              "RUN_DIR/checkpoints/step_N")
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=output_dir,
                         help="output directory for the HF model: new, empty or an earlier export (which is "
                              "overwritten); created if missing. A finished export holds hbp_export.json")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
@@ -221,7 +222,11 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--adapter", action="store_true",
                         help="a run trained with model.lora: write the peft adapter folder (adapter_config.json, "
                              "adapter_model.safetensors) instead of merging the adapters into full weights")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
     except UserError as e:

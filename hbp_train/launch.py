@@ -12,9 +12,12 @@ exit code, and exits with the worker's code (so scripts still see 2 for bad inpu
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+
+from hbp_train.cli import ArgumentParser, float_range, int_range, nonneg_int, output_dir
 
 
 def failure_line(name: str, rank: int, exitcode: int, message: str = "") -> str:
@@ -37,16 +40,53 @@ def port_failure_line(args, exc: BaseException) -> str:
     return f"[launch] rendezvous at {where} failed ({text}); check MASTER_ADDR/MASTER_PORT and that node 0 is up"
 
 
+def nproc_per_node(text: str) -> str:
+    """--nproc-per-node's ``type=``: a count >= 1, or one of torchrun's device words (it counts them itself)."""
+    if text in ("auto", "cpu", "gpu", "xpu") or text.isdigit() and int(text) >= 1:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a process count (give a whole number >= 1, or auto, cpu, "
+                                     "gpu)")
+
+
+def nnodes(text: str) -> str:
+    """--nnodes' ``type=``: N or MIN:MAX nodes, 1 <= MIN <= MAX."""
+    parts = text.split(":")
+    if len(parts) in (1, 2) and all(p.isdigit() for p in parts) and 1 <= int(parts[0]) <= int(parts[-1]):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a node count (give N >= 1, or MIN:MAX with 1 <= MIN <= MAX)")
+
+
+nproc_per_node.bad_values = ("two", "0")  # for tests/test_cli_walk.py: a wrong type and one out of range
+nnodes.bad_values = ("two", "0")
+
+# torchrun's flags that take a number or a path, checked here before torchrun starts anything (its own parser
+# takes any int, and a 0 or a negative value fails later, deep inside the elastic agent, with a traceback).
+TORCHRUN_TYPES = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "max_restarts": nonneg_int,
+                  "monitor_interval": float_range(0.0, low_open=True), "node_rank": nonneg_int,
+                  "master_port": int_range(1, 65535), "shutdown_timeout": nonneg_int, "log_dir": output_dir}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's own parser (its flags, defaults and PET_* environment variables) with one-line errors and the
+    range checks above."""
+    from torch.distributed.run import get_args_parser
+
+    parser = ArgumentParser(prog="python -m hbp_train.launch", parents=[get_args_parser()], add_help=False)
+    for action in parser._actions:
+        action.type = TORCHRUN_TYPES.get(action.dest, action.type)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip() + "\n\ntorchrun's options:\n", flush=True)
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     os.environ["HBP_LAUNCHER"] = "1"  # workers leave their one-line error to us (train._fail)
     if not os.environ.get("HBP_DEBUG"):
         # torchrun logs "failed (exitcode: 2) ..." and "Sending process ... closing signal" before our one line,

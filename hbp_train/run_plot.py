@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from hbp_train.cli import ArgumentParser, existing_dir, output_file
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 
 
@@ -98,12 +99,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="python -m hbp_train.run_plot", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=existing_dir, help="a run directory (train.out_dir) holding metrics.jsonl")
+    parser.add_argument("--out", default=None, type=output_file, help="output PNG (default RUN_DIR/metrics.png)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hbp_train.run_plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", help="a run directory (train.out_dir) holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="output PNG (default RUN_DIR/metrics.png)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     from hbp_train.outputs import check_output_file
 
     try:

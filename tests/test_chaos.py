@@ -8,8 +8,10 @@ bit for bit (metrics.jsonl after ``train.resume=auto``), or with a clean one-lin
   - a truncated file in the newest checkpoint: resume=auto falls back to the previous one with one warning line;
   - a second run into a live run's folder: refused in one line (exit 2), the live run's files untouched.
 
-One process per run keeps this to a few minutes of CPU; what is per-rank (the manifest's shared checksums, the
-lock on rank 0) is the same code for N ranks.
+One process per run keeps these to a few minutes of CPU. The issue's own setting, kill -9 of every process (the
+launcher and both workers) on 2 CPU processes with a world-size-2 plan, has one test of its own
+(test_kill_9_of_every_process_of_a_two_process_run_then_resume_gives_the_same_trace): the manifest written after
+every rank saved, the lock held by rank 0 and the per-rank RNG files are what 2 ranks add.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.assets.packed_fixture import ONE_RANK_STEPS, TINY_LLAMA, synthetic_samples, write_packed
+from tests.assets.packed_fixture import ONE_RANK_STEPS, TINY_LLAMA, TWO_RANK_STEPS, synthetic_samples, write_packed
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 4096
@@ -43,8 +45,8 @@ def _overrides(shards: str, out: Path, *extra) -> list:
             "train.save_every=2", *extra]
 
 
-def _train(shards, out, *extra, launcher=False) -> subprocess.Popen:
-    entry = ([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "1", "-m",
+def _train(shards, out, *extra, launcher=False, nproc=1) -> subprocess.Popen:
+    entry = ([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", str(nproc), "-m",
               "hbp_train.train"] if launcher else [sys.executable, "-m", "hbp_train.train"])
     return subprocess.Popen(entry + _overrides(shards, out, *extra), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -164,3 +166,51 @@ def test_a_truncated_file_in_the_newest_checkpoint_falls_back_with_one_warning(s
     output = _resume_and_compare(shards, out, reference)
     warnings = [line for line in output.splitlines() if "warning: train.resume=auto skips" in line]
     assert len(warnings) == 1 and shard.name in warnings[0] and "step_00000004" in warnings[0]
+
+
+def _descendants(pid: int) -> list:
+    """Every process below ``pid`` (torchrun's workers run in sessions of their own: killpg misses them)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def test_kill_9_of_every_process_of_a_two_process_run_then_resume_gives_the_same_trace(tmp_path):
+    # Two replicas, 3 steps of 2, 1, 2 micro-batches, over 3 epochs: 9 steps, a checkpoint every other one.
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, VOCAB, seed=2), TWO_RANK_STEPS,
+                          world_size=2)
+    total = len(TWO_RANK_STEPS) * 3
+    extra = ("data.epochs=3",)
+    ref = tmp_path / "ref"
+    code, _, err = _finish(_train(shards, ref, *extra, launcher=True, nproc=2))
+    assert code == 0, err
+    reference = _trace(ref)
+    assert [s for s, _ in reference] == list(range(total))
+
+    out = tmp_path / "run"
+    kill_at = int(np.random.default_rng(0).integers(1, total - 2))
+    launcher = _train(shards, out, *extra, launcher=True, nproc=2)
+    _wait_for_step(launcher, out, kill_at)
+    workers = _descendants(launcher.pid)
+    assert len(workers) >= 2
+    for pid in [*workers, launcher.pid]:  # the workers first: none of them gets to save on its way out
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.communicate()
+    assert (out / "run.lock").exists()  # stale: the resumed run takes it over
+    assert len(_trace(out)) < total
+    code, stdout, err = _finish(_train(shards, out, *extra, "train.resume=auto", launcher=True, nproc=2))
+    assert code == 0, err
+    assert _trace(out) == reference  # bit for bit, one row per step
+    assert "took over the stale lock" in stdout + err
+    assert not (out / "run.lock").exists()

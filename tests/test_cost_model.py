@@ -11,6 +11,7 @@ import pytest
 from hbp_train.errors import UserError
 from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, TABLE_TOKENS, CostModel
 from hbp_train.perf.shape import parse_model_shape
+from tests.cli_exit import exit_code
 
 TABLE = json.loads(DEFAULT_CALIBRATION.read_text())
 FB = {int(k): v for k, v in TABLE["attention_fwdbwd_ms_32768_tokens_by_doc_len"].items()}
@@ -172,7 +173,7 @@ def test_calibrate_without_gpu_exits_2(capsys):
         pytest.skip("a GPU is present")
     from hbp_train.perf import calibrate
 
-    assert calibrate.main(["--out", "unused.json"]) == 2
+    assert exit_code(calibrate.main, ["--out", "unused.json"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
@@ -196,7 +197,7 @@ def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path)
         assert sum(p["lengths"]) == 128 and len(p["lengths"]) == p["num_samples"]
         assert p["predicted_s"] == pytest.approx(model.pack_time(p["lengths"]))
         assert p["error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
-    assert calibrate.main(common + ["--doc-lens", "256", "--out", str(out)]) == 2  # longer than --tokens
+    assert exit_code(calibrate.main, common + ["--doc-lens", "256", "--out", str(out)]) == 2  # longer than --tokens
 
 
 def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
@@ -226,14 +227,14 @@ def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
     from hbp_train.perf import calibrate
 
     common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128"]
-    assert calibrate.main(common + ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
+    assert exit_code(calibrate.main, common + ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
     assert "--doc-lens" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert calibrate.main(common + ["--doc-lens", "16", "--out", str(blocker / "c.json")]) == 2
+    assert exit_code(calibrate.main, common + ["--doc-lens", "16", "--out", str(blocker / "c.json")]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and len(err.strip().splitlines()) == 1
-    assert calibrate.main(common + ["--doc-lens", "16", "--out", str(tmp_path)]) == 2
+    assert exit_code(calibrate.main, common + ["--doc-lens", "16", "--out", str(tmp_path)]) == 2
 
 
 @pytest.mark.parametrize("field, value", [
@@ -254,7 +255,7 @@ def test_calibrate_checks_flags_before_asking_for_a_gpu(tmp_path, capsys):
         pytest.skip("a GPU is present")
     from hbp_train.perf import calibrate
 
-    assert calibrate.main(["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
+    assert exit_code(calibrate.main, ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
     assert "--doc-lens" in err and "no CUDA GPU" not in err
 
@@ -320,8 +321,8 @@ def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkey
     monkeypatch.setattr(calibrate, "validate", lambda shape, model, args, device, dtype: seen.append(
         args.max_samples) or {"mean_abs_error": 0.0, "max_abs_error": 0.0})
     common = ["--allow-cpu", "--validate", "--model-shape", TINY, "--tokens", "16"]
-    assert calibrate.main(common + ["--max-samples", "16"]) == 0 and seen == [16]
-    assert calibrate.main(common + ["--max-samples", "17"]) == 2 and seen == [16]
+    assert exit_code(calibrate.main, common + ["--max-samples", "16"]) == 0 and seen == [16]
+    assert exit_code(calibrate.main, common + ["--max-samples", "17"]) == 2 and seen == [16]
     assert "--max-samples (17) cannot exceed --tokens (16)" in capsys.readouterr().err
 
 

@@ -22,6 +22,7 @@ from eval import opencompass as oc
 from eval import opencompass_venv
 from eval.run import main
 from hbp_train.errors import UserError
+from tests.cli_exit import exit_code
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -168,17 +169,17 @@ def test_gpus_get_one_model_instance_each_in_bf16(model_dir, tmp_path, stub_open
     (0, ["--lengths", "200000"], "error: --lengths: 200000 tokens exceed 131072, the model's max_position_embeddings"),
     (0, ["--lengths", "600", "--max-seq-len", "512"], "error: --lengths: 600 tokens exceed 512, --max-seq-len"),
     (0, ["--lengths", "64"], "error: --lengths: 64 tokens cannot hold the needle and question"),
-    (0, ["--depths", "0,2"], "error: --depths 0,2: need fractions in [0, 1]"),
+    (0, ["--depths", "0,2"], "error: --depths: '0,2' is not a list of numbers in [0, 1] (give e.g. 0,0.5,1)"),
     (0, ["--datasets", "mmlu-x"], "error: --datasets: unknown benchmark 'mmlu-x'; choose offline, general, long"),
-    (0, ["--max-seq-len", "0"], "error: --max-seq-len 0: need >= 1"),
+    (0, ["--max-seq-len", "0"], "error: --max-seq-len: 0 is out of range (give a whole number >= 1)"),
 ])
 def test_bad_options_are_one_line_and_write_nothing(model_dir, tmp_path, capsys, gpus, visible, argv, expected):
     gpus(visible)
     out = tmp_path / "oc"
-    assert main(["opencompass", "--model", str(model_dir), "--out", str(out), "--dry-run", *argv]) == 2
+    assert exit_code(main, ["opencompass", "--model", str(model_dir), "--out", str(out), "--dry-run", *argv]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(expected) and "\n" not in err
-    assert not out.exists()
+    assert err.startswith(expected) or err.startswith("python -m eval.run opencompass: " + expected), err
+    assert "\n" not in err and not out.exists()
 
 
 def test_offline_suite_is_written_in_opencompass_dataset_format(model_dir, tmp_path, stub_opencompass, gpus):
@@ -251,7 +252,8 @@ def _venv(tmp_path: Path, stamped: bool) -> Path:
 
 def test_unfinished_venv_is_refused(model_dir, tmp_path, capsys):
     venv = _venv(tmp_path, stamped=False)
-    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--venv", str(venv)]) == 2
+    assert exit_code(main, ["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--venv",
+                            str(venv)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"the OpenCompass venv {venv} is unfinished or was built from other requirements" in err
     assert err.endswith("run ./launch.sh eval --setup-opencompass") and "\n" not in err
@@ -278,12 +280,12 @@ def test_missing_data_offline_names_archives_and_places(model_dir, tmp_path, iso
 
 def test_bad_config_json_and_missing_tokenizer_are_one_line(model_dir, tmp_path, capsys, gpus):
     (model_dir / "config.json").write_text("{not json")
-    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
+    assert exit_code(main, ["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert "config.json is not valid JSON" in err and "\n" not in err
     for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
         (model_dir / name).unlink(missing_ok=True)
-    assert main(["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
+    assert exit_code(main, ["opencompass", "--model", str(model_dir), "--out", str(tmp_path / "oc"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --model {model_dir.resolve()}: no tokenizer") and "\n" not in err
     assert not (tmp_path / "oc").exists()
@@ -338,8 +340,9 @@ def test_compare_puts_checkpoints_side_by_side(tmp_path, capsys):
 ])
 def test_compare_bad_input_is_one_line(tmp_path, capsys, argv, expected):
     run = _results(tmp_path / "a", [("x", "score", "gen", 1.0)])
-    argv = [str(run) if a == "RUN_A" else str(tmp_path / "nope") if a == "NOPE" else a for a in argv]
-    assert main(["compare", *argv, "--out", str(tmp_path / "cmp")]) == 2
+    (tmp_path / "empty").mkdir()  # (a path that does not exist is refused by the parser: tests/test_cli_walk.py)
+    argv = [str(run) if a == "RUN_A" else str(tmp_path / "empty") if a == "NOPE" else a for a in argv]
+    assert exit_code(main, ["compare", *argv, "--out", str(tmp_path / "cmp")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and expected in err and "\n" not in err
 

@@ -9,6 +9,7 @@ import pytest
 
 from hbp_train.errors import UserError
 from hbp_train.export import main
+from tests.cli_exit import exit_code
 
 
 def test_help_lists_every_option(capsys):
@@ -20,27 +21,27 @@ def test_help_lists_every_option(capsys):
 
 
 def test_not_a_checkpoint_is_one_line_exit_2(tmp_path, capsys):
-    assert main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("export error:") and "not a checkpoint" in err and "\n" not in err
     (tmp_path / "step_00000001").mkdir()
-    assert main(["--checkpoint", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "hf")]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path / "step_00000001"), "--out", str(tmp_path / "hf")]) == 2
     assert "no manifest.json" in capsys.readouterr().err  # a folder no save finished
 
 
 def test_bad_out_is_one_line_exit_2(tmp_path, capsys):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
-    assert main(["--checkpoint", str(tmp_path), "--out", str(a_file)]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path), "--out", str(a_file)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"export error: --out {a_file}: exists and is not a directory"
+    assert err == f"python -m hbp_train.export: error: --out: {a_file}: is a file, not a folder (give a folder path)"
 
 
 def test_missing_or_untrained_checkpoint_says_why(tmp_path, capsys):
-    assert main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 2
-    assert f"--checkpoint {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err
+    assert exit_code(main, ["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")]) == 2
+    assert f"--checkpoint: {tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run that has not saved yet
-    assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"export error: {tmp_path / 'run' / 'checkpoints'}: no checkpoint saved yet") and "\n" not in err
 
@@ -49,12 +50,12 @@ def test_out_holding_another_model_is_refused(tmp_path, capsys):
     base = tmp_path / "base_model"
     base.mkdir()
     (base / "model.safetensors").write_bytes(b"weights")
-    assert main(["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"export error: --out {base}: directory is not empty") and "hbp_export.json" in err
     assert (base / "model.safetensors").read_bytes() == b"weights"
     (base / "hbp_export.json").write_text("{}")  # an earlier export may be replaced: the checkpoint is checked next
-    assert main(["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
+    assert exit_code(main, ["--checkpoint", str(tmp_path), "--out", str(base)]) == 2
     assert "not a checkpoint" in capsys.readouterr().err
 
 
@@ -94,7 +95,7 @@ def _complete(tag):
 def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, tokenizer_dir, capsys):
     tag, _ = _checkpoint_with_hf(tmp_path, tokenizer_dir, tied=True)
     (tag / "hf" / "config.json").write_text("{}")
-    assert main(["--checkpoint", str(tag), "--out", str(tmp_path / "hf_out")]) == 2
+    assert exit_code(main, ["--checkpoint", str(tag), "--out", str(tmp_path / "hf_out")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{tag / 'hf' / 'config.json'} has 2 bytes, the manifest says" in err
 

@@ -9,6 +9,7 @@ import pytest
 
 from data_tools.make_demo_data import LONG_FRACTION, VOCAB, generate, main
 from hbp_train.errors import UserError
+from tests.cli_exit import exit_code
 
 
 def expected_answer(user: str) -> str:
@@ -76,17 +77,17 @@ def test_cli_writes_the_generated_records(tmp_path):
 
 
 def test_bad_arguments(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "x.jsonl"), "--max-tokens", "10"]) == 2
-    assert "error: --max-tokens must be >= 64" in capsys.readouterr().err  # the flag, as typed
-    assert main(["--out", str(tmp_path / "x.jsonl"), "--num-samples", "0"]) == 2
-    assert "error: --num-samples must be >= 1, got 0" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path / "x.jsonl"), "--max-tokens", "10"]) == 2
+    assert "error: --max-tokens: 10 is out of range (give a whole number >= 64)" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path / "x.jsonl"), "--num-samples", "0"]) == 2
+    assert "error: --num-samples: 0 is out of range (give a whole number >= 1)" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()
     with pytest.raises(UserError, match="num_samples"):
         generate(-1)
-    assert main(["--out", str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2
-    assert "seed must be >= 0" in capsys.readouterr().err
-    assert main(["--out", str(tmp_path), "--num-samples", "1"]) == 2  # a directory, not a file
-    assert f"cannot write {tmp_path}" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path / "x.jsonl"), "--seed", "-1"]) == 2
+    assert "--seed: -1 is out of range" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path), "--num-samples", "1"]) == 2  # a directory, not a file
+    assert f"--out: {tmp_path}: is a folder (give a file path)" in capsys.readouterr().err
 
 
 def test_interrupt_while_writing_keeps_the_earlier_file(tmp_path, capsys, monkeypatch):
@@ -127,5 +128,5 @@ def test_long_fraction_option(tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "long.jsonl"
     assert main(["--out", str(out), "--num-samples", "20", "--seed", "3", "--long-fraction", "0.3"]) == 0
     assert [json.loads(line) for line in out.read_text().splitlines()] == generate(20, 2048, 3, 0.3)
-    assert main(["--out", str(out), "--long-fraction", "1.5"]) == 2
-    assert "error: --long-fraction must be between 0 and 1, got 1.5" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(out), "--long-fraction", "1.5"]) == 2
+    assert "error: --long-fraction: 1.5 is out of range (give a number in [0, 1])" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import torch
 from hbp_train.errors import UserError
 from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
 from hbp_train.trainer import STAT_COLUMNS
+from tests.cli_exit import exit_code
 
 
 def _gathered(rows):
@@ -63,7 +64,9 @@ def test_run_plot_reads_resumed_logs_and_refuses_damaged_ones(tmp_path, capsys):
         f.write("{not json\n")
     assert main([str(tmp_path)]) == 2
     assert "metrics.jsonl:4: not a step record" in capsys.readouterr().err
-    assert main([str(tmp_path / "nowhere")]) == 2
+    assert exit_code(main, [str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: run_dir: {tmp_path / 'nowhere'}: no such folder" in err, err
 
 
 def test_mfu_is_na_without_a_peak_on_cpu(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from data_tools.pack import build_parser, main
 from hbp_train.errors import UserError
 from hbp_train.planning import Plan
+from tests.cli_exit import exit_code
 
 BASE = ["--world-size", "4", "--groups", "256:1,1024:2", "--global-tokens", "4096", "--quiet"]
 
@@ -99,7 +100,7 @@ def test_help_explains_every_flag(capsys):
 
 
 def _error(capsys, argv, expect):
-    assert main(argv) == 2
+    assert exit_code(main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert expect in err, err
@@ -126,7 +127,7 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
     _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "missing key 'groups'")
     prof.write_bytes(b"\xff\xfe{}")
     _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "not UTF-8")
-    _error(capsys, common + ["--groups", "auto", "--profile", str(tmp_path)], f"{tmp_path}: Is a directory")
+    _error(capsys, common + ["--groups", "auto", "--profile", str(tmp_path)], f"--profile: {tmp_path}: is a folder")
     _error(capsys, ["--lengths", str(tmp_path / "missing.txt"), *BASE, "--out", "x.json"], "no such file")
     _error(capsys, ["--lengths", str(good), *BASE], "--out FILE is required")
     _error(capsys, ["--lengths", str(good), *BASE, "--shards", "o", "--out", "x"], "--shards needs --dataset")
@@ -140,8 +141,8 @@ def test_bad_inputs_are_one_line_exit_2(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     _error(capsys, ["--lengths", str(empty), *BASE, "--out", "x.json"], "no samples")
-    _error(capsys, ["--lengths", str(good), *BASE, "--out", "x.json", "--seed", "-1"], "--seed must be >= 0")
-    _error(capsys, ["--lengths", str(good), *BASE, "--out", str(tmp_path)], f"{tmp_path}: is a directory")
+    _error(capsys, ["--lengths", str(good), *BASE, "--out", "x.json", "--seed", "-1"], "--seed: -1 is out of range")
+    _error(capsys, ["--lengths", str(good), *BASE, "--out", str(tmp_path)], f"--out: {tmp_path}: is a folder")
     broken = tmp_path / "broken_ds"
     broken.mkdir()
     (broken / "state.json").write_text("{")
@@ -179,19 +180,20 @@ def test_bad_values_found_before_planning_are_one_line_exit_2(tmp_path, capsys):
     common = ["--lengths", str(good), "--world-size", "4", "--quiet", "--out", str(out)]
     _error(capsys, common + ["--groups", "99999999999999999999:1"], "pack_len 99999999999999999999 is larger than")
     _error(capsys, common + ["--groups", "256:1", "--world-size", "99999999999999999999"], "world_size=")
-    _error(capsys, common + ["--groups", "256:1", "--isf-rounds", "99999999999"], "isf_rounds must be between")
+    _error(capsys, common + ["--groups", "256:1", "--isf-rounds", "99999999999"],
+           "--isf-rounds: 99999999999 is out of range")
     prof = tmp_path / "prof.json"
     prof.write_text(json.dumps({"groups": [{"pack_len": True, "sp": 1}]}))
     _error(capsys, common + ["--groups", "auto", "--profile", str(prof)], "groups[0]: pack_len must be a positive")
     # Output paths are checked before the planning, which can take minutes on real data.
     _error(capsys, common + ["--groups", "256:1", "--plot", str(tmp_path / "plan.xyz")], "--plot")
-    _error(capsys, common + ["--groups", "256:1", "--plot", str(tmp_path)], f"--plot {tmp_path}: is a directory")
+    _error(capsys, common + ["--groups", "256:1", "--plot", str(tmp_path)], f"--plot: {tmp_path}: is a folder")
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     _error(capsys, common + ["--groups", "256:1", "--plot", str(blocker / "p.png")], "not a writable folder")
     assert not out.exists()
     _error(capsys, ["--dataset", str(tmp_path / "missing"), "--world-size", "4", "--groups", "256:1", "--out",
-                    str(out)], "no such directory")
+                    str(out)], "--dataset: " + f"{tmp_path / 'missing'}: no such folder")
 
 
 def test_max_len_below_the_data_warns(tmp_path, capsys):
@@ -279,7 +281,7 @@ def test_out_never_replaces_a_file_that_is_not_a_plan(tmp_path, lengths_file, ca
     for seed in ("0", "1"):  # an earlier plan is replaced
         assert main(["--lengths", str(path), *BASE, "--out", str(out), "--no-baseline", "--seed", seed]) == 0
         assert json.loads(out.read_text())["seed"] == int(seed)
-    _error(capsys, ["--lengths", str(tmp_path), *BASE, "--out", str(out)], f"--lengths {tmp_path}: is a directory")
+    _error(capsys, ["--lengths", str(tmp_path), *BASE, "--out", str(out)], f"--lengths: {tmp_path}: is a folder")
 
 
 @pytest.mark.parametrize("module", ["data_tools.pack", "data_tools.compare", "data_tools.simulate",

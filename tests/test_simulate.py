@@ -14,6 +14,7 @@ from hbp_train.perf.cost_model import CostModel
 from hbp_train.planning.csr import pack_csr
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
 from hbp_train.planning.simulator import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
+from tests.cli_exit import exit_code
 
 
 class SquareCost:
@@ -250,14 +251,14 @@ def test_cli_zero_stage(tmp_path, capsys):
     assert row["simulated_seconds"] == pytest.approx(compute + 2 * per_step, rel=1e-9)
     assert row["comm_seconds_per_step"] == pytest.approx(0.5 * 3 * ring, rel=1e-9)
     # Bad values: one line naming the field, exit 2; a bytescale-style plan with stage 2 names the stage.
-    assert cli.main(["--plan", str(path), "--zero-stage", "2", "--comm-overlap", "1.5"]) == 2
+    assert exit_code(cli.main, ["--plan", str(path), "--zero-stage", "2", "--comm-overlap", "1.5"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "comm_overlap" in err
+    assert len(err.strip().splitlines()) == 1 and "--comm-overlap: 1.5 is out of range" in err
     unequal = make_plan(LENGTHS, [(10, 1, 0)], 2, [(0, [[[0]], [[1], [2], [3, 4, 5]]])],
                         extra={"unequal_micro_batches": True, "requires_zero_stage": [0, 1]})
     unequal.config.strategy = "bytescale"
     unequal.to_json(path)
-    assert cli.main(["--plan", str(path), "--zero-stage", "2"]) == 2
+    assert exit_code(cli.main, ["--plan", str(path), "--zero-stage", "2"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "stage 2" in err
     assert cli.main(["--plan", str(path), "--zero-stage", "1"]) == 0
@@ -299,18 +300,18 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2")
-    assert cli.main(["--plan", str(bad)]) == 2
+    assert exit_code(cli.main, ["--plan", str(bad)]) == 2
     assert "invalid JSON" in capsys.readouterr().err
-    assert cli.main(["--plan", str(tmp_path / "missing.json")]) == 2
-    assert cli.main(["--plan", str(bad), "--calibration", str(bad)]) == 2
+    assert exit_code(cli.main, ["--plan", str(tmp_path / "missing.json")]) == 2
+    assert exit_code(cli.main, ["--plan", str(bad), "--calibration", str(bad)]) == 2
     capsys.readouterr()
     good = tmp_path / "plan.json"
     plan_a().to_json(good)
     # Outputs that cannot be written, and more checkpointed layers than the model has: one line, exit 2.
     for flags in (["--out", str(bad / "r.json")], ["--plot", str(tmp_path)], ["--ckpt-layers", "33"]):
-        assert cli.main(["--plan", str(good), *flags]) == 2
+        assert exit_code(cli.main, ["--plan", str(good), *flags]) == 2
         err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and err.startswith("error:")
+        assert len(err.strip().splitlines()) == 1 and "error: " in err
 
 
 def test_compare_cli_all_strategies(tmp_path, capsys):
@@ -340,7 +341,7 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"over the best baseline ({best})" in printed
     assert "speed-up" in printed and png.stat().st_size > 10_000
-    assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:3"]) == 2
+    assert exit_code(compare.main, ["--lengths", str(f), "--world-size", "8", "--groups", "2048:3"]) == 2
     # Groups from a profile (the profiler's JSON), as data_tools.pack reads them.
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"groups": [{"pack_len": 2048, "sp": 1, "ckpt_layers": 0},
@@ -350,9 +351,10 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
                          "--strategies", "isf,hbp", "--quiet", "--out", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"isf", "hbp"} and rows["hbp"]["num_steps"] > 0
-    assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "auto"]) == 2
+    assert exit_code(compare.main, ["--lengths", str(f), "--world-size", "8", "--groups", "auto"]) == 2
     assert "--profile" in capsys.readouterr().err
-    assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:1", "--strategies", "x"]) == 2
+    assert exit_code(compare.main, ["--lengths", str(f), "--world-size", "8", "--groups", "2048:1",
+                                    "--strategies", "x"]) == 2
 
 
 def test_cli_plan_folder_and_outputs_it_may_replace(tmp_path, capsys):
@@ -368,12 +370,12 @@ def test_cli_plan_folder_and_outputs_it_may_replace(tmp_path, capsys):
     capsys.readouterr()
     raw = tmp_path / "train.jsonl"
     raw.write_text('{"messages": []}\n')
-    assert cli.main(["--plan", str(folder), "--out", str(raw)]) == 2
+    assert exit_code(cli.main, ["--plan", str(folder), "--out", str(raw)]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (f"error: --out {raw}: exists and is not a simulation report written by hbp-train (JSON "
                            'starting with "simulated"); choose another --out or delete the file')
     assert raw.read_text() == '{"messages": []}\n'
-    assert cli.main(["--plan", str(tmp_path)]) == 2  # a folder without plan.json
+    assert exit_code(cli.main, ["--plan", str(tmp_path)]) == 2  # a folder without plan.json
     assert f"{tmp_path}: is a folder with no plan.json" in capsys.readouterr().err
 
 
@@ -407,7 +409,7 @@ def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
     assert out.read_bytes() == before
     raw = tmp_path / "train.jsonl"
     raw.write_text("{}\n")
-    assert compare.main(["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1", "--quiet",
+    assert exit_code(compare.main, ["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1", "--quiet",
                          "--out", str(raw)]) == 2  # checked before the (interrupted) work
     assert "exists and is not a comparison report" in capsys.readouterr().err and raw.read_text() == "{}\n"
 

@@ -14,6 +14,7 @@ from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, CostModel
 from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
 from hbp_train.planning.baselines.bytescale import check_zero_stage
 from hbp_train.planning.simulator import simulate
+from tests.cli_exit import exit_code
 
 EXTRA = ("bfd", "sorted", "wlb", "bytescale")
 
@@ -155,8 +156,9 @@ def test_pack_cli_strategies_and_zero_stage(tmp_path, capsys):
     # hbp balancing predicted pack time from a calibration; a missing calibration is a one-line error.
     assert pack.main(base + ["--strategy", "hbp", "--no-baseline", "--calibration", str(DEFAULT_CALIBRATION),
                              "--out", str(out)]) == 0
-    assert pack.main(base + ["--strategy", "wlb", "--calibration", str(tmp_path / "none.json"),
-                             "--out", str(out)]) == 2
+    assert exit_code(pack.main, base + ["--strategy", "wlb", "--calibration", str(tmp_path / "none.json"),
+                                        "--out", str(out)]) == 2
+    assert "--calibration: " in capsys.readouterr().err
 
 
 # ------------------------------------------------- strategy choices against brute force and direct rebuilds

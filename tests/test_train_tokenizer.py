@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from data_tools.train_tokenizer import BOS, EOS, IM_END, IM_START, PAD, main, train
+from tests.cli_exit import exit_code
 
 
 def test_training_is_deterministic_and_reproduces_the_shipped_files(tmp_path, tokenizer_dir):
@@ -38,14 +39,14 @@ def test_shipped_tokenizer_loads_offline_with_specials_and_assistant_mask(tokeni
 
 
 def test_cli_bad_arguments_are_one_line_exit_2(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "tok"), "--vocab-size", "10"]) == 2
-    assert "--vocab-size 10 must be between 300" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path / "tok"), "--vocab-size", "10"]) == 2
+    assert "--vocab-size: 10 is out of range (give a whole number in [300, 1048576])" in capsys.readouterr().err
     # A huge size would make the Rust trainer abort the process on its up-front allocation.
-    assert main(["--out", str(tmp_path / "tok"), "--vocab-size", "99999999999"]) == 2
-    assert "--vocab-size 99999999999 must be between 300" in capsys.readouterr().err
+    assert exit_code(main, ["--out", str(tmp_path / "tok"), "--vocab-size", "99999999999"]) == 2
+    assert "--vocab-size: 99999999999 is out of range" in capsys.readouterr().err
     assert not (tmp_path / "tok").exists()
     taken = tmp_path / "file"
     taken.write_text("x")
-    assert main(["--out", str(taken)]) == 2
+    assert exit_code(main, ["--out", str(taken)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: cannot write {taken}") and "\n" not in err
+    assert err.endswith(f"error: --out: {taken}: is a file, not a folder (give a folder path)") and "\n" not in err

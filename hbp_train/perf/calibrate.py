@@ -32,6 +32,7 @@ from datetime import date
 
 import numpy as np
 
+from hbp_train.cli import ArgumentParser, existing_file, nonneg_int, output_file, positive_int
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, write_output
 from hbp_train.perf.cost_model import TABLE_TOKENS, CostModel
@@ -44,35 +45,37 @@ NOOP_ATTENTION = "hbp_calibrate_noop"
 def build_parser() -> argparse.ArgumentParser:
     from hbp_train.attention import BACKENDS  # imports torch: not at module level, like main's own torch import
 
-    p = argparse.ArgumentParser(prog="python -m hbp_train.perf.calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m hbp_train.perf.calibrate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-shape", default="llama3.2-1b",
                    help="preset (llama3-8b, llama3.2-1b, ...), JSON object or JSON/HF config.json file (default "
                         "llama3.2-1b)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=positive_int, default=None,
                    help="tokens per timed pack (results are written per 32768 tokens). Default: 32768 to calibrate; "
                         "to validate, the largest of 32768, 16384, ... whose whole-model step fits the GPU "
                         "(validate_tokens)")
     p.add_argument("--doc-lens", default=",".join(map(str, DEFAULT_DOC_LENS)),
                    help="document lengths of the attention table, comma separated (each <= --tokens) (default "
                         f"{','.join(map(str, DEFAULT_DOC_LENS))})")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per point; the median is kept (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up iterations per point (default 3)")
+    p.add_argument("--iters", type=positive_int, default=10,
+                   help="timed iterations per point; the median is kept (default 10)")
+    p.add_argument("--warmup", type=nonneg_int, default=3, help="untimed warm-up iterations per point (default 3)")
     p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
                    help="attention backend (hbp_train.attention); auto picks the best one available here (default "
                         "auto)")
-    p.add_argument("--out", default=None, metavar="JSON",
+    p.add_argument("--out", default=None, metavar="JSON", type=output_file,
                    help="calibrate: where to write the calibration JSON (required unless --validate)")
     p.add_argument("--validate", action="store_true",
                    help="measure whole-pack times of the full model for packs of 1..--max-samples samples and "
                         "report the cost model's prediction error")
-    p.add_argument("--calibration", default=None, metavar="JSON",
+    p.add_argument("--calibration", default=None, metavar="JSON", type=existing_file,
                    help="validate: the calibration to test (default: the shipped one, scaled to the shape)")
-    p.add_argument("--max-samples", type=int, default=100, help="validate: most samples in a pack (default 100)")
-    p.add_argument("--num-packs", type=int, default=12, help="validate: packs to time (default 12)")
-    p.add_argument("--validate-out", default=None, metavar="JSON",
+    p.add_argument("--max-samples", type=positive_int, default=100,
+                   help="validate: most samples in a pack (default 100)")
+    p.add_argument("--num-packs", type=positive_int, default=12, help="validate: packs to time (default 12)")
+    p.add_argument("--validate-out", default=None, metavar="JSON", type=output_file,
                    help="validate: where to write the report (default: printed only)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and pack splits (default 0)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed for weights and pack splits (default 0)")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on the CPU (float32) as a smoke test; the timings are not a calibration")
     return p
@@ -299,12 +302,6 @@ def main(argv=None) -> int:
             memory = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
                       if args.validate and torch.cuda.is_available() else None)
             args.tokens = validate_tokens(shape, memory) if args.validate else TABLE_TOKENS
-        for flag, val in (("--tokens", args.tokens), ("--iters", args.iters), ("--max-samples", args.max_samples),
-                          ("--num-packs", args.num_packs)):
-            if val < 1:
-                raise UserError(f"{flag} must be >= 1, got {val}")
-        if args.warmup < 0:
-            raise UserError(f"--warmup must be >= 0, got {args.warmup}")
         if args.validate and args.max_samples > args.tokens:
             raise UserError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:

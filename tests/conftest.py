@@ -42,3 +42,16 @@ def pytest_collection_modifyitems(config, items):
 def tokenizer_dir() -> Path:
     """The small tokenizer shipped in the repo (no download)."""
     return TOKENIZER_DIR
+
+
+def _hypothesis_profiles() -> None:
+    """Property tests draw the same examples on every run (a red CI is never the luck of the draw);
+    HYPOTHESIS_PROFILE=explore draws fresh random examples, to look for new failing cases."""
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_hypothesis_profiles()

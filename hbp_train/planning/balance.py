@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hbp_train.planning.csr import gather_ranges, pack_tokens
+from hbp_train.planning.csr import gather_ranges, pack_tokens, segment_sums
 
 if TYPE_CHECKING:  # annotations only: plan.py needs metrics.py, which needs this module
     from hbp_train.planning.plan import GroupSpec, PlanConfig
@@ -33,14 +33,16 @@ if TYPE_CHECKING:  # annotations only: plan.py needs metrics.py, which needs thi
 
 def default_pack_cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group: GroupSpec | None = None) -> np.ndarray:
     """Attention cost of every pack: sum of len^2 over its samples (float64)."""
-    sq = pack_lengths.astype(np.float64) ** 2
-    csum = np.concatenate([[0.0], np.cumsum(sq)])
-    return csum[pack_ptr[1:]] - csum[pack_ptr[:-1]]
+    squares = pack_lengths.astype(np.float64)
+    np.multiply(squares, squares, out=squares)
+    return segment_sums(squares, pack_ptr)
 
 
-def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig) -> np.ndarray:
-    """float64 [num_packs]: the cost the balancer equalises (config.pack_cost per group, default sum len^2)."""
-    flat = lengths[pack_samples]
+def pack_costs(lengths, pack_ptr, pack_samples, pack_group, config: PlanConfig,
+               pack_lengths: np.ndarray | None = None) -> np.ndarray:
+    """float64 [num_packs]: the cost the balancer equalises (config.pack_cost per group, default sum len^2).
+    ``pack_lengths``: ``lengths[pack_samples]`` when the caller has it."""
+    flat = lengths[pack_samples] if pack_lengths is None else pack_lengths
     if config.pack_cost is None:
         return default_pack_cost(flat, pack_ptr)
     cost = np.zeros(len(pack_ptr) - 1)
@@ -176,8 +178,10 @@ def build_steps(
         refine = config.balance == "refine"
     if mix_steps and rng is None:
         raise ValueError("build_steps(mix_steps=True) needs the rng that seeds the dealing")
-    tokens = pack_tokens(lengths, pack_ptr, pack_samples)
-    cost = pack_costs(lengths, pack_ptr, pack_samples, pack_group, config) if balance else None
+    flat = lengths[pack_samples]  # one gather for both (10M samples: 0.1 s each)
+    tokens = pack_tokens(lengths, pack_ptr, pack_samples, flat)
+    cost = pack_costs(lengths, pack_ptr, pack_samples, pack_group, config, flat) if balance else None
+    del flat
     n_packs = len(pack_ptr) - 1
     # Packs made here (tail splits, refined slots) are appended after the existing ones; the packs they replace
     # drop out when the CSR is rebuilt at the end.

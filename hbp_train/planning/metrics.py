@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hbp_train.planning.balance import pack_costs
-from hbp_train.planning.csr import gather_ranges
+from hbp_train.planning.balance import default_pack_cost, pack_costs
+from hbp_train.planning.csr import gather_ranges, segment_sums
 
 if TYPE_CHECKING:  # annotations only: Plan.compute_metrics calls this module
     from hbp_train.planning.plan import Plan
@@ -44,20 +44,43 @@ def mix_edges(pack_lens) -> np.ndarray:
     return np.unique(np.array([max(1, top >> k) for k in range(MIX_BUCKETS - 1, -1, -1)], np.int64))
 
 
+# Samples per pass of the plan-wide sums below: their temporaries stay ~50 MB however large the plan.
+CHUNK = 1 << 21
+
+
+def length_buckets(lengths: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """int8 length-mix bucket of every length: ``searchsorted(edges, l, "left")``, lengths above the top edge in the
+    last bucket. A lookup table over 0..top (one byte per length) is far cheaper than a search per sample."""
+    lengths = np.asarray(lengths)
+    top = int(edges[-1])
+    if top > 1 << 24:  # a table that large would cost more than it saves
+        return np.minimum(np.searchsorted(edges, lengths, side="left"), len(edges) - 1).astype(np.int8)
+    table = np.minimum(np.searchsorted(edges, np.arange(top + 1), side="left"), len(edges) - 1).astype(np.int8)
+    return table[np.clip(lengths, 0, top)]
+
+
+def _bucket_tokens(lengths: np.ndarray, edges: np.ndarray, group: np.ndarray | None, num_groups: int) -> np.ndarray:
+    """Tokens per (group, bucket), [num_groups, B] float64 (exact: integer counts below 2^53), summed CHUNK samples
+    at a time."""
+    b = len(edges)
+    tokens = np.zeros(num_groups * b)
+    for start in range(0, len(lengths), CHUNK):
+        part = lengths[start:start + CHUNK]
+        key = length_buckets(part, edges).astype(np.int64)
+        if group is not None:
+            key += np.asarray(group[start:start + CHUNK], np.int64) * b
+        tokens += np.bincount(key, weights=part, minlength=num_groups * b)
+    return tokens.reshape(num_groups, b)
+
+
 def token_mix(lengths: np.ndarray, edges: np.ndarray, group: np.ndarray | None = None,
               num_groups: int = 1) -> np.ndarray:
     """Token share per length bucket of ``lengths`` ([B]); with ``group`` (an id in [0, num_groups) per length) one
     row per group ([num_groups, B]; all zeros for a group without tokens)."""
-    lengths = np.asarray(lengths, np.int64)
-    bucket = np.minimum(np.searchsorted(edges, lengths, side="left"), len(edges) - 1)
-    weights = lengths.astype(np.float64)
-    if group is None:
-        tokens = np.bincount(bucket, weights=weights, minlength=len(edges)).astype(np.float64)  # (int when empty)
-        return tokens / tokens.sum() if tokens.sum() else tokens
-    tokens = np.bincount(np.asarray(group, np.int64) * len(edges) + bucket, weights=weights,
-                         minlength=num_groups * len(edges)).astype(np.float64).reshape(num_groups, len(edges))
+    tokens = _bucket_tokens(np.asarray(lengths), edges, group, num_groups if group is not None else 1)
     total = tokens.sum(axis=1, keepdims=True)
-    return np.divide(tokens, total, out=np.zeros_like(tokens), where=total > 0)
+    share = np.divide(tokens, total, out=np.zeros_like(tokens), where=total > 0)
+    return share if group is not None else share[0]
 
 
 def mix_distance(mix: np.ndarray, reference: np.ndarray) -> np.ndarray:
@@ -65,18 +88,24 @@ def mix_distance(mix: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return 0.5 * np.abs(np.atleast_2d(mix) - reference).sum(axis=-1)
 
 
-def step_mix(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def step_mix(plan: Plan, sample_len: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(token share per length bucket of every OPTIMIZER step [num_optimizer_steps, B], the whole plan's mix [B]).
 
     An optimizer step's mix is that of all samples its plan steps train on (one plan step per optimizer step
-    unless the plan mixes groups, ``Plan.optimizer_step``)."""
+    unless the plan mixes groups, ``Plan.optimizer_step``). ``sample_len``: ``lengths[pack_samples]`` when the
+    caller has it already."""
     edges = mix_edges([g.pack_len for g in plan.config.groups])
-    step_sizes = np.diff(plan.step_ptr)
-    step_of_pack = np.zeros(plan.num_packs, np.int64)
-    step_of_pack[plan.step_packs] = np.repeat(plan.optimizer_steps(), step_sizes)
+    if sample_len is None:
+        sample_len = plan.lengths[plan.pack_samples]
+    step_of_pack = np.zeros(plan.num_packs, np.int32)
+    step_of_pack[plan.step_packs] = np.repeat(plan.optimizer_steps(), np.diff(plan.step_ptr))
     step_of_sample = np.repeat(step_of_pack, np.diff(plan.pack_ptr))
-    lengths = plan.lengths[plan.pack_samples]
-    return token_mix(lengths, edges, step_of_sample, plan.num_optimizer_steps), token_mix(lengths, edges)
+    tokens = _bucket_tokens(sample_len, edges, step_of_sample, plan.num_optimizer_steps)
+    del step_of_sample
+    total = tokens.sum(axis=1, keepdims=True)
+    data = tokens.sum(axis=0)
+    return (np.divide(tokens, total, out=np.zeros_like(tokens), where=total > 0),
+            data / data.sum() if data.sum() else data)
 
 
 def mix_report(plan: Plan, name: str = "") -> str:
@@ -119,10 +148,8 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
     cfg = plan.config
     lengths = plan.lengths
     sample_len = lengths[plan.pack_samples]
-    csum_t = np.concatenate([[0], np.cumsum(sample_len)])
-    csum_a = np.concatenate([[0.0], np.cumsum(sample_len.astype(np.float64) ** 2)])
-    pack_t = csum_t[plan.pack_ptr[1:]] - csum_t[plan.pack_ptr[:-1]]
-    pack_a = csum_a[plan.pack_ptr[1:]] - csum_a[plan.pack_ptr[:-1]]
+    pack_t = segment_sums(sample_len, plan.pack_ptr, np.int64)
+    pack_a = default_pack_cost(sample_len, plan.pack_ptr)  # sum of len^2
     num_steps = plan.num_steps
     step_sizes = np.diff(plan.step_ptr)
     step_abr = np.zeros(num_steps)
@@ -152,8 +179,7 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
     sp_tokens = int(step_tokens[sp[plan.step_group] > 1].sum())
     sp1 = cap[sp == 1]
     limit = int(sp1.max()) if len(sp1) else 0
-    packed_len = lengths[plan.pack_samples]
-    required = int(packed_len[packed_len > limit].sum())
+    required = int(sample_len[sample_len > limit].sum())
     slot_abr = np.concatenate(slot_abr_all) if slot_abr_all else np.zeros(0)
     slot_dbr = np.concatenate(slot_dbr_all) if slot_dbr_all else np.zeros(0)
     metrics = {
@@ -176,7 +202,7 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "num_deferred": len(plan.deferred),
         "mean_deferred_wait_steps": float(np.mean([d["waited_steps"] for d in plan.deferred])) if plan.deferred else 0.0,
     }
-    mix, data_mix = step_mix(plan)
+    mix, data_mix = step_mix(plan, sample_len)
     opt_tv = mix_distance(mix, data_mix) if num_steps else np.zeros(0)
     step_tv = opt_tv[plan.optimizer_steps()] if num_steps else np.zeros(0)  # a plan step: its optimizer step's
     metrics["mix_TV"] = float(opt_tv.mean()) if num_steps else 0.0

@@ -27,7 +27,7 @@ from bisect import bisect_left, insort
 import numpy as np
 
 from hbp_train.planning.balance import build_steps
-from hbp_train.planning.baselines.sorted import single_group_plan
+from hbp_train.planning.baselines.sorted import length_sorted, single_group_plan
 from hbp_train.planning.plan import Plan, PlanConfig
 
 _SHIFT = 32  # key = gap << 32 | pack id: sorting the keys sorts by gap, then by pack id (deterministic ties)
@@ -82,13 +82,8 @@ def plan_bfd(lengths: np.ndarray, config: PlanConfig) -> Plan:
     t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     last = len(config.groups) - 1
-    cap = config.groups[last].pack_len
-    too_long = lengths > cap
-    kept, dropped = np.flatnonzero(~too_long), np.flatnonzero(too_long)
-    # Random order first, then a stable sort by length descending: equal lengths stay in a seeded random order.
-    kept = kept[rng.permutation(len(kept))]
-    order = kept[np.argsort(-lengths[kept], kind="stable")]
-    pack_of = best_fit_decreasing(order, lengths, cap)
+    order, dropped = length_sorted(lengths, config, rng, descending=True)
+    pack_of = best_fit_decreasing(order, lengths, config.groups[last].pack_len)
     num_packs = int(pack_of.max()) + 1 if len(pack_of) else 0
     # Shuffle the packs (TRL's sampler shuffles the packed dataset), then lay them out as CSR in that order.
     rank = np.empty(num_packs, np.int64)

@@ -26,13 +26,8 @@ def plan_sorted(lengths: np.ndarray, config: PlanConfig) -> Plan:
     t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     last = len(config.groups) - 1
-    cap = config.groups[last].pack_len
-    too_long = lengths > cap
-    kept, dropped = np.flatnonzero(~too_long), np.flatnonzero(too_long)
-    # Random order first, then a stable sort: equal lengths stay in a seeded random order.
-    kept = kept[rng.permutation(len(kept))]
-    order = kept[np.argsort(lengths[kept], kind="stable")]
-    starts = next_fit(lengths[order], cap)
+    order, dropped = length_sorted(lengths, config, rng)
+    starts = next_fit(lengths[order], config.groups[last].pack_len)
     pack_ptr = np.r_[starts, len(order)].astype(np.int64)
     pack_group = np.full(len(starts), last, np.int32)
     pack_ptr, pack_samples, pack_group, step_ptr, step_packs, step_group = build_steps(
@@ -40,6 +35,18 @@ def plan_sorted(lengths: np.ndarray, config: PlanConfig) -> Plan:
     )
     return single_group_plan(config, lengths, pack_ptr, pack_samples, pack_group, step_ptr, step_packs,
                              step_group, dropped, rng, t0)
+
+
+def length_sorted(lengths: np.ndarray, config: PlanConfig, rng: np.random.Generator,
+                  descending: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(the samples that fit the largest group's pack_len, sorted by length with ties in a seeded random order;
+    the samples longer than that, which are dropped): the start of every single-group length-sorted baseline."""
+    too_long = lengths > config.groups[-1].pack_len
+    kept, dropped = np.flatnonzero(~too_long), np.flatnonzero(too_long)
+    # Random order first, then a stable sort: equal lengths stay in a seeded random order.
+    kept = kept[rng.permutation(len(kept))]
+    key = -lengths[kept] if descending else lengths[kept]
+    return kept[np.argsort(key, kind="stable")], dropped
 
 
 def single_group_plan(config: PlanConfig, lengths, pack_ptr, pack_samples, pack_group, step_ptr, step_packs,

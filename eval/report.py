@@ -48,6 +48,20 @@ def needle_table(needle: dict) -> str:
     return markdown_table(["length", "mean tokens", "loglik acc", "greedy acc"], rows)
 
 
+def _length_depth_heatmap(fig, ax, grid, lengths, depths, vmax: float, fmt: str, title: str) -> None:
+    """One score grid on ``ax``: rows = context lengths, columns = needle depths, each cell's value written in it."""
+    image = ax.imshow(grid, vmin=0.0, vmax=vmax, cmap="RdYlGn", aspect="auto", origin="lower")
+    for i in range(len(lengths)):
+        for j in range(len(depths)):
+            ax.text(j, i, format(grid[i, j], fmt), ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("needle depth (fraction of haystack)")
+    ax.set_ylabel("context length (tokens)")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, fraction=0.046)
+
+
 def plot_needle_heatmap(needle: dict, path: Path) -> Path:
     """Two heatmaps side by side (log-likelihood and greedy accuracy), rows = lengths, columns = depths."""
     import matplotlib
@@ -62,16 +76,7 @@ def plot_needle_heatmap(needle: dict, path: Path) -> Path:
         grid = np.zeros((len(lengths), len(depths)))
         for c in needle["cells"]:
             grid[lengths.index(c["length"]), depths.index(c["depth"])] = c[metric]
-        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
-        for i in range(len(lengths)):
-            for j in range(len(depths)):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_xlabel("needle depth (fraction of haystack)")
-        ax.set_ylabel("context length (tokens)")
-        ax.set_title(f"{title}: {needle[metric]:.2f}")
-        fig.colorbar(image, ax=ax, fraction=0.046)
+        _length_depth_heatmap(fig, ax, grid, lengths, depths, 1.0, ".2f", f"{title}: {needle[metric]:.2f}")
     fig.suptitle(f"needle in a haystack ({needle['trials']} trials/cell, "
                  f"chance {needle['chance_loglik_acc']:.2f} for log-likelihood)")
     fig.tight_layout()
@@ -137,16 +142,7 @@ def plot_score_grids(breakdowns: dict[str, dict], path: Path) -> Path | None:
         grid = np.full((len(lengths), len(depths)), np.nan)
         for g in b["groups"]:
             grid[lengths.index(g["length"]), depths.index(g["depth"])] = g["score"]
-        image = ax.imshow(grid, vmin=0.0, vmax=100.0, cmap="RdYlGn", aspect="auto", origin="lower")
-        for i in range(len(lengths)):
-            for j in range(len(depths)):
-                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_xlabel("needle depth (fraction of haystack)")
-        ax.set_ylabel("context length (tokens)")
-        ax.set_title(f"{name}: {b['score']:.1f}")
-        fig.colorbar(image, ax=ax, fraction=0.046)
+        _length_depth_heatmap(fig, ax, grid, lengths, depths, 100.0, ".0f", f"{name}: {b['score']:.1f}")
     fig.suptitle("OpenCompass, generated suite: % correct")
     fig.tight_layout()
     path = Path(path)

@@ -218,12 +218,8 @@ def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
     from tests.assets.packed_fixture import synthetic_samples, write_packed
     from tests.distributed import run_distributed
 
-    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2)
-    with open(f"{shards}/plan.json") as f:
-        plan = json.load(f)
-    plan["groups"][1]["sp"] = 2
-    with open(f"{shards}/plan.json", "w") as f:
-        json.dump(plan, f)
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2,
+                          groups={1: {"sp": 2}})
     ended = run_distributed(_train_worker, 2, shards, str(tmp_path / "runs"), timeout=900)
     for family in TRAIN_FAMILIES:
         assert ended[0][family] == ended[1][family] == ("finished", TRAIN_STEPS), family

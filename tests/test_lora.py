@@ -79,12 +79,8 @@ def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(var
     from tests.distributed import run_distributed
 
     family, extra = VARIANTS[variant]
-    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2)
-    with open(f"{shards}/plan.json") as f:
-        plan = json.load(f)
-    plan["groups"][1]["sp"] = 2
-    with open(f"{shards}/plan.json", "w") as f:
-        json.dump(plan, f)
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2,
+                          groups={1: {"sp": 2}})
     results = run_distributed(_worker, 2, shards, str(tmp_path / "runs"), variant, timeout=900)[0]
     for zero_stage in (2, 3):
         losses, resumed_losses, start = results[zero_stage]

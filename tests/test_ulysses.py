@@ -258,19 +258,23 @@ TRAINER_CASES = [(2, "ave_token"), (2, "sample_mean"), (2, "token_mean"), (3, "a
 TOKENIZER_VOCAB = 4096  # the shipped tokenizer's
 
 
-def _trainer_worker(rank, world_size, shards, out):
+def _trainer_worker(rank, world_size, shards, out, cases, loop_overrides):
+    """For every (ZeRO stage, normalizer) case: the held-out loss at the initial weights, then every optimizer
+    step's weights before it, its gradients and the SP degree of each micro-batch; then the whole loop once (with
+    ``loop_overrides``) for the step metrics and the log line."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from hbp_train import config, trainer
     from hbp_train.build import build
     from hbp_train.distributed.groups import init_distributed
+    from hbp_train.heldout import evaluate
     from tests.assets.packed_fixture import TINY_LLAMA
 
     init_distributed()
     model_cfg = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
     results = {}
-    for zero_stage, normalizer in TRAINER_CASES:
+    for zero_stage, normalizer in cases:
         cfg = config.load([
             "experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}_{normalizer}",
             "logging=quiet", f"model.config={model_cfg}", f"deepspeed.zero_stage={zero_stage}",
@@ -279,23 +283,51 @@ def _trainer_worker(rank, world_size, shards, out):
         run = build(cfg)
         named = list(run.engine.module.named_parameters())
         # Held-out loss over the same shards at the initial weights (sp=1 and sp=2 steps; ZeRO-2 and ZeRO-3).
-        from hbp_train.heldout import evaluate
-
         results[(zero_stage, normalizer, "eval")] = evaluate(run, run.data)["loss/eval"]
         per_step = []
         for step in range(run.data.num_steps):
             params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
-            trainer.forward_backward(run, run.data.step_batch(step, rank))
-            per_step.append({"params": params, "grads": {n: safe_get_full_grad(p).clone() for n, p in named}})
+            step_batch = run.data.step_batch(step, rank)
+            trainer.forward_backward(run, step_batch)
+            per_step.append({"params": params, "grads": {n: safe_get_full_grad(p).clone() for n, p in named},
+                             "sp": [mb["sp"] for mb in step_batch.micro_batches]})
             run.engine.step()
         results[(zero_stage, normalizer)] = per_step
         del run
-    # The whole loop once, for the step metrics and the log line.
     cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet",
-                       f"data.eval_shards={shards}", "train.eval_every=3"])
+                       *loop_overrides])
     trainer.train(cfg)
     deepspeed.comm.barrier()
     return results if rank == 0 else None
+
+
+def _check_against_single_process(results, samples, reference_step):
+    """Each case's held-out loss is the token mean over every sample run alone, and each optimizer step's gradient
+    the normalizer's single-process gradient over ``reference_step(k, normalizer)`` (its packs as
+    reference_normalized_loss takes them)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss
+
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY_LLAMA, vocab_size=TOKENIZER_VOCAB, use_cache=False), attn_implementation="eager")
+    every_pack = {"replicas": [[p for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r]]}
+    for case, per_step in results.items():
+        if case[-1] == "eval":
+            continue
+        zero_stage, normalizer = case
+        model.load_state_dict({k.removeprefix("model."): v for k, v in per_step[0]["params"].items()})
+        with torch.no_grad():
+            reference = float(reference_normalized_loss(model, samples, every_pack, "ave_token"))
+        assert results[case + ("eval",)] == pytest.approx(reference, rel=1e-5), case
+        for k, got in enumerate(per_step):
+            model.load_state_dict({n.removeprefix("model."): v for n, v in got["params"].items()})
+            model.zero_grad()
+            reference_normalized_loss(model, samples, reference_step(k, normalizer), normalizer).backward()
+            for name, param in model.named_parameters():
+                ref, grad = param.grad, got["grads"]["model." + name]
+                rel = float((grad - ref).norm() / ref.norm())
+                assert rel <= 1e-5, (zero_stage, normalizer, k, name, rel)
 
 
 @pytest.mark.slow
@@ -304,42 +336,17 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     the normalizer's single-process gradient (ZeRO-2 and 3); the full loop logs the SP degree, CR and rank times."""
     import json
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hbp_train.telemetry import format_line
-    from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss, synthetic_samples, write_packed
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
     assert sum(len(samples[i][0]) for i in (6, 7)) % 2 == 1  # an sp=2 pack that needs a padding token
-    shards = write_packed(str(tmp_path / "packed"), samples, SP_TRAINER_STEPS, world_size=2)
-    with open(f"{shards}/plan.json") as f:
-        plan = json.load(f)
-    plan["groups"][1]["sp"] = 2
-    plan["groups"][1]["ckpt_layers"] = 1  # activation recompute re-runs the all-to-all in backward
-    with open(f"{shards}/plan.json", "w") as f:
-        json.dump(plan, f)
-    results = run_distributed(_trainer_worker, 2, shards, str(tmp_path / "runs"))[0]
-
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(**TINY_LLAMA, vocab_size=TOKENIZER_VOCAB, use_cache=False), attn_implementation="eager")
-    for case, per_step in results.items():
-        if case[-1] == "eval":
-            continue
-        zero_stage, normalizer = case
-        # The held-out loss (2 ranks, sp 1 and 2) equals the token mean over every sample run alone.
-        model.load_state_dict({k.removeprefix("model."): v for k, v in per_step[0]["params"].items()})
-        every_pack = {"replicas": [[p for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r]]}
-        with torch.no_grad():
-            reference = float(reference_normalized_loss(model, samples, every_pack, "ave_token"))
-        assert results[case + ("eval",)] == pytest.approx(reference, rel=1e-5), case
-        for step_index, got in enumerate(per_step):
-            model.load_state_dict({k.removeprefix("model."): v for k, v in got["params"].items()})
-            model.zero_grad()
-            reference_normalized_loss(model, samples, SP_TRAINER_STEPS[step_index], normalizer).backward()
-            for name, param in model.named_parameters():
-                ref, grad = param.grad, got["grads"]["model." + name]
-                rel = float((grad - ref).norm() / ref.norm())
-                assert rel <= 1e-5, (zero_stage, normalizer, step_index, name, rel)
+    # group 1 at sp=2 with activation recompute, which re-runs the all-to-all in backward
+    shards = write_packed(str(tmp_path / "packed"), samples, SP_TRAINER_STEPS, world_size=2,
+                          groups={1: {"sp": 2, "ckpt_layers": 1}})
+    results = run_distributed(_trainer_worker, 2, shards, str(tmp_path / "runs"), TRAINER_CASES,
+                              [f"data.eval_shards={shards}", "train.eval_every=3"])[0]
+    _check_against_single_process(results, samples, lambda k, normalizer: SP_TRAINER_STEPS[k])
 
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
@@ -359,44 +366,6 @@ MIXED_OPTIMIZER_STEP = [0, 0, 1, 1]
 MIXED_CASES = [(2, "ave_token"), (2, "token_mean"), (3, "sample_mean")]
 
 
-def _mixed_worker(rank, world_size, shards, out):
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
-
-    from hbp_train import config, trainer
-    from hbp_train.build import build
-    from hbp_train.distributed.groups import init_distributed
-    from hbp_train.heldout import evaluate
-    from tests.assets.packed_fixture import TINY_LLAMA
-
-    init_distributed()
-    model_cfg = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
-    results = {}
-    for zero_stage, normalizer in MIXED_CASES:
-        cfg = config.load([
-            "experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}_{normalizer}",
-            "logging=quiet", f"model.config={model_cfg}", f"deepspeed.zero_stage={zero_stage}",
-            f"loss.normalizer={normalizer}", "train.warmup_steps=0", "train.lr=1e-2", "train.grad_clip=0",
-        ])
-        run = build(cfg)
-        named = list(run.engine.module.named_parameters())
-        results[(zero_stage, normalizer, "eval")] = evaluate(run, run.data)["loss/eval"]
-        per_step = []
-        for step in range(run.data.num_steps):
-            params = {n: safe_get_full_fp32_param(p).clone() for n, p in named}
-            step_batch = run.data.step_batch(step, rank)
-            trainer.forward_backward(run, step_batch)
-            per_step.append({"params": params, "grads": {n: safe_get_full_grad(p).clone() for n, p in named},
-                             "sp": [mb["sp"] for mb in step_batch.micro_batches]})
-            run.engine.step()
-        results[(zero_stage, normalizer)] = per_step
-        del run
-    cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet"])
-    trainer.train(cfg)
-    deepspeed.comm.barrier()
-    return results if rank == 0 else None
-
-
 @pytest.mark.slow
 def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_path, tokenizer_dir):
     """A plan whose optimizer steps each hold a plan step at sp=1 and one at sp=2 (plan.json "optimizer_step"): on 2
@@ -405,20 +374,12 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
     own sp=1 packs and the sp=2 packs it shares); the held-out loss is the token mean; the loop logs 2 steps."""
     import json
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tests.assets.packed_fixture import TINY_LLAMA, reference_normalized_loss, synthetic_samples, write_packed
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
-    shards = write_packed(str(tmp_path / "packed"), samples, SP_TRAINER_STEPS, world_size=2)
-    with open(f"{shards}/plan.json") as f:
-        plan = json.load(f)
-    plan["groups"][1]["sp"] = 2
-    for step, k in zip(plan["steps"], MIXED_OPTIMIZER_STEP):
-        step["optimizer_step"] = k
-    with open(f"{shards}/plan.json", "w") as f:
-        json.dump(plan, f)
-    results = run_distributed(_mixed_worker, 2, shards, str(tmp_path / "runs"))[0]
+    steps = [{**step, "optimizer_step": k} for step, k in zip(SP_TRAINER_STEPS, MIXED_OPTIMIZER_STEP)]
+    shards = write_packed(str(tmp_path / "packed"), samples, steps, world_size=2, groups={1: {"sp": 2}})
+    results = run_distributed(_trainer_worker, 2, shards, str(tmp_path / "runs"), MIXED_CASES, [])[0]
 
     def reference_step(k, normalizer):
         """The optimizer step's samples as reference_normalized_loss takes them."""
@@ -429,26 +390,10 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
             return {"replicas": [[pk for p in sp1 for pk in p["replicas"][r]] + shared for r in range(2)]}
         return {"replicas": [[pk for p in parts for rep in p["replicas"] for pk in rep]]}
 
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(**TINY_LLAMA, vocab_size=TOKENIZER_VOCAB, use_cache=False), attn_implementation="eager")
-    every_pack = {"replicas": [[p for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r]]}
     for case, per_step in results.items():
-        if case[-1] == "eval":
-            continue
-        zero_stage, normalizer = case
-        assert len(per_step) == 2 and all(set(s["sp"]) == {1, 2} for s in per_step)  # both degrees in each step
-        model.load_state_dict({k.removeprefix("model."): v for k, v in per_step[0]["params"].items()})
-        with torch.no_grad():
-            reference = float(reference_normalized_loss(model, samples, every_pack, "ave_token"))
-        assert results[case + ("eval",)] == pytest.approx(reference, rel=1e-5), case
-        for k, got in enumerate(per_step):
-            model.load_state_dict({n.removeprefix("model."): v for n, v in got["params"].items()})
-            model.zero_grad()
-            reference_normalized_loss(model, samples, reference_step(k, normalizer), normalizer).backward()
-            for name, param in model.named_parameters():
-                ref, grad = param.grad, got["grads"]["model." + name]
-                rel = float((grad - ref).norm() / ref.norm())
-                assert rel <= 1e-5, (zero_stage, normalizer, k, name, rel)
+        if case[-1] != "eval":  # both degrees in each optimizer step
+            assert len(per_step) == 2 and all(set(s["sp"]) == {1, 2} for s in per_step), case
+    _check_against_single_process(results, samples, reference_step)
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [m["plan/step"] for m in logged] == [0, 1] and [m["plan/micro_batches"] for m in logged] == [4, 2]

@@ -35,8 +35,11 @@ def loss_tokens(labels: list) -> int:
     return int(sum(1 for x in labels[1:] if x != -100))
 
 
-def write_packed(out: str, samples: list, steps: list, world_size: int, plan_extra: dict | None = None) -> str:
-    """Write the shards and plan.json; ``plan_extra`` overrides or adds plan keys (e.g. a bytescale plan's)."""
+def write_packed(out: str, samples: list, steps: list, world_size: int, plan_extra: dict | None = None,
+                 groups: dict | None = None) -> str:
+    """Write the shards and plan.json; ``plan_extra`` overrides or adds plan keys (e.g. a bytescale plan's);
+    ``groups`` overrides a group's fields ({1: {"sp": 2}}: group 1 at sp=2). A step's own "optimizer_step" (the
+    plan steps that make one optimizer step) is kept."""
     from datasets import Dataset
 
     num_groups = 1 + max(s["group"] for s in steps)
@@ -60,14 +63,16 @@ def write_packed(out: str, samples: list, steps: list, world_size: int, plan_ext
                     "sample_indices": list(pack), "num_loss_tokens": sum(loss_tokens(samples[i][1]) for i in pack)})
                 replica_rows.append(len(rows_by_group[g]) - 1)
             rows.append(replica_rows)
-        plan_steps.append({"group": g, "replicas": step["replicas"], "rows": rows})
+        plan_steps.append({"group": g, "replicas": step["replicas"], "rows": rows,
+                           **{k: step[k] for k in ("optimizer_step",) if k in step}})
     for g, rows in rows_by_group.items():
         Dataset.from_list(rows).save_to_disk(os.path.join(out, f"group_{g}"))
     pack_len = {g: max([len(r["input_ids"]) for r in rows] or [1]) for g, rows in rows_by_group.items()}
     plan = {
         "version": 1, "world_size": world_size, "strategy": "test", "seed": 0,
         "max_len": max(pack_len.values()), "global_tokens": 0,
-        "groups": [{"pack_len": pack_len[g], "sp": 1, "ckpt_layers": None} for g in range(num_groups)],
+        "groups": [{"pack_len": pack_len[g], "sp": 1, "ckpt_layers": None, **(groups or {}).get(g, {})}
+                   for g in range(num_groups)],
         "steps": plan_steps, "dropped": [], "deferred": [], "num_samples": len(samples), "metrics": {},
         "step_metrics": [{"ABR": 1.0, "DBR": 1.0, "tokens": 0, "group": s["group"]} for s in steps],
         **(plan_extra or {}),

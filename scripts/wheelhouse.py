@@ -39,8 +39,9 @@ from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 # exactly): the manylinux levels that wheels on PyPI are built for, newest first.
 DEFAULT_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
                      "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64")
-# The torch build carries these (CUDA and Triton); with --torch none they stay out too.
-TORCH_FAMILY = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# The torch build carries these (CUDA libraries and Triton); with --torch none they stay out too. nvidia-ml-py
+# (NVML's bindings, which the profiler uses) is ours, not torch's.
+TORCH_FAMILY = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).*|cuda-.*)$")
 BUILD_TOOLS = ("setuptools", "wheel")
 MISSING = re.compile(r"No matching distribution found for ([A-Za-z0-9_.\-]+)")
 

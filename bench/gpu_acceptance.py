@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma separated subset of {','.join(CHECKS)}")
     p.add_argument("--model-shape", default=None, help="bench_trainer preset (default llama3.2-1b; tiny dry run)")
     p.add_argument("--pack-len", type=int, default=None, help="comparison pack length (default 16384; 256 dry run)")
+    p.add_argument("--baselines", default="sdpa,best",
+                   help="the trainer check's HF baselines (bench_trainer --baselines; default sdpa,best)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole command may take, counted from its start (default {DEFAULT_BUDGET_S:.0f}): "
                         "a check runs when its minimum still fits and takes what is left after the later checks' "
@@ -174,7 +176,7 @@ def _bench_trainer(ctx, argv: list[str]) -> dict:
 
 def check_trainer(ctx) -> dict:
     """bench_trainer's comparison: our step against plain HF packed training, tokens/s and MFU."""
-    argv = ["--pack-len", str(ctx.pack_len), "--max-pack-search", "0"]
+    argv = ["--pack-len", str(ctx.pack_len), "--max-pack-search", "0", "--baselines", ctx.args.baselines]
     if ctx.dry_run:
         argv += ["--steps", "1", "--warmup", "0", "--baselines", "sdpa"]
     results = _bench_trainer(ctx, argv)

@@ -25,15 +25,33 @@ class JobSettings:
     """deepspeed.offload_optimizer: optimizer states live on the CPU (not counted on the GPU)."""
     loss_chunk_tokens: int = 4096
     """loss.chunk_size: tokens per chunk of the chunked LM-head loss."""
+    grad_accum_fp32: bool = False
+    """DeepSpeed accumulates gradients in fp32 (``data_types.grad_accum_dtype``): 4 B per gradient element
+    instead of bf16's 2 B, held from the first backward of a step to its optimizer step."""
 
 
-def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
-    """Per-GPU bytes of model states in bf16 mixed precision under ZeRO (the ZeRO paper's accounting):
-    bf16 params 2 B (sharded at stage 3), bf16 grads 2 B (stage >= 2), and fp32 master weights, Adam m and v and
-    DeepSpeed's fp32 gradient partition 16 B (stage >= 1; none on the GPU with optimizer offload)."""
+def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
+    """Per-GPU bytes of model states in bf16 mixed precision under ZeRO over ``world_size`` ranks, as DeepSpeed
+    0.19 allocates them (measured on the CPU in tests/test_memory.py).
+
+    Through forward and backward: bf16 params 2 B (sharded at stage 3); gradients 2 B in bf16 or 4 B with fp32
+    accumulation (sharded at stage >= 2; at stage 1 DeepSpeed keeps them whole); fp32 master weights and Adam m
+    and v 12 B (sharded at stage >= 1). ``in_step`` (inside ``step()``, the activations gone): the optimizer
+    needs this rank's gradient partition in fp32 (4 B). With fp32 accumulation at stage 1/2 that is the
+    accumulated gradient itself; with bf16 accumulation step() converts the bf16 partition to a new fp32 one and
+    frees the bf16 gradients; stage 3 copies its gradient partition (kept) into a new fp32 one either way.
+    Optimizer offload keeps the optimizer state and the fp32 gradients on the CPU."""
     w, stage = world_size, job.zero_stage
-    optimizer = 0 if job.offload_optimizer else 16 * params / (w if stage >= 1 else 1)
-    return int(2 * params / (w if stage >= 3 else 1) + 2 * params / (w if stage >= 2 else 1) + optimizer)
+    shard = {k: (w if stage >= k else 1) for k in (1, 2, 3)}
+    weights = 2 * params / shard[3]
+    grads = (4 if job.grad_accum_fp32 else 2) * params / shard[2]
+    if job.offload_optimizer:
+        return int(weights + grads)
+    optimizer = 12 * params / shard[1]
+    if not in_step:
+        return int(weights + grads + optimizer)
+    fp32_grads = grads + 4 * params / shard[1] if stage == 3 else grads if job.grad_accum_fp32 else 4 * params / shard[1]
+    return int(weights + optimizer + fp32_grads)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) -> int:
@@ -51,7 +69,8 @@ def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) ->
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,
                           job: JobSettings) -> int:
-    """Modelled peak memory of one rank: model states + kept activations + one recomputed layer + loss chunk.
+    """Modelled peak memory of one rank: the larger of forward/backward (model states + kept activations + one
+    recomputed layer + loss chunk) and the optimizer step (model states in ``step()``, no activations).
 
     A checkpointed layer keeps only its bf16 input (2h bytes per token); in backward one checkpointed layer at a
     time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy).
@@ -66,7 +85,8 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     chunk = min(job.loss_chunk_tokens, tokens)
     loss = chunk * shape.vocab * (4 + 4 + 2)
     states = model_state_bytes(shape.num_params, world_size, job)
-    return int(states + acts + recompute + embed_and_final + loss)
+    in_step = model_state_bytes(shape.num_params, world_size, job, in_step=True)
+    return int(max(states + acts + recompute + embed_and_final + loss, in_step))
 
 
 def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,

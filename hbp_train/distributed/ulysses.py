@@ -102,7 +102,8 @@ class SPStats:
         """Metrics of one step from every rank's gathered values ([W] each): compute time, tokens, SP tokens.
 
         sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the run started (resumes continue it);
-        time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance).
+        time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance); None on
+        a step whose times were not taken (NaN: telemetry.comm_wait_mode "skip").
         """
         step_tokens, step_sp_tokens = float(sum(tokens)), float(sum(sp_tokens))
         self.total[0] += step_tokens
@@ -112,7 +113,7 @@ class SPStats:
             "sp/cr": self.total[1] / self.total[0] if self.total[0] else 0.0,
         }
         for rank, seconds in enumerate(compute_times):
-            metrics[f"time/compute_s/rank{rank}"] = float(seconds)
+            metrics[f"time/compute_s/rank{rank}"] = float(seconds) if seconds == seconds else None
         return metrics
 
 

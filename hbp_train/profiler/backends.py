@@ -363,11 +363,11 @@ class GpuBackend:
         labels = torch.roll(input_ids, -1, dims=1)
         ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
         labels[0, ends] = IGNORE_INDEX
-        if sp > 1:  # this rank's slice, exactly as the trainer's collate step cuts it
-            from hbp_train.distributed.ulysses import split_for_sp
-
-            local = split_for_sp({"input_ids": input_ids, "position_ids": position_ids, "shift_labels": labels},
-                                 sp, self.sequence_parallel.pstate.sp_rank(sp))
+        if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
+            cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
+            local = self.sequence_parallel.split({"input_ids": input_ids, "position_ids": position_ids,
+                                                  "shift_labels": labels, "cu_seqlens": cu_seqlens,
+                                                  "max_seqlen": max(docs)})
             input_ids, position_ids, labels = local["input_ids"], local["position_ids"], local["shift_labels"]
         set_checkpointed_layers(self.model, ckpt)
         weight = self.model.get_output_embeddings().weight

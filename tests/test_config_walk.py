@@ -42,6 +42,7 @@ OUT_OF_RANGE = {
     "model.tokenizer": "/nonexistent/tokenizer", "model.seed": "-1", "model.lora": "{r: -1}",
     "data.shards": "''", "data.epochs": "0", "data.eval_shards": "''",
     "deepspeed.zero_stage": "4", "deepspeed.reduce_bucket_size": "0", "deepspeed.extra": "{zero_optimization: 5}",
+    "deepspeed.grad_accum_dtype": "fp16",
     "train.out_dir": "''", "train.max_steps": "0", "train.lr": "-1", "train.min_lr_ratio": "1.5",
     "train.warmup_steps": "-1", "train.weight_decay": "-0.1", "train.betas": "[0.9]", "train.eps": "0",
     "train.grad_clip": "-1", "train.seed": "-1", "train.ckpt_layers": "[2,-1]", "train.save_every": "-1",

@@ -183,12 +183,11 @@ def _states_worker(rank, world_size, shards, out):
     for stage, fp32_accum in STATE_CASES:
         # Small buckets, and every ZeRO-3 parameter partitioned, so that buffers do not hide the states.
         extra = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-        if fp32_accum:
-            extra["data_types"] = {"grad_accum_dtype": "fp32"}
         compact = lambda d: json.dumps(d).replace('"', "").replace(" ", "")  # noqa: E731
         cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{stage}{fp32_accum}",
                            "logging=quiet", f"model.config={compact(STATES_MODEL)}", f"deepspeed.zero_stage={stage}",
                            "model.dtype=bf16", "deepspeed.reduce_bucket_size=4096", "train.warmup_steps=0",
+                           f"deepspeed.grad_accum_dtype={'fp32' if fp32_accum else 'bf16'}",
                            f"+deepspeed.extra={compact(extra)}"])
         before = _live_tensor_bytes()
         run = builder.build(cfg)

@@ -244,6 +244,7 @@ def test_unusable_attention_backend_fails_before_the_model_is_built(shards, tmp_
 
 def test_deepspeed_config_follows_the_run_config():
     from hbp_train.build import DeepSpeedConfig, deepspeed_config
+    from hbp_train.errors import UserError
     from hbp_train.trainer import TrainConfig
 
     train = TrainConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.3, grad_clip=0.5, betas=[0.9, 0.99], weight_decay=0.1)
@@ -263,6 +264,14 @@ def test_deepspeed_config_follows_the_run_config():
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
     assert zero["stage3_max_live_parameters"] == 7 and zero["reduce_bucket_size"] == ds.reduce_bucket_size  # merged
+    # bf16 gradients are summed over the micro-batches in fp32 at ZeRO-2/3 (auto), in bf16 at ZeRO-1 or when asked
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in deepspeed_config(ds, train, 100, 4, bf16=False)  # fp32 weights: fp32 anyway
+    for stage, accum in ((1, "auto"), (2, "bf16")):
+        assert "data_types" not in deepspeed_config(DeepSpeedConfig(zero_stage=stage, grad_accum_dtype=accum),
+                                                    train, 100, 4, bf16=True)
+    with pytest.raises(UserError, match="grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3"):
+        DeepSpeedConfig(zero_stage=1, grad_accum_dtype="fp32")
 
 
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
@@ -336,13 +345,12 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
 
     from transformers import LlamaConfig
 
-    from hbp_train.build import _warn_if_groups_may_not_fit, ckpt_layers_for
+    from hbp_train.build import DeepSpeedConfig, _warn_if_groups_may_not_fit, ckpt_layers_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
-    cfg = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2, offload_optimizer=False),
-                          loss=SimpleNamespace(chunk_size=4096))
+    cfg = SimpleNamespace(deepspeed=DeepSpeedConfig(zero_stage=2), loss=SimpleNamespace(chunk_size=4096))
     groups = [{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}]
     model = SimpleNamespace(config=LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))

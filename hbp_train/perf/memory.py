@@ -25,9 +25,16 @@ class JobSettings:
     """deepspeed.offload_optimizer: optimizer states live on the CPU (not counted on the GPU)."""
     loss_chunk_tokens: int = 4096
     """loss.chunk_size: tokens per chunk of the chunked LM-head loss."""
-    grad_accum_fp32: bool = False
-    """DeepSpeed accumulates gradients in fp32 (``data_types.grad_accum_dtype``): 4 B per gradient element
-    instead of bf16's 2 B, held from the first backward of a step to its optimizer step."""
+    grad_accum_fp32: bool = True
+    """DeepSpeed sums gradients in fp32 across micro-batches (deepspeed.grad_accum_dtype, fp32 by default at
+    ZeRO-2/3): 4 B per gradient element instead of bf16's 2 B, held from a step's first backward to its
+    optimizer step."""
+
+    @classmethod
+    def of_run(cls, cfg) -> "JobSettings":
+        """The settings of a composed run config (its ``deepspeed`` and ``loss`` sections)."""
+        return cls(zero_stage=cfg.deepspeed.zero_stage, offload_optimizer=cfg.deepspeed.offload_optimizer,
+                   loss_chunk_tokens=cfg.loss.chunk_size, grad_accum_fp32=cfg.deepspeed.grad_accum_fp32())
 
 
 def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
@@ -73,7 +80,8 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     recomputed layer + loss chunk) and the optimizer step (model states in ``step()``, no activations).
 
     A checkpointed layer keeps only its bf16 input (2h bytes per token); in backward one checkpointed layer at a
-    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy).
+    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy),
+    and when the tokens span several chunks it sums the LM-head weight gradient in an fp32 vocab x hidden buffer.
     """
     tokens = -(-pack_len // sp)
     full = activation_bytes_per_token_layer(shape)
@@ -83,7 +91,7 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     recompute = tokens * full if ckpt_layers > 0 else 0
     embed_and_final = tokens * 2 * shape.hidden * 3  # embedding output, final norm in/out
     chunk = min(job.loss_chunk_tokens, tokens)
-    loss = chunk * shape.vocab * (4 + 4 + 2)
+    loss = chunk * shape.vocab * (4 + 4 + 2) + (4 * shape.vocab * shape.hidden if tokens > chunk else 0)
     states = model_state_bytes(shape.num_params, world_size, job)
     in_step = model_state_bytes(shape.num_params, world_size, job, in_step=True)
     return int(max(states + acts + recompute + embed_and_final + loss, in_step))

@@ -8,7 +8,8 @@ Calibrate (default): one decoder layer built with transformers from the shape's 
 random weights, bf16). Attention: packs of ``--tokens`` tokens made of documents of one length each, packed
 varlen causal attention from hbp_train.attention (best backend available), timed forward and forward+backward.
 Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the attention core
-replaced by a cheap elementwise stand-in. Times are medians over ``--iters`` after ``--warmup`` and are written
+replaced by a cheap elementwise stand-in. LM head: the trainer's chunked LM-head loss fwd+bwd over the shape's
+vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and are written
 per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus "model_shape").
 
 Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
@@ -114,7 +115,7 @@ def llama_config(shape: ModelShape, attn_implementation: str = "sdpa"):
                       num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
                       head_dim=shape.head_dim, intermediate_size=shape.ffn, vocab_size=shape.vocab,
                       max_position_embeddings=max(131072, TABLE_TOKENS), rope_theta=500000.0,
-                      attention_dropout=0.0, use_cache=False)
+                      attention_dropout=0.0, use_cache=False, tie_word_embeddings=shape.tie_word_embeddings)
     cfg._attn_implementation = attn_implementation
     return cfg
 
@@ -198,6 +199,9 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
 
     linear = round(timed(layer_step, args.iters, args.warmup) * TABLE_TOKENS / args.tokens, 3)
     print(f"linear part (layer without attention core): {linear:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
+    del layer, hidden, pos_emb
+    head = round(time_head(shape, args, device, dtype, timed, gen) * TABLE_TOKENS / args.tokens, 3)
+    print(f"LM head + chunked loss: {head:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
     import torch as _t
 
     gpu = _t.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, not a calibration)"
@@ -212,6 +216,8 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
         "model_shape": {k: getattr(shape, k) for k in ("name", "hidden", "num_layers", "num_heads",
                                                         "num_kv_heads", "ffn", "vocab", "head_dim")},
         "linear_fwdbwd_ms_per_32768_tokens": linear,
+        "head_fwdbwd_ms_per_32768_tokens": head,
+        "head_loss_chunk": VALIDATE_LOSS_CHUNK,
         "attention_fwdbwd_ms_32768_tokens_by_doc_len": fwdbwd,
         "attention_fwd_ms_32768_tokens_by_doc_len": fwd,
     }
@@ -235,6 +241,25 @@ def validate_tokens(shape: ModelShape, memory_bytes: int | None) -> int:
     while tokens > 1024 and fixed + tokens * per_token > MEMORY_HEADROOM * memory_bytes:
         tokens //= 2
     return tokens
+
+
+def time_head(shape: ModelShape, args, device, dtype, timed, gen) -> float:
+    """Milliseconds of the LM head with the trainer's chunked loss (hbp_train/loss.py), fwd+bwd, for --tokens
+    tokens: four vocab x hidden matmuls plus fp32 passes over every chunk's logits, which the layer's FLOP rate
+    does not predict (the cost model's head term)."""
+    import torch
+
+    from hbp_train.loss import chunked_token_losses
+
+    hidden = torch.randn(args.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, shape.vocab, (args.tokens,), generator=gen).to(device)
+
+    def head_step():
+        loss = chunked_token_losses(hidden, weight, labels, VALIDATE_LOSS_CHUNK).sum()
+        torch.autograd.grad(loss, (hidden, weight))
+
+    return timed(head_step, args.iters, args.warmup)
 
 
 def random_pack(rng: np.random.Generator, tokens: int, num_samples: int) -> list[int]:

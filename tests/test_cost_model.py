@@ -393,3 +393,37 @@ def test_validate_default_pack_fits_the_gpu():
     assert need(eight_b, 32768) > gib80 and tokens < 32768
     assert need(eight_b, tokens) <= calibrate.MEMORY_HEADROOM * gib80 < need(eight_b, 2 * tokens)
     assert calibrate.validate_tokens(one_b, gib80) == 32768 and calibrate.validate_tokens(eight_b, None) == 32768
+
+
+def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memory(tmp_path, monkeypatch, capsys):
+    """The default validation pack fits the GPU's free memory (not its total); a pack that still runs out of memory
+    is retried at half the tokens, and calibrating out of memory is one line naming --tokens."""
+    from hbp_train.perf import calibrate
+
+    shape = parse_model_shape("llama3-8b")
+    free = 40 * 2**30
+    monkeypatch.setattr(calibrate, "free_gpu_bytes", lambda: free)
+    tried = []
+
+    def validate(shape, model, args, device, dtype):
+        tried.append(args.tokens)
+        if args.tokens > 2048:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"mean_abs_error": 0.0, "max_abs_error": 0.0, "tokens": args.tokens}
+
+    monkeypatch.setattr(calibrate, "validate", validate)
+    assert calibrate.main(["--allow-cpu", "--validate", "--model-shape", "llama3-8b", "--max-samples", "4"]) == 0
+    assert tried[0] == calibrate.validate_tokens(shape, free) < calibrate.validate_tokens(shape, 80 * 2**30)
+    assert tried[1:] == [t // 2 for t in tried[:-1]] and tried[-1] == 2048
+    assert "out of memory: validating with packs of 2048 tokens" in capsys.readouterr().out
+
+    def calibrate_oom(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(calibrate, "calibrate", calibrate_oom)
+    assert exit_code(calibrate.main, ["--allow-cpu", "--model-shape", TINY, "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rerun with --tokens 16384" in err and "40.0 GiB free" in err
+    monkeypatch.setattr(calibrate, "validate", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
+    with pytest.raises(RuntimeError, match="a real bug"):  # anything else keeps its traceback
+        calibrate.main(["--allow-cpu", "--validate", "--model-shape", TINY, "--max-samples", "4"])

@@ -223,14 +223,32 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
     }
 
 
+def calibrate_or_explain(shape: ModelShape, args, device, dtype) -> dict:
+    """``calibrate``; running out of memory is one line naming the flag to lower (the free memory is in it)."""
+    import torch
+
+    from hbp_train.telemetry import is_oom
+
+    try:
+        return calibrate(shape, args, device, dtype)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        if not is_oom(exc):
+            raise
+    free = free_gpu_bytes()
+    raise UserError(f"out of memory timing packs of --tokens {args.tokens} (the GPU has "
+                    f"{'?' if free is None else f'{free / 2**30:.1f} GiB'} free): rerun with --tokens "
+                    f"{max(args.tokens // 2, 1)} (results are written per {TABLE_TOKENS} tokens either way)")
+
+
 VALIDATE_LOSS_CHUNK = 4096  # loss.chunk_size's default: the trainer's LM-head chunk
 MEMORY_HEADROOM = 0.85  # share of the GPU the validation step may plan to use (allocator cache, CUDA context)
 
 
 def validate_tokens(shape: ModelShape, memory_bytes: int | None) -> int:
-    """The largest pack of 32768, 16384, ... (at least 1024) tokens whose validation step fits ``memory_bytes``:
-    bf16 parameters and gradients, every layer's activations (no checkpointing: the cost model times a plain
-    step) and one chunk of the chunked loss (perf/memory.py's accounting). 32768 without a memory size."""
+    """The largest pack of 32768, 16384, ... (at least 1024) tokens whose validation step fits ``memory_bytes``
+    (the GPU's free memory, ``free_gpu_bytes``): bf16 parameters and gradients, every layer's activations (no
+    checkpointing: the cost model times a plain step) and one chunk of the chunked loss (perf/memory.py's
+    accounting). 32768 without a memory size."""
     from hbp_train.perf.memory import activation_bytes_per_token_layer
 
     tokens = TABLE_TOKENS
@@ -260,6 +278,34 @@ def time_head(shape: ModelShape, args, device, dtype, timed, gen) -> float:
         torch.autograd.grad(loss, (hidden, weight))
 
     return timed(head_step, args.iters, args.warmup)
+def free_gpu_bytes() -> int | None:
+    """Free memory of the current GPU now (what other processes, this one and the CUDA context leave), or None
+    without a GPU. The total would overstate it on a shared or busy GPU."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def validate_fitting(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
+    """``validate``, halving ``args.tokens`` (down to 1024) each time a pack runs out of memory: the size
+    estimate is a model, and a GPU's free memory can shrink while it runs. Other errors propagate."""
+    import gc
+
+    import torch
+
+    from hbp_train.telemetry import is_oom
+
+    while True:
+        try:
+            return validate(shape, model, args, device, dtype)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            if not is_oom(exc) or args.tokens // 2 < max(1024, args.max_samples):
+                raise
+        gc.collect()  # out of the except block: the traceback's frames (and their tensors) are gone
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        args.tokens //= 2
+        print(f"out of memory: validating with packs of {args.tokens} tokens", flush=True)
 
 
 def random_pack(rng: np.random.Generator, tokens: int, num_samples: int) -> list[int]:
@@ -324,9 +370,7 @@ def main(argv=None) -> int:
     try:
         shape = parse_model_shape(args.model_shape)
         if args.tokens is None:
-            memory = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-                      if args.validate and torch.cuda.is_available() else None)
-            args.tokens = validate_tokens(shape, memory) if args.validate else TABLE_TOKENS
+            args.tokens = validate_tokens(shape, free_gpu_bytes()) if args.validate else TABLE_TOKENS
         if args.validate and args.max_samples > args.tokens:
             raise UserError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:
@@ -343,14 +387,14 @@ def main(argv=None) -> int:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.validate:
             model = CostModel.from_calibration(args.calibration, shape)
-            report = validate(shape, model, args, device, dtype)
+            report = validate_fitting(shape, model, args, device, dtype)
             print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
                   f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
             if report_path:
                 write_output("--validate-out", report_path, lambda p: p.write_text(json.dumps(report, indent=1)))
                 print(f"wrote {report_path}")
         else:
-            result = calibrate(shape, args, device, dtype)
+            result = calibrate_or_explain(shape, args, device, dtype)
             write_output("--out", out_path, lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"wrote {out_path}")
     except UserError as exc:

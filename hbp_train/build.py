@@ -366,9 +366,9 @@ def _check_attention_backend(model_cfg) -> None:
 
 
 def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_layers: list) -> None:
-    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit (before the
-    engine allocates anything). Advice only; models whose config is not Llama-like are not checked.
-    ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
+    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit in the memory
+    left for the run (before the engine allocates anything). Advice only; models whose config is not Llama-like
+    are not checked. ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
     if not torch.cuda.is_available():
         return
     from hbp_train.perf.memory import JobSettings, memory_preflight
@@ -382,6 +382,10 @@ def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_
     groups = [{**g, "ckpt_layers": k} for g, k in zip(groups, ckpt_layers)]
     if dist_groups.rank() != 0:
         return
-    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    for message in memory_preflight(groups, shape, world_size, job, device_bytes):
+    # What the run can use: the free memory plus what torch's allocator holds already (the memory model counts
+    # that as model states). The rest is held by the CUDA context, NCCL's communicators (DeepSpeed binds the GPU, so
+    # the world's and one per SP group were made with the process groups, buffers included) and other processes:
+    # measured here, not assumed.
+    free, _ = torch.cuda.mem_get_info()
+    for message in memory_preflight(groups, shape, world_size, job, free + torch.cuda.memory_reserved()):
         print(f"[train] warning: {message}", flush=True)

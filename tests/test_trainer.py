@@ -348,8 +348,9 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
     from hbp_train.build import DeepSpeedConfig, _warn_if_groups_may_not_fit, ckpt_layers_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    # 80 GiB, of which the CUDA context, NCCL's communicators and another process hold 3 GiB and torch 1 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (76 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2**30)
     cfg = SimpleNamespace(deepspeed=DeepSpeedConfig(zero_stage=2), loss=SimpleNamespace(chunk_size=4096))
     groups = [{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}]
     model = SimpleNamespace(config=LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -357,6 +358,7 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
     _warn_if_groups_may_not_fit(cfg, groups, model, 32, [32, 0])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[train] warning: group 1 (131072 tokens, sp=8, 0 checkpointed")
+    assert "of the 77.0 GiB the GPU has for it" in out[0]  # free + torch's own, not the total
     all_32 = [ckpt_layers_for([32], g, None) for g in range(len(groups))]  # train.ckpt_layers=[32]: every group
     _warn_if_groups_may_not_fit(cfg, groups, model, 32, all_32)  # both fit
     assert capsys.readouterr().out == ""

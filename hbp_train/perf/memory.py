@@ -99,10 +99,13 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
 
 def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,
                      device_bytes: int, headroom: float = 0.05) -> list[str]:
-    """Warnings for the packing groups that the memory model predicts will not fit one GPU of ``device_bytes``.
+    """Warnings for the packing groups that the memory model predicts will not fit in ``device_bytes``: what the
+    run can use of its GPU (the trainer passes the free memory once the process groups' NCCL communicators exist,
+    plus what torch already holds: the CUDA context, the communicators' buffers and other processes are left out
+    by measurement; ``headroom`` is for the allocator's fragmentation).
 
-    The trainer runs this before it builds anything on a GPU (a 128K group that cannot fit should not cost the
-    minutes of loading a large model first); it is advice from analytic_memory_bytes, not a measurement."""
+    The trainer runs this before it builds the engine (a 128K group that cannot fit should not cost the minutes
+    of initialising a large model first); it is advice from analytic_memory_bytes, not a measurement."""
     warnings = []
     for g, group in enumerate(groups):
         pack_len, sp, ckpt = int(group["pack_len"]), int(group.get("sp", 1)), int(group.get("ckpt_layers") or 0)
@@ -110,6 +113,6 @@ def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job
         if need > (1.0 - headroom) * device_bytes:
             warnings.append(
                 f"group {g} ({pack_len} tokens, sp={sp}, {ckpt} checkpointed layers) is predicted to need "
-                f"{need / 2**30:.1f} GiB of the GPU's {device_bytes / 2**30:.1f} GiB: raise its ckpt_layers "
-                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
+                f"{need / 2**30:.1f} GiB of the {device_bytes / 2**30:.1f} GiB the GPU has for it: raise its "
+                f"ckpt_layers (train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
     return warnings

@@ -260,6 +260,9 @@ class GpuBackend:
         self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
         self._on_device = True
         self.sequence_parallel = None  # this rank's SequenceParallel inside a measuring torchrun
+        # NVML used memory on this device that is another process's (the parent profiler's, in a measuring
+        # torchrun: launcher.device_excess_bytes), left out of this process's readings.
+        self.nvml_offset_bytes = 0
         self.measured_sp = 1  # the SP degree this process runs for real (with its peers); others are estimated
         self.model.train()
         self.num_layers = len(decoder_layers(self.model))
@@ -406,7 +409,8 @@ class GpuBackend:
             result = (None, None, None)
         elif self.on_gpu:
             result = (float(np.median([t.seconds() for t in times])),
-                      int(torch.cuda.max_memory_allocated(self.device)), nvml_used_bytes(self.device.index or 0))
+                      int(torch.cuda.max_memory_allocated(self.device)),
+                      None if used is None else used - self.nvml_offset_bytes)
         else:  # the model's params and grads as a GPU would hold them, plus what autograd saved
             held = sum(2 * p.numel() * p.element_size() for p in self.model.parameters())
             result = (float(np.median([t.seconds() for t in times])), held + saved.bytes, None)

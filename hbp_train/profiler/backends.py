@@ -208,7 +208,7 @@ class AnalyticBackend:
     def __init__(self, shape: ModelShape, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings):
         self.shape, self.cfg, self.cost_model, self.job = shape, cfg, cost_model, job
         self.num_layers = shape.num_layers
-        self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+        self.device_memory_bytes = int(cfg.device_memory_gb * 2**30)
         self.num_gpus = cfg.world_size  # nothing is measured, so nothing is "estimated" beyond being analytic
         self.pool = load_doc_lengths(cfg.docs)
 
@@ -272,7 +272,7 @@ class GpuBackend:
         if self.on_gpu:
             self.device_memory_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
         else:  # CPU: only for exercising this code path in tests; memory is not measured there
-            self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+            self.device_memory_bytes = int(cfg.device_memory_gb * 2**30)
         self.num_gpus = 1
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.pool = load_doc_lengths(cfg.docs)
@@ -408,6 +408,7 @@ class GpuBackend:
         if oom:
             result = (None, None, None)
         elif self.on_gpu:
+            used = nvml_used_bytes(self.device.index or 0)
             result = (float(np.median([t.seconds() for t in times])),
                       int(torch.cuda.max_memory_allocated(self.device)),
                       None if used is None else used - self.nvml_offset_bytes)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     run = run_config.load(job["overrides"])
     on_cpu = run.profile.device == "cpu"
     init_distributed("gloo" if on_cpu else "nccl")
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())  # init's choice
     # The budget is the parent's: its wall-clock deadline, whatever start-up cost here.
     pcfg = replace(run.profile, progress=False, time_budget_s=max(job["deadline"] - time.time(), 1e-3))
     job_settings = JobSettings.of_run(run)

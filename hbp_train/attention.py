@@ -316,7 +316,8 @@ def get_backend() -> str:
 
 # Boundaries are the same for every layer of a forward (and its checkpoint recompute): remember the last
 # position_ids tensor seen, with its version counter so an in-place refill of a reused buffer is noticed.
-# Under Ulysses every layer gets a freshly gathered tensor, so there it is recomputed per layer (one host sync).
+# The trainer hands cu_seqlens to every layer (at sp=1 through the model's kwargs, under Ulysses from
+# SequenceParallel.split), so this is for callers that give position_ids only.
 _boundary_cache: dict = {"key": None, "result": None}
 
 

@@ -53,6 +53,13 @@ class DeepSpeedConfig:
     """Overlap gradient reduction with backward (GPU only; always off on the CPU)."""
     reduce_bucket_size: int = 200_000_000
     """Elements per gradient-reduction bucket."""
+    grad_accum_dtype: str = "auto"
+    """What bf16 gradients are summed in across a step's micro-batches: fp32, bf16, or auto (fp32 at ZeRO-2/3,
+    bf16 at ZeRO-1). A bf16 sum rounds at every micro-batch, and hbp's steps of short packs have many; fp32 costs
+    2 more bytes per parameter / world size at ZeRO-2/3 (DeepSpeed's data_types.grad_accum_dtype). ZeRO-1 only
+    sums in bf16: for fp32 DeepSpeed switches to its BF16_Optimizer, which keeps every gradient in fp32 on every
+    GPU (4 bytes per parameter) and writes checkpoints its own zero_to_fp32 (our export) cannot read. fp32
+    parameters (model.dtype=fp32) always sum in fp32."""
     extra: dict = field(default_factory=dict)
     """Raw DeepSpeed config entries merged last (advanced; e.g.
     {"zero_optimization": {"stage3_max_live_parameters": 1e9}})."""
@@ -64,6 +71,16 @@ class DeepSpeedConfig:
             raise UserError("deepspeed.offload_param: needs deepspeed.zero_stage=3")
         if self.reduce_bucket_size < 1:
             raise UserError(f"deepspeed.reduce_bucket_size={self.reduce_bucket_size}: must be >= 1")
+        if self.grad_accum_dtype not in ("auto", "fp32", "bf16"):
+            raise UserError(f"deepspeed.grad_accum_dtype={self.grad_accum_dtype!r}: must be auto, fp32 or bf16")
+        if self.grad_accum_dtype == "fp32" and self.zero_stage == 1:
+            raise UserError("deepspeed.grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3: at ZeRO-1 DeepSpeed "
+                            "would keep every gradient in fp32 on every GPU and write checkpoints our export "
+                            "cannot read; use auto (bf16 at ZeRO-1)")
+
+    def grad_accum_fp32(self) -> bool:
+        """Whether bf16 gradients are summed in fp32 across micro-batches (grad_accum_dtype resolved)."""
+        return self.grad_accum_dtype == "fp32" or (self.grad_accum_dtype == "auto" and self.zero_stage >= 2)
 
 
 def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: int, bf16: bool) -> dict:
@@ -101,6 +118,8 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         # A NaN/inf gradient makes ZeRO skip the update and clear the gradients (on_nan=skip relies on it).
         "bf16": {"enabled": bf16, **({"check_grad_overflow": True} if bf16 else {})},
     }
+    if bf16 and ds.grad_accum_fp32():  # micro-batch gradients summed in an fp32 partition (see the field)
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
     return _merge(config, ds.extra)
@@ -350,9 +369,9 @@ def _check_attention_backend(model_cfg) -> None:
 
 
 def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_layers: list) -> None:
-    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit (before the
-    engine allocates anything). Advice only; models whose config is not Llama-like are not checked.
-    ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
+    """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit in the memory
+    left for the run (before the engine allocates anything). Advice only; models whose config is not Llama-like
+    are not checked. ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
     if not torch.cuda.is_available():
         return
     from hbp_train.perf.memory import JobSettings, memory_preflight
@@ -362,10 +381,14 @@ def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_
         shape = parse_model_shape(model.config)
     except UserError:  # not a Llama-like config: no memory model for it
         return
-    job = JobSettings(cfg.deepspeed.zero_stage, cfg.deepspeed.offload_optimizer, cfg.loss.chunk_size)
+    job = JobSettings.of_run(cfg)
     groups = [{**g, "ckpt_layers": k} for g, k in zip(groups, ckpt_layers)]
     if dist_groups.rank() != 0:
         return
-    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    for message in memory_preflight(groups, shape, world_size, job, device_bytes):
+    # What the run can use: the free memory plus what torch's allocator holds already (the memory model counts
+    # that as model states). The rest is held by the CUDA context, NCCL's communicators (DeepSpeed binds the GPU, so
+    # the world's and one per SP group were made with the process groups, buffers included) and other processes:
+    # measured here, not assumed.
+    free, _ = torch.cuda.mem_get_info()
+    for message in memory_preflight(groups, shape, world_size, job, free + torch.cuda.memory_reserved()):
         print(f"[train] warning: {message}", flush=True)

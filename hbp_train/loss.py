@@ -66,8 +66,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         hidden_NH, weight_VH, bias_V, labels_N, lse_N = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden_NH = torch.empty_like(hidden_NH) if need_hidden else None
-        # Accumulated in the weight's dtype (one rounding per chunk for bf16), not in an fp32 V x H buffer.
         grad_weight_VH = torch.zeros_like(weight_VH) if need_weight else None
+        # Several chunks of a bf16 weight: each chunk's product (rounded once, in grad_weight_VH) is summed in an
+        # fp32 V x H buffer, as a bf16 running sum would round at every chunk (the memory model counts it).
+        num_chunks = -(-hidden_NH.shape[0] // ctx.chunk_size)
+        sum_VH = (torch.zeros_like(weight_VH, dtype=torch.float32)
+                  if need_weight and num_chunks > 1 and weight_VH.dtype != torch.float32 else None)
         grad_bias_V = torch.zeros(weight_VH.shape[0], dtype=torch.float32, device=weight_VH.device) if need_bias else None
         grad_loss_N = grad_loss_N.float()
         for start in range(0, hidden_NH.shape[0], ctx.chunk_size):
@@ -83,9 +87,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits_CV = grad_logits_CV.to(weight_VH.dtype)
             if need_hidden:
                 grad_hidden_NH[start:end] = grad_logits_CV @ weight_VH
-            if need_weight:
+            if sum_VH is not None:
+                torch.mm(grad_logits_CV.t(), hidden_NH[start:end], out=grad_weight_VH)
+                sum_VH += grad_weight_VH
+            elif need_weight:
                 grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_NH[start:end])
             del grad_logits_CV
+        if sum_VH is not None:
+            grad_weight_VH.copy_(sum_VH)
         if need_bias:
             grad_bias_V = grad_bias_V.to(bias_V.dtype)
         return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None

@@ -37,8 +37,8 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, comm_wait_timer, peak_memory_gib,
-                                 reset_peak_memory)
+from hbp_train.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, comm_wait_mode, comm_wait_timer,
+                                 peak_memory_gib, reset_peak_memory)
 
 ON_NAN = ("skip", "abort")
 
@@ -252,14 +252,16 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     reset_peak_memory()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    logging_cfg = getattr(run.cfg, "logging", None)
+    # This rank's own compute: the step's time less its waits inside the gradient reduction (see comm_wait_timer),
+    # timed on sampled steps only on a GPU, where timing a wait costs a sync around each collective.
+    timing = comm_wait_mode(getattr(run.cfg, "logging", None), step_batch.step, torch.cuda.is_available(),
+                            world_size())
     start = time.perf_counter()
-    # This rank's own compute: the step's time less its waits inside the gradient reduction (see comm_wait_timer).
-    with comm_wait_timer(logging_cfg.exclude_comm_wait if logging_cfg is not None else False) as comm_wait:
+    with comm_wait_timer(timing == "exclude") as comm_wait:
         local = forward_backward(run, step_batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    compute_time = time.perf_counter() - start - comm_wait[0]
+    compute_time = float("nan") if timing == "skip" else time.perf_counter() - start - comm_wait[0]
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
               local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts(),
               local["aux_sum"]]

@@ -146,7 +146,7 @@ def test_analytic_is_flops_over_rate():
     l = 10000
     attn = 7 * l * l * 4096 / rate  # fwd 2 l^2 H d, bwd 2.5x
     linear = 3 * LLAMA8B_LINEAR_FLOPS * l / rate
-    head = 3 * LLAMA8B_HEAD_FLOPS * l / rate
+    head = 4 * LLAMA8B_HEAD_FLOPS * l / rate  # the chunked loss: logits again in backward, then both gradients
     assert m.pack_time([l]) == pytest.approx(32 * (attn + linear) + head, rel=1e-9)
     with pytest.raises(UserError):
         CostModel.analytic("llama3-8b", efficiency=0)
@@ -271,7 +271,7 @@ def test_calibrate_scales_every_timing_to_32768_tokens(tmp_path, monkeypatch):
     from hbp_train.perf import calibrate
     from hbp_train.perf.cost_model import TABLE_TOKENS
 
-    ms = {"forward": 1.0, "forward_backward": 3.0, "layer_step": 5.0}
+    ms = {"forward": 1.0, "forward_backward": 3.0, "layer_step": 5.0, "head_step": 7.0}
     monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: ms[fn.__name__]))
     out = tmp_path / "c.json"
     tokens, doc_lens = 100, [16, 64, 100]
@@ -286,6 +286,28 @@ def test_calibrate_scales_every_timing_to_32768_tokens(tmp_path, monkeypatch):
             pytest.approx(ms["forward_backward"] * TABLE_TOKENS / packed, abs=1e-3)
     assert data["linear_fwdbwd_ms_per_32768_tokens"] == pytest.approx(ms["layer_step"] * TABLE_TOKENS / tokens,
                                                                        abs=1e-3)
+    assert data["head_fwdbwd_ms_per_32768_tokens"] == pytest.approx(ms["head_step"] * TABLE_TOKENS / tokens,
+                                                                     abs=1e-3)
+
+
+def test_the_lm_head_term_comes_from_the_calibration_when_it_has_one(tmp_path, model):
+    """A calibration that timed the chunked loss prices the head with it (per token; scaled by hidden x vocab to
+    another shape); one without (the shipped file) prices its four vocab x hidden matmuls at the layer's rate."""
+    shipped = json.loads(DEFAULT_CALIBRATION.read_text())
+    assert "head_fwdbwd_ms_per_32768_tokens" not in shipped
+    lin = model.linear_fb_per_token / LLAMA8B_LINEAR_FLOPS / 3  # seconds per forward FLOP of the linear part
+    assert model.head_fb_per_token == pytest.approx(4 * LLAMA8B_HEAD_FLOPS * lin)
+    path = tmp_path / "with_head.json"
+    path.write_text(json.dumps({**shipped, "head_fwdbwd_ms_per_32768_tokens": 123.0}))
+    measured = CostModel.from_calibration(path)
+    assert measured.head_fb_per_token == pytest.approx(0.123 / 32768)
+    assert measured.pack_time([4096]) - model.pack_time([4096]) == \
+        pytest.approx(4096 * (measured.head_fb_per_token - model.head_fb_per_token))
+    small = CostModel.from_calibration(path, model_shape="llama3.2-1b")  # hidden 2048 vs 4096, the same vocab
+    assert small.head_fb_per_token == pytest.approx(0.5 * measured.head_fb_per_token)
+    path.write_text(json.dumps({**shipped, "head_fwdbwd_ms_per_32768_tokens": -1}))
+    with pytest.raises(UserError, match="head_fwdbwd_ms_per_32768_tokens"):
+        CostModel.from_calibration(path)
 
 
 @pytest.mark.parametrize("errors", [(0.05, -0.2, 0.0), (0.05, -0.08, 0.09), (-0.11, 0.0, 0.0)])
@@ -371,3 +393,37 @@ def test_validate_default_pack_fits_the_gpu():
     assert need(eight_b, 32768) > gib80 and tokens < 32768
     assert need(eight_b, tokens) <= calibrate.MEMORY_HEADROOM * gib80 < need(eight_b, 2 * tokens)
     assert calibrate.validate_tokens(one_b, gib80) == 32768 and calibrate.validate_tokens(eight_b, None) == 32768
+
+
+def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memory(tmp_path, monkeypatch, capsys):
+    """The default validation pack fits the GPU's free memory (not its total); a pack that still runs out of memory
+    is retried at half the tokens, and calibrating out of memory is one line naming --tokens."""
+    from hbp_train.perf import calibrate
+
+    shape = parse_model_shape("llama3-8b")
+    free = 40 * 2**30
+    monkeypatch.setattr(calibrate, "free_gpu_bytes", lambda: free)
+    tried = []
+
+    def validate(shape, model, args, device, dtype):
+        tried.append(args.tokens)
+        if args.tokens > 2048:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"mean_abs_error": 0.0, "max_abs_error": 0.0, "tokens": args.tokens}
+
+    monkeypatch.setattr(calibrate, "validate", validate)
+    assert calibrate.main(["--allow-cpu", "--validate", "--model-shape", "llama3-8b", "--max-samples", "4"]) == 0
+    assert tried[0] == calibrate.validate_tokens(shape, free) < calibrate.validate_tokens(shape, 80 * 2**30)
+    assert tried[1:] == [t // 2 for t in tried[:-1]] and tried[-1] == 2048
+    assert "out of memory: validating with packs of 2048 tokens" in capsys.readouterr().out
+
+    def calibrate_oom(*args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(calibrate, "calibrate", calibrate_oom)
+    assert exit_code(calibrate.main, ["--allow-cpu", "--model-shape", TINY, "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rerun with --tokens 16384" in err and "40.0 GiB free" in err
+    monkeypatch.setattr(calibrate, "validate", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
+    with pytest.raises(RuntimeError, match="a real bug"):  # anything else keeps its traceback
+        calibrate.main(["--allow-cpu", "--validate", "--model-shape", TINY, "--max-samples", "4"])

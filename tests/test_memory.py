@@ -10,6 +10,15 @@ from hbp_train.perf.memory import (JobSettings, analytic_memory_bytes, memory_pr
 from hbp_train.perf.shape import MODEL_SHAPES, parse_model_shape
 
 
+def test_a_tied_lm_head_is_counted_once():
+    """Llama-3.2-1B ties its LM head to the embedding: 1.236B parameters, not 1.498B; the untied 8B keeps both."""
+    tied, untied = MODEL_SHAPES["llama3.2-1b"], MODEL_SHAPES["llama3-8b"]
+    assert tied.tie_word_embeddings and tied.num_params == 1_235_814_400
+    assert not untied.tie_word_embeddings and untied.num_params == 8_030_261_248
+    assert parse_model_shape({**tied.__dict__, "name": "x", "tie_word_embeddings": False}).num_params == \
+        tied.num_params + tied.vocab * tied.hidden
+
+
 def test_analytic_memory_model_orders():
     shape = parse_model_shape("llama3-8b")
     job = JobSettings(zero_stage=2)
@@ -22,16 +31,35 @@ def test_analytic_memory_model_orders():
     assert z3 < mem[1] and off < mem[1]
 
 
-@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
-def test_model_state_bytes_follow_the_zero_papers_accounting(stage, offload):
-    """Per GPU, bf16 mixed precision (ZeRO paper Fig. 1, plus DeepSpeed's fp32 gradient partition): params 2 B
-    (sharded from stage 3), grads 2 B (from stage 2), fp32 master + Adam m, v + fp32 grads 16 B (from stage 1;
-    none on the GPU with optimizer offload)."""
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("fp32_accum", [False, True])
+@pytest.mark.parametrize("offload", [False, True])
+def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offload):
+    """Per GPU, bf16 params: params 2 B (sharded from stage 3), gradients 2 B or 4 B with fp32 accumulation
+    (sharded from stage 2), fp32 master + Adam m, v 12 B (from stage 1; none on the GPU with optimizer offload).
+    The fp32 gradient partition DeepSpeed builds inside step() counts only there (tests below measure all of it)."""
     params, world = 1_000_000, 8
     shard = {k: (world if stage >= k else 1) for k in (1, 2, 3)}
-    want = 2 * params / shard[3] + 2 * params / shard[2] + (0 if offload else 4 * 4 * params / shard[1])
-    got = model_state_bytes(params, world, JobSettings(zero_stage=stage, offload_optimizer=offload))
-    assert got == int(want)
+    job = JobSettings(zero_stage=stage, offload_optimizer=offload, grad_accum_fp32=fp32_accum)
+    grads = (4 if fp32_accum else 2) * params / shard[2]
+    want = 2 * params / shard[3] + grads + (0 if offload else 12 * params / shard[1])
+    assert model_state_bytes(params, world, job) == int(want)
+    in_step = model_state_bytes(params, world, job, in_step=True)
+    if offload or (fp32_accum and stage < 3):  # nothing new in step(): the accumulated gradient is already fp32
+        assert in_step == int(want)
+    elif stage == 3:  # its gradient partition stays; step() copies it into a new fp32 one
+        assert in_step == int(want + 4 * params / world)
+    else:  # the bf16 gradients are replaced by this rank's partition in fp32
+        assert in_step == int(2 * params + 16 * params / shard[1])
+
+
+def test_the_step_peak_counts_only_when_it_exceeds_backward():
+    """analytic_memory_bytes is the larger of backward (states + activations) and the optimizer step (states with
+    the fp32 gradient partition, no activations): a long pack is backward's, a 1-token pack the step's."""
+    shape, job = parse_model_shape("llama3.2-1b"), JobSettings(zero_stage=2)
+    step = model_state_bytes(shape.num_params, 8, job, in_step=True)
+    assert analytic_memory_bytes(shape, 1, 1, 0, 8, job) == step
+    assert analytic_memory_bytes(shape, 16384, 1, 0, 8, job) > step
 
 
 def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():
@@ -118,3 +146,99 @@ def test_activation_bytes_match_what_autograd_saves(name, dtype, ckpt_layers):
     full = activation_bytes_per_token_layer(shape, b)
     predicted = tokens * ((shape.num_layers - ckpt_layers) * full + ckpt_layers * kept)
     assert predicted == pytest.approx(measured, rel=0.05), (measured / tokens, predicted / tokens)
+
+
+# A Llama whose decoder layers outweigh its (tied) embedding, so the model states, not the transient gradients of
+# the LM head, are what is measured.
+STATES_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
+STATE_CASES = [(1, False), (2, False), (2, True), (3, False), (3, True)]  # (ZeRO stage, fp32 accumulation)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (parameters, gradients, optimizer state)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    sizes = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(sizes.values())
+
+
+def _states_worker(rank, world_size, shards, out):
+    import json
+
+    from hbp_train import build as builder
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+    from hbp_train.perf.shape import parse_model_shape
+
+    init_distributed()
+    results = {}
+    for stage, fp32_accum in STATE_CASES:
+        # Small buckets, and every ZeRO-3 parameter partitioned, so that buffers do not hide the states.
+        extra = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+        compact = lambda d: json.dumps(d).replace('"', "").replace(" ", "")  # noqa: E731
+        cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{stage}{fp32_accum}",
+                           "logging=quiet", f"model.config={compact(STATES_MODEL)}", f"deepspeed.zero_stage={stage}",
+                           "model.dtype=bf16", "deepspeed.reduce_bucket_size=4096", "train.warmup_steps=0",
+                           f"deepspeed.grad_accum_dtype={'fp32' if fp32_accum else 'bf16'}",
+                           f"+deepspeed.extra={compact(extra)}"])
+        before = _live_tensor_bytes()
+        run = builder.build(cfg)
+        inner = run.engine.optimizer.optimizer  # the torch AdamW that DeepSpeed steps with the fp32 partitions
+        plain_step, seen = inner.step, {}
+
+        def step(*args, **kwargs):  # inside DeepSpeed's step(): the fp32 gradient partition exists now
+            result = plain_step(*args, **kwargs)
+            seen["in_step"] = _live_tensor_bytes() - before
+            return result
+
+        inner.step = step
+        for s in range(2):  # the second step: Adam's m and v exist (torch creates them in the first)
+            trainer.forward_backward(run, run.data.step_batch(s, rank, run.pad_token_id))
+            seen["after_backward"] = _live_tensor_bytes() - before
+            run.engine.step()
+        results[stage, fp32_accum] = dict(seen, params=sum(getattr(p, "ds_numel", p.numel())
+                                                           for p in run.model.parameters()),
+                                          shape_params=parse_model_shape(run.model.config).num_params)
+        inner.step = plain_step
+        run.engine.destroy()
+        del run, inner, plain_step, step
+    return results if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_model_states_match_what_deepspeed_holds_through_backward_and_in_step(tmp_path):
+    """Two CPU ranks, bf16 parameters, a tied LM head: the bytes of every tensor alive after the last backward of a
+    step and inside its optimizer step equal model_state_bytes within 3% at each ZeRO stage, with bf16 and with
+    fp32 gradient accumulation. With bf16 accumulation the fp32 gradient partition exists only inside step()."""
+    import numpy as np
+
+    from tests.assets.packed_fixture import write_packed
+    from tests.distributed import run_distributed
+
+    rng = np.random.default_rng(0)
+    samples = [(ids, ids) for ids in (rng.integers(3, 4096, size=64).tolist() for _ in range(8))]
+    steps = [{"group": 0, "replicas": [[[4 * s], [4 * s + 1]], [[4 * s + 2], [4 * s + 3]]]} for s in range(2)]
+    shards = write_packed(str(tmp_path / "packed"), samples, steps, world_size=2)
+    results = run_distributed(_states_worker, 2, shards, str(tmp_path / "run"), timeout=600)[0]
+    for (stage, fp32_accum), got in results.items():
+        params = got["params"]
+        assert params == got["shape_params"], "the shape counts the tied LM head once, as the model holds it"
+        job = JobSettings(zero_stage=stage, grad_accum_fp32=fp32_accum)
+        in_step = model_state_bytes(params, 2, job, in_step=True)
+        assert got["in_step"] == pytest.approx(in_step, rel=0.03), (stage, fp32_accum, got["in_step"] / params)
+        through_backward = model_state_bytes(params, 2, job)
+        if stage == 1:  # the whole bf16 gradients until the boundary's reduction: an upper bound after it
+            assert got["after_backward"] <= through_backward * 1.03
+        else:
+            assert got["after_backward"] == pytest.approx(through_backward, rel=0.03), (stage, fp32_accum)
+        if not fp32_accum:
+            # the fp32 partition (4 B/param over 2 ranks) appears in step(), where the bf16 one (2 B) goes
+            assert got["after_backward"] < in_step - 0.5 * params, (stage, got["after_backward"] / params)

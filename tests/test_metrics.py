@@ -239,3 +239,54 @@ def test_step_length_mix_shows_in_the_line():
     assert "mix tv" not in format_line(m)
     m.update({"mix/tv": 0.4321, "mix/le_16": 1.0})
     assert "| mix tv 0.43" in format_line(m)
+
+
+def test_comm_waits_are_timed_on_sampled_gpu_steps_only():
+    """Timing a collective's wait costs a device sync around it (ZeRO's overlap of reduction and backward is lost):
+    on a GPU only every comm_wait_every-th step is timed, the others run with nothing wrapped; a CPU, a single rank
+    and exclude_comm_wait=false never pay for it."""
+    from hbp_train.telemetry import comm_wait_mode
+
+    cfg = LoggingConfig(comm_wait_every=4)
+    assert [comm_wait_mode(cfg, s, on_gpu=True, world_size=8) for s in range(9)] == \
+        ["exclude", "skip", "skip", "skip", "exclude", "skip", "skip", "skip", "exclude"]
+    assert {comm_wait_mode(cfg, s, on_gpu=False, world_size=8) for s in range(9)} == {"exclude"}
+    assert {comm_wait_mode(cfg, s, on_gpu=True, world_size=1) for s in range(9)} == {"include"}
+    assert comm_wait_mode(LoggingConfig(exclude_comm_wait=False), 0, on_gpu=True, world_size=8) == "include"
+    assert LoggingConfig().comm_wait_every > 1  # the default does not serialise every step
+    with pytest.raises(UserError, match="logging.comm_wait_every"):
+        LoggingConfig(comm_wait_every=0)
+
+
+def test_comm_wait_timer_wraps_deepspeeds_collectives_only_when_enabled():
+    import deepspeed.comm as ds_comm
+
+    from hbp_train.telemetry import DS_COLLECTIVES, comm_wait_timer
+
+    originals = {name: getattr(ds_comm, name) for name in DS_COLLECTIVES if hasattr(ds_comm, name)}
+    with comm_wait_timer(False) as waited:
+        assert all(getattr(ds_comm, name) is fn for name, fn in originals.items())
+    with comm_wait_timer(True):
+        assert all(getattr(ds_comm, name) is not fn for name, fn in originals.items())
+    assert all(getattr(ds_comm, name) is fn for name, fn in originals.items()) and waited == [0.0]
+
+
+def test_a_step_whose_compute_times_were_not_taken_reports_balance_as_na(tmp_path):
+    """A GPU step between two timed ones gathers NaN compute times: balance/* and time/compute_s/rank<r> are null
+    (n/a in the line, left out of TensorBoard and the plot), never a made-up 0 or 1."""
+    from hbp_train.distributed.ulysses import SPStats
+
+    logger = MetricsLogger(LoggingConfig(tensorboard=True, progress_bar=False), str(tmp_path), 0, 2)
+    for step, compute in enumerate([(2.0, 1.0), (float("nan"), float("nan"))]):
+        rows = [dict(compute_time=c, loss_sum=1.0, loss_tokens=1, tokens=10, flops=1e9) for c in compute]
+        m = logger.step_metrics(step=step, total_steps=2, gathered=_gathered(rows), columns=STAT_COLUMNS, lr=1e-4,
+                                grad_norm=0.5, step_time=1.0, data_time=0.0, group=0, sp=1, num_micro_batches=1,
+                                plan_metrics={"ABR": 0.1}, skipped=False, num_skipped=0)
+        m.update(SPStats().step_metrics(list(compute), [10, 10], [0, 0]))
+        logger.log(m)
+    assert m["balance/imbalance"] is None and m["balance/live_BR"] is None and m["time/compute_s/rank0"] is None
+    assert "imb n/a (BR live n/a, plan ABR 0.100" in format_line(m)
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["balance/imbalance"] == pytest.approx(2.0 / 1.5) and records[1]["balance/imbalance"] is None
+    assert (tmp_path / "metrics.png").stat().st_size > 0

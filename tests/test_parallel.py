@@ -3,6 +3,8 @@ data-parallel layout (4 gloo processes)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,24 @@ def test_groups_on_four_processes():
         for sp_rank in range(sp):
             replicas = [ranks[sp][1] for _, ranks in results if ranks[sp][0] == sp_rank]
             assert sorted(replicas) == list(range(4 // sp))
+
+
+@pytest.mark.parametrize("local_rank, visible, device", [(3, 8, 3), (3, 1, 0), (5, 4, 1), (0, 1, 0)])
+def test_each_rank_binds_a_gpu_it_can_see(monkeypatch, local_rank, visible, device):
+    """NCCL: LOCAL_RANK modulo the visible GPUs (srun --gpus-per-task=1 shows each task one GPU while LOCAL_RANK
+    counts the tasks), and LOCAL_RANK set to that GPU for DeepSpeed's engine, which binds LOCAL_RANK itself."""
+    import deepspeed
+    import torch
+
+    from hbp_train.distributed import groups
+
+    bound = []
+    monkeypatch.setattr(groups.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: bound.append(kwargs["dist_backend"]))
+    for name, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                            LOCAL_RANK=str(local_rank)).items():
+        monkeypatch.setenv(name, value)
+    groups.init_distributed("nccl")
+    assert bound == [device, "nccl"] and os.environ["LOCAL_RANK"] == str(device)

@@ -34,12 +34,14 @@ def test_cli_dry_run_writes_a_profile_pack_reads(tmp_path, capsys):
     assert data["source"] == "analytic" and all(m["source"] == "analytic" for m in data["measurements"])
     assert "ANALYTIC" in out and "chosen groups" in out
     assert data["model"]["num_layers"] == 2 and data["job"]["zero_stage"] == 2
+    # "0.25" is a quarter of a GiB, as "80" is an 80GB card's 80 GiB (not 80e9 bytes)
+    assert data["hardware"]["device_memory_bytes"] == 2**28
     for key in ("hardware", "config", "profiler", "strategies", "warnings"):
         assert key in data
     specs = parse_groups("auto", str(path), 4)
     assert [(g.pack_len, g.sp, g.ckpt_layers) for g in specs] == \
         [(g["pack_len"], g["sp"], g["ckpt_layers"]) for g in data["groups"]]
-    # A quarter GB device: 64K packs need SP, so the round trip carries an sp > 1 group.
+    # A quarter GiB device: 64K packs need SP, so the round trip carries an sp > 1 group.
     assert any(g.sp > 1 for g in specs)
 
 

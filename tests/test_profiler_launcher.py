@@ -37,6 +37,20 @@ def test_one_torchrun_per_degree_command_line(tmp_path):
     assert launched_degrees([1, 2, 4, 8], devices=1, gpus_per_node=8) == []
 
 
+def test_the_parents_share_of_gpu_0_is_left_out_of_the_torchruns_readings(tmp_path, monkeypatch):
+    """GPU 0 also holds the parent profiler's CUDA context while a torchrun measures on it: the job tells the
+    workers what each device held beyond the idlest before it started (NVML), for them to leave out; nothing on
+    the CPU or without NVML."""
+    used = [3 * GB, GB, GB, GB // 2 + GB // 2]
+    monkeypatch.setattr(launcher_mod, "nvml_used_bytes", lambda index: used[index])
+    assert launcher_mod.device_excess_bytes(4, "cuda") == [2 * GB, 0, 0, 0]
+    assert launcher_mod.device_excess_bytes(4, "cpu") is None
+    job = SpLauncher([], cfg(device="cuda", output=str(tmp_path / "p.json")), [2], None, 8 * GB).job(2, [1024], 0.0, [])
+    assert job["device_excess_bytes"] == [2 * GB, 0]
+    monkeypatch.setattr(launcher_mod, "nvml_used_bytes", lambda index: None)
+    assert launcher_mod.device_excess_bytes(2, "cuda") is None
+
+
 def test_measuring_devices_follow_the_node_or_the_setting(monkeypatch):
     import torch
 

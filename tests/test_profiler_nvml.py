@@ -75,3 +75,21 @@ def test_cuda_index_is_mapped_to_the_nvml_device_by_uuid_or_pci_bus_id(monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     assert nvml.nvml_used_bytes(0) == 5 << 30
     assert nvml.nvml_used_bytes(1) == 9 << 30
+
+
+def test_a_mig_slice_is_found_by_its_mig_uuid(monkeypatch):
+    """torch prints a MIG slice's UUID bare, like a whole GPU's; NVML knows it only as "MIG-<uuid>"."""
+    import pynvml
+
+    slices = {"MIG-1234": SimpleNamespace(used=3 << 30)}
+
+    def by_uuid(uuid):
+        if uuid not in slices:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return slices[uuid]
+
+    monkeypatch.setitem(nvml._nvml, "state", True)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", by_uuid)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda handle: handle)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid="1234"))
+    assert nvml.nvml_used_bytes(0) == 3 << 30

@@ -260,6 +260,7 @@ def test_deepspeed_config_asks_for_torchs_fused_adamw_on_a_gpu_only(monkeypatch)
 
 def test_deepspeed_config_follows_the_run_config():
     from hbp_train.build import DeepSpeedConfig, deepspeed_config
+    from hbp_train.errors import UserError
     from hbp_train.trainer import TrainConfig
 
     train = TrainConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.3, grad_clip=0.5, betas=[0.9, 0.99], weight_decay=0.1)
@@ -279,6 +280,14 @@ def test_deepspeed_config_follows_the_run_config():
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
     assert zero["stage3_max_live_parameters"] == 7 and zero["reduce_bucket_size"] == ds.reduce_bucket_size  # merged
+    # bf16 gradients are summed over the micro-batches in fp32 at ZeRO-2/3 (auto), in bf16 at ZeRO-1 or when asked
+    assert config["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in deepspeed_config(ds, train, 100, 4, bf16=False)  # fp32 weights: fp32 anyway
+    for stage, accum in ((1, "auto"), (2, "bf16")):
+        assert "data_types" not in deepspeed_config(DeepSpeedConfig(zero_stage=stage, grad_accum_dtype=accum),
+                                                    train, 100, 4, bf16=True)
+    with pytest.raises(UserError, match="grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3"):
+        DeepSpeedConfig(zero_stage=1, grad_accum_dtype="fp32")
 
 
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
@@ -352,19 +361,20 @@ def test_gpu_memory_preflight_warns_per_group_before_the_engine(monkeypatch, cap
 
     from transformers import LlamaConfig
 
-    from hbp_train.build import _warn_if_groups_may_not_fit, ckpt_layers_for
+    from hbp_train.build import DeepSpeedConfig, _warn_if_groups_may_not_fit, ckpt_layers_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
-    cfg = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2, offload_optimizer=False),
-                          loss=SimpleNamespace(chunk_size=4096))
+    # 80 GiB, of which the CUDA context, NCCL's communicators and another process hold 3 GiB and torch 1 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (76 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 2**30)
+    cfg = SimpleNamespace(deepspeed=DeepSpeedConfig(zero_stage=2), loss=SimpleNamespace(chunk_size=4096))
     groups = [{"pack_len": 16384, "sp": 1}, {"pack_len": 131072, "sp": 8}]
     model = SimpleNamespace(config=LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
     _warn_if_groups_may_not_fit(cfg, groups, model, 32, [32, 0])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[train] warning: group 1 (131072 tokens, sp=8, 0 checkpointed")
+    assert "of the 77.0 GiB the GPU has for it" in out[0]  # free + torch's own, not the total
     all_32 = [ckpt_layers_for([32], g, None) for g in range(len(groups))]  # train.ckpt_layers=[32]: every group
     _warn_if_groups_may_not_fit(cfg, groups, model, 32, all_32)  # both fit
     assert capsys.readouterr().out == ""

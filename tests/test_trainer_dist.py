@@ -165,3 +165,54 @@ def test_normalizer_gradients_match_reference_two_ranks(tmp_path, tokenizer_dir)
     with torch.no_grad():
         logits = loaded(input_ids=torch.arange(3, 40)[None]).logits
     assert float((logits - z3_logits).abs().max()) < 1e-5
+
+
+# (ZeRO stage, deepspeed.grad_accum_dtype) of the bf16 runs: micro-batch gradients summed in bf16, then in fp32.
+ACCUM_CASES = [(2, "bf16"), (2, "auto"), (3, "bf16"), (3, "auto")]
+ACCUM_MICRO_BATCHES = 32  # per rank, in one step: hbp's steps of short packs have this many
+
+
+def _accum_worker(rank, world_size, shards, out):
+    """Per case: the gradient of plan step 0 (every pack, summed by DeepSpeed over the micro-batches) and the
+    gradients of the plan steps after it (one pack each, the same packs), at the same weights (lr ~ 0)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from hbp_train import build as builder
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    results = {}
+    for zero_stage, accum in ACCUM_CASES:
+        cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}{accum}",
+                           "logging=quiet", "model.config=" + json.dumps(TINY_LLAMA).replace('"', "").replace(" ", ""),
+                           "model.dtype=bf16", f"deepspeed.zero_stage={zero_stage}",
+                           f"deepspeed.grad_accum_dtype={accum}", "loss.normalizer=sum", "train.grad_clip=0",
+                           "train.lr=1e-30", "train.warmup_steps=0"])
+        run = builder.build(cfg)
+        grads = []
+        for step in range(run.data.num_steps):
+            trainer.forward_backward(run, run.data.step_batch(step, rank))
+            grads.append(torch.cat([safe_get_full_grad(p).double().flatten() for p in run.engine.module.parameters()]))
+            run.engine.step()
+        results[zero_stage, accum] = grads[0], torch.stack(grads[1:]).sum(0)
+        run.engine.destroy()
+        del run
+    return results if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_bf16_gradients_are_summed_in_fp32_over_many_micro_batches(tmp_path):
+    """2 ranks, bf16 weights, a step of 32 micro-batches per rank, then the same packs one per step: DeepSpeed's
+    sum over the micro-batches matches the float64 sum of the one-pack gradients (normalizer sum, unchanged
+    weights) far better when it sums in fp32 (the default at ZeRO-2/3) than in bf16, which rounds the running sum
+    at every micro-batch."""
+    num_packs = 2 * ACCUM_MICRO_BATCHES
+    samples = synthetic_samples(num_packs, VOCAB, seed=7, min_len=8, max_len=24)
+    whole = {"group": 0, "replicas": [[[i] for i in range(r, num_packs, 2)] for r in range(2)]}
+    singles = [{"group": 0, "replicas": [[[i]], [[i + 1]]]} for i in range(0, num_packs, 2)]
+    shards = write_packed(str(tmp_path / "packed"), samples, [whole, *singles], world_size=2)
+    results = run_distributed(_accum_worker, 2, shards, str(tmp_path / "runs"))[0]
+    error = {case: float((summed - exact).norm() / exact.norm()) for case, (summed, exact) in results.items()}
+    for stage in (2, 3):
+        assert error[stage, "auto"] < 1e-3 < error[stage, "bf16"], error

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hbp_train.attention import cu_seqlens_from_position_ids
-from hbp_train.distributed.ulysses import check_sp_heads, split_for_sp
+from hbp_train.distributed.ulysses import check_sp_heads, padded_cu_seqlens, split_for_sp
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 from tests.distributed import run_distributed
@@ -71,6 +71,8 @@ def test_split_for_sp_pads_only_to_a_multiple_and_reassembles(sp):
         cu, _ = cu_seqlens_from_position_ids(whole["position_ids"])
         expected = pack["cu_seqlens"].tolist() + ([num_tokens + pad] if pad else [])
         assert cu.tolist() == expected
+        # what SequenceParallel.split hands every layer instead of searching the gathered position_ids
+        assert padded_cu_seqlens(pack["cu_seqlens"], pad).tolist() == expected
         # whole-pack fields are untouched
         assert torch.equal(slices[-1]["cu_seqlens"], pack["cu_seqlens"])
 
@@ -271,9 +273,16 @@ def _trainer_worker(rank, world_size, shards, out, cases, loop_overrides):
     from hbp_train.heldout import evaluate
     from tests.assets.packed_fixture import TINY_LLAMA
 
+    from hbp_train import attention
+
     init_distributed()
     model_cfg = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
     results = {}
+    # Boundaries found from position_ids (a nonzero() and an .item() each, host syncs on a GPU): the trainer hands
+    # every layer the pack's cu_seqlens instead, in forward and in recompute, at sp=1 and under Ulysses.
+    searched = []
+    find_boundaries = attention.cu_seqlens_from_position_ids
+    attention.cu_seqlens_from_position_ids = lambda *a: searched.append(1) or find_boundaries(*a)
     for zero_stage, normalizer in cases:
         cfg = config.load([
             "experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}_{normalizer}",
@@ -294,6 +303,8 @@ def _trainer_worker(rank, world_size, shards, out, cases, loop_overrides):
             run.engine.step()
         results[(zero_stage, normalizer)] = per_step
         del run
+    results["boundary_searches"] = len(searched)
+    attention.cu_seqlens_from_position_ids = find_boundaries
     cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/loop", "logging=quiet",
                        *loop_overrides])
     trainer.train(cfg)
@@ -346,6 +357,7 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
                           groups={1: {"sp": 2, "ckpt_layers": 1}})
     results = run_distributed(_trainer_worker, 2, shards, str(tmp_path / "runs"), TRAINER_CASES,
                               [f"data.eval_shards={shards}", "train.eval_every=3"])[0]
+    assert results.pop("boundary_searches") == 0  # no layer (forward, recompute, held-out) searched position_ids
     _check_against_single_process(results, samples, lambda k, normalizer: SP_TRAINER_STEPS[k])
 
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
@@ -380,6 +392,7 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
     steps = [{**step, "optimizer_step": k} for step, k in zip(SP_TRAINER_STEPS, MIXED_OPTIMIZER_STEP)]
     shards = write_packed(str(tmp_path / "packed"), samples, steps, world_size=2, groups={1: {"sp": 2}})
     results = run_distributed(_trainer_worker, 2, shards, str(tmp_path / "runs"), MIXED_CASES, [])[0]
+    assert results.pop("boundary_searches") == 0  # the degree switches mid-step: each micro-batch its boundaries
 
     def reference_step(k, normalizer):
         """The optimizer step's samples as reference_normalized_loss takes them."""

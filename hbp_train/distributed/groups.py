@@ -55,8 +55,18 @@ def init_distributed(backend: str | None = None) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if backend == "nccl":  # before the process group exists, so NCCL binds this rank's GPU, not GPU 0
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = local_cuda_device()
+        torch.cuda.set_device(device)
+        # DeepSpeed's engine calls set_device(LOCAL_RANK) itself: give it the same, visible, GPU.
+        os.environ["LOCAL_RANK"] = str(device)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def local_cuda_device() -> int:
+    """This rank's GPU among those it can see: LOCAL_RANK modulo their number. torchrun shows every process of a
+    node all its GPUs (LOCAL_RANK picks one); launchers that show each task only its own GPU (``srun
+    --gpus-per-task=1``, a CUDA_VISIBLE_DEVICES per task) number it 0 while LOCAL_RANK still counts the tasks."""
+    return int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
 
 
 def _free_port() -> int:

@@ -102,7 +102,8 @@ class SPStats:
         """Metrics of one step from every rank's gathered values ([W] each): compute time, tokens, SP tokens.
 
         sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the run started (resumes continue it);
-        time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance).
+        time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance); None on
+        a step whose times were not taken (NaN: telemetry.comm_wait_mode "skip").
         """
         step_tokens, step_sp_tokens = float(sum(tokens)), float(sum(sp_tokens))
         self.total[0] += step_tokens
@@ -112,7 +113,7 @@ class SPStats:
             "sp/cr": self.total[1] / self.total[0] if self.total[0] else 0.0,
         }
         for rank, seconds in enumerate(compute_times):
-            metrics[f"time/compute_s/rank{rank}"] = float(seconds)
+            metrics[f"time/compute_s/rank{rank}"] = float(seconds) if seconds == seconds else None
         return metrics
 
 
@@ -134,6 +135,9 @@ class SequenceParallel:
         self._pending_tokens = 0
         self._installed = False
         self._v_head_dim = None  # this call's v head dim when it is padded to the q/k head dim (MLA), else None
+        # The whole (padded) pack's boundaries of the micro-batch `split` last cut: (cu_seqlens on the host,
+        # max_seqlen, the same cu_seqlens on the attention's device once the first layer needed it).
+        self._pack_bounds = None
         if model is None or max(pstate.sp_degrees) == 1:
             return
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -182,8 +186,18 @@ class SequenceParallel:
         self.active_sp = sp
 
     def split(self, batch: dict) -> dict:
-        """This rank's slice of a collated pack at the active degree (see `split_for_sp`)."""
-        return split_for_sp(batch, self.active_sp, self.pstate.sp_rank(self.active_sp))
+        """This rank's slice of a collated pack at the active degree (see `split_for_sp`).
+
+        Also remembers the whole padded pack's sample boundaries for the core attention: every layer of the
+        micro-batch's forward, and each layer recomputed in its backward, then uses them as they are, instead of
+        finding them in the position_ids DeepSpeed gathers anew per layer (a nonzero() and an .item() per layer:
+        two host syncs each). Call it once per micro-batch, before its forward."""
+        local = split_for_sp(batch, self.active_sp, self.pstate.sp_rank(self.active_sp))
+        self._pack_bounds = None
+        if self.active_sp > 1 and "cu_seqlens" in batch:
+            self._pack_bounds = [padded_cu_seqlens(batch["cu_seqlens"], local["num_pad_tokens"]),
+                                 int(batch["max_seqlen"]), None]
+        return local
 
     def begin_micro_batch(self, num_tokens: int) -> None:
         """Announce this rank's real (non-padding) tokens of the next forward. With the dispatcher installed, it
@@ -217,7 +231,13 @@ class SequenceParallel:
 
     def _core_attention(self, module, query, key, value, attention_mask, **kwargs):
         """The packed attention DeepSpeed's wrapper calls on the whole pack; strips v's padding (MLA) first and
-        pads the output back to the head size the wrapper's all-to-all expects."""
+        pads the output back to the head size the wrapper's all-to-all expects. The pack's boundaries come from
+        `split` when it cut this micro-batch (copied to the device once), else from the gathered position_ids."""
+        if self._pack_bounds is not None:
+            bounds = self._pack_bounds
+            if bounds[2] is None or bounds[2].device != query.device:
+                bounds[2] = bounds[0].to(query.device, non_blocking=True)
+            kwargs.update(cu_seq_lens_q=bounds[2], max_length_q=bounds[1])
         if self._v_head_dim is None:
             return hf_packed_attention(module, query, key, value, attention_mask, **kwargs)
         head_dim = value.shape[-1]
@@ -254,6 +274,15 @@ def setup_sequence_parallel(model, pstate) -> SequenceParallel:
 
 
 # ------------------------------------------------------------------------------------------------ collate
+def padded_cu_seqlens(cu_seqlens: torch.Tensor, num_pad: int) -> torch.Tensor:
+    """The boundaries of a pack after `split_for_sp` padded it: its samples, then the padding tokens as one
+    sample of their own (int32, on the host)."""
+    cu_seqlens = cu_seqlens.to("cpu", torch.int32)
+    if not num_pad:
+        return cu_seqlens
+    return torch.cat([cu_seqlens, cu_seqlens[-1:] + num_pad])
+
+
 def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
     """This SP rank's slice of one collated pack.
 

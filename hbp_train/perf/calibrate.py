@@ -8,7 +8,8 @@ Calibrate (default): one decoder layer built with transformers from the shape's 
 random weights, bf16). Attention: packs of ``--tokens`` tokens made of documents of one length each, packed
 varlen causal attention from hbp_train.attention (best backend available), timed forward and forward+backward.
 Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the attention core
-replaced by a cheap elementwise stand-in. Times are medians over ``--iters`` after ``--warmup`` and are written
+replaced by a cheap elementwise stand-in. LM head: the trainer's chunked LM-head loss fwd+bwd over the shape's
+vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and are written
 per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus "model_shape").
 
 Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
@@ -114,7 +115,7 @@ def llama_config(shape: ModelShape, attn_implementation: str = "sdpa"):
                       num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
                       head_dim=shape.head_dim, intermediate_size=shape.ffn, vocab_size=shape.vocab,
                       max_position_embeddings=max(131072, TABLE_TOKENS), rope_theta=500000.0,
-                      attention_dropout=0.0, use_cache=False)
+                      attention_dropout=0.0, use_cache=False, tie_word_embeddings=shape.tie_word_embeddings)
     cfg._attn_implementation = attn_implementation
     return cfg
 
@@ -198,6 +199,9 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
 
     linear = round(timed(layer_step, args.iters, args.warmup) * TABLE_TOKENS / args.tokens, 3)
     print(f"linear part (layer without attention core): {linear:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
+    del layer, hidden, pos_emb
+    head = round(time_head(shape, args, device, dtype, timed, gen) * TABLE_TOKENS / args.tokens, 3)
+    print(f"LM head + chunked loss: {head:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
     import torch as _t
 
     gpu = _t.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, not a calibration)"
@@ -212,9 +216,28 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
         "model_shape": {k: getattr(shape, k) for k in ("name", "hidden", "num_layers", "num_heads",
                                                         "num_kv_heads", "ffn", "vocab", "head_dim")},
         "linear_fwdbwd_ms_per_32768_tokens": linear,
+        "head_fwdbwd_ms_per_32768_tokens": head,
+        "head_loss_chunk": VALIDATE_LOSS_CHUNK,
         "attention_fwdbwd_ms_32768_tokens_by_doc_len": fwdbwd,
         "attention_fwd_ms_32768_tokens_by_doc_len": fwd,
     }
+
+
+def calibrate_or_explain(shape: ModelShape, args, device, dtype) -> dict:
+    """``calibrate``; running out of memory is one line naming the flag to lower (the free memory is in it)."""
+    import torch
+
+    from hbp_train.telemetry import is_oom
+
+    try:
+        return calibrate(shape, args, device, dtype)
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        if not is_oom(exc):
+            raise
+    free = free_gpu_bytes()
+    raise UserError(f"out of memory timing packs of --tokens {args.tokens} (the GPU has "
+                    f"{'?' if free is None else f'{free / 2**30:.1f} GiB'} free): rerun with --tokens "
+                    f"{max(args.tokens // 2, 1)} (results are written per {TABLE_TOKENS} tokens either way)")
 
 
 VALIDATE_LOSS_CHUNK = 4096  # loss.chunk_size's default: the trainer's LM-head chunk
@@ -222,9 +245,10 @@ MEMORY_HEADROOM = 0.85  # share of the GPU the validation step may plan to use (
 
 
 def validate_tokens(shape: ModelShape, memory_bytes: int | None) -> int:
-    """The largest pack of 32768, 16384, ... (at least 1024) tokens whose validation step fits ``memory_bytes``:
-    bf16 parameters and gradients, every layer's activations (no checkpointing: the cost model times a plain
-    step) and one chunk of the chunked loss (perf/memory.py's accounting). 32768 without a memory size."""
+    """The largest pack of 32768, 16384, ... (at least 1024) tokens whose validation step fits ``memory_bytes``
+    (the GPU's free memory, ``free_gpu_bytes``): bf16 parameters and gradients, every layer's activations (no
+    checkpointing: the cost model times a plain step) and one chunk of the chunked loss (perf/memory.py's
+    accounting). 32768 without a memory size."""
     from hbp_train.perf.memory import activation_bytes_per_token_layer
 
     tokens = TABLE_TOKENS
@@ -235,6 +259,53 @@ def validate_tokens(shape: ModelShape, memory_bytes: int | None) -> int:
     while tokens > 1024 and fixed + tokens * per_token > MEMORY_HEADROOM * memory_bytes:
         tokens //= 2
     return tokens
+
+
+def time_head(shape: ModelShape, args, device, dtype, timed, gen) -> float:
+    """Milliseconds of the LM head with the trainer's chunked loss (hbp_train/loss.py), fwd+bwd, for --tokens
+    tokens: four vocab x hidden matmuls plus fp32 passes over every chunk's logits, which the layer's FLOP rate
+    does not predict (the cost model's head term)."""
+    import torch
+
+    from hbp_train.loss import chunked_token_losses
+
+    hidden = torch.randn(args.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, shape.vocab, (args.tokens,), generator=gen).to(device)
+
+    def head_step():
+        loss = chunked_token_losses(hidden, weight, labels, VALIDATE_LOSS_CHUNK).sum()
+        torch.autograd.grad(loss, (hidden, weight))
+
+    return timed(head_step, args.iters, args.warmup)
+def free_gpu_bytes() -> int | None:
+    """Free memory of the current GPU now (what other processes, this one and the CUDA context leave), or None
+    without a GPU. The total would overstate it on a shared or busy GPU."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def validate_fitting(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
+    """``validate``, halving ``args.tokens`` (down to 1024) each time a pack runs out of memory: the size
+    estimate is a model, and a GPU's free memory can shrink while it runs. Other errors propagate."""
+    import gc
+
+    import torch
+
+    from hbp_train.telemetry import is_oom
+
+    while True:
+        try:
+            return validate(shape, model, args, device, dtype)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            if not is_oom(exc) or args.tokens // 2 < max(1024, args.max_samples):
+                raise
+        gc.collect()  # out of the except block: the traceback's frames (and their tensors) are gone
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        args.tokens //= 2
+        print(f"out of memory: validating with packs of {args.tokens} tokens", flush=True)
 
 
 def random_pack(rng: np.random.Generator, tokens: int, num_samples: int) -> list[int]:
@@ -305,9 +376,7 @@ def main(argv=None) -> int:
     try:
         shape = parse_model_shape(args.model_shape)
         if args.tokens is None:
-            memory = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-                      if args.validate and torch.cuda.is_available() else None)
-            args.tokens = validate_tokens(shape, memory) if args.validate else TABLE_TOKENS
+            args.tokens = validate_tokens(shape, free_gpu_bytes()) if args.validate else TABLE_TOKENS
         if args.validate and args.max_samples > args.tokens:
             raise UserError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:
@@ -324,14 +393,14 @@ def main(argv=None) -> int:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.validate:
             model = CostModel.from_calibration(args.calibration, shape)
-            report = validate(shape, model, args, device, dtype)
+            report = validate_fitting(shape, model, args, device, dtype)
             print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
                   f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
             if report_path:
                 write_output("--validate-out", report_path, lambda p: p.write_text(json.dumps(report, indent=1)))
                 print(f"wrote {report_path}")
         else:
-            result = calibrate(shape, args, device, dtype)
+            result = calibrate_or_explain(shape, args, device, dtype)
             write_output("--out", out_path, lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"wrote {out_path}")
     except UserError as exc:

@@ -11,7 +11,10 @@ The model, per pack of samples with lengths l_i (T = Σ l_i tokens) run by an SP
 
 where A(l) comes from the calibration table (ms for 32768 tokens made of documents of length l, interpolated in
 log-log: one document of length l costs t(l)·l/32768), C_fb is the linear fwd+bwd time per token, H_fb the LM
-head (2·hidden·vocab FLOPs per token forward, scaled from C_fb by FLOPs), and the four all-to-alls per layer
+head and its chunked loss per token: measured by the calibration (``head_fwdbwd_ms_per_32768_tokens``: the
+trainer's chunked loss, fwd+bwd; scaled by hidden·vocab to another shape), else its four vocab x hidden matmuls
+(forward, and in backward the recomputed logits and both gradients) at the linear part's FLOP rate, which leaves
+out the loss's fp32 passes over the logits; and the four all-to-alls per layer
 forward move q, k, v (before attention) and the attention output (after), four more in backward, four more for
 each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap; the optimizer
 step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_train.planning.simulator adds them).
@@ -45,13 +48,16 @@ DEFAULT_INTRA_NODE_GBPS = 200.0
 DEFAULT_INTER_NODE_GBPS = 40.0
 # FlashAttention-style backward does 5 matmuls to the forward's 2: fwd+bwd = 3.5 x fwd.
 ATTN_FWDBWD_OVER_FWD = 3.5
+# The chunked LM-head loss (hbp_train/loss.py) runs the logits matmul in forward and again in backward, then the
+# hidden and the weight gradients: 4 x the forward's vocab x hidden FLOPs (a plain layer's fwd+bwd is 3x).
+HEAD_MATMULS = 4
 
 
 class CostModel:
     """Pack-time predictor. Build it with ``from_calibration`` or ``analytic``; times are in seconds."""
 
     def __init__(self, shape: ModelShape, table_lens, attn_fb_ms, attn_f_ms, linear_fb_ms_per_table: float,
-                 source: str, note: str = "", dtype_bytes: int = 2):
+                 source: str, note: str = "", dtype_bytes: int = 2, head_fb_ms_per_table: float | None = None):
         lens = np.asarray(table_lens, dtype=np.float64)
         order = np.argsort(lens)
         self.shape = shape
@@ -63,9 +69,11 @@ class CostModel:
         self._log_attn_f = np.log(np.asarray(attn_f_ms, dtype=np.float64)[order])
         # Per token, per layer, in seconds.
         self.linear_fb_per_token = linear_fb_ms_per_table / 1e3 / TABLE_TOKENS
-        # LM head: same matmul efficiency as the layer's linear part, scaled by FLOPs.
-        self.head_fb_per_token = (self.linear_fb_per_token * head_fwd_flops_per_token(shape)
-                                  / linear_fwd_flops_per_token(shape))
+        if head_fb_ms_per_table is not None:  # the calibration timed the trainer's chunked loss
+            self.head_fb_per_token = head_fb_ms_per_table / 1e3 / TABLE_TOKENS
+        else:  # its HEAD_MATMULS matmuls at the linear part's FLOP rate (which does TRAIN_OVER_FORWARD per forward)
+            self.head_fb_per_token = (self.linear_fb_per_token * HEAD_MATMULS / TRAIN_OVER_FORWARD
+                                      * head_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(shape))
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -106,10 +114,17 @@ class CostModel:
             linear = float("nan")
         if not linear > 0:  # also NaN and non-numbers
             raise UserError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
+        head = data.get("head_fwdbwd_ms_per_32768_tokens")
+        if head is not None and not (isinstance(head, (int, float)) and head > 0):
+            raise UserError(f"calibration {path}: head_fwdbwd_ms_per_32768_tokens must be > 0 (or absent)")
         source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
+        if head is None:
+            note += ", LM head from FLOPs"
         shape = measured_shape
         if model_shape is not None:
             shape = parse_model_shape(model_shape)
+            if head is not None:  # matmuls over vocab x hidden and fp32 passes over the vocab: both ~ hidden·vocab
+                head = head * head_fwd_flops_per_token(shape) / head_fwd_flops_per_token(measured_shape)
             # Same layer, other depth or vocab: the per-layer numbers are still measured.
             if not _same_layer(shape, measured_shape):
                 attn_scale = shape.attn_width / measured_shape.attn_width
@@ -117,15 +132,15 @@ class CostModel:
                 linear = linear * linear_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(measured_shape)
                 source = "scaled"
                 note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
-        return cls(shape, lens, fb, f, linear, source, note)
+        return cls(shape, lens, fb, f, linear, source, note, head_fb_ms_per_table=head)
 
     @classmethod
     def analytic(cls, model_shape, peak_tflops: float = 989.0, efficiency: float = 0.5) -> "CostModel":
         """FLOPs at ``efficiency`` of ``peak_tflops`` (H100 SXM dense bf16: 989), no measurement ("analytic").
 
         Causal attention of a document of length l: forward 2·l²·heads·head_dim FLOPs, backward 2.5x that.
-        Linear part: 3x the forward FLOPs (backward computes input and weight gradients).
-        """
+        Linear part: 3x the forward FLOPs (backward computes input and weight gradients); LM head 4x (its loss
+        recomputes the logits in backward)."""
         if peak_tflops <= 0:
             raise UserError(f"peak_tflops must be > 0, got {peak_tflops}")
         if not 0 < efficiency <= 1:

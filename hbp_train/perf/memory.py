@@ -25,15 +25,40 @@ class JobSettings:
     """deepspeed.offload_optimizer: optimizer states live on the CPU (not counted on the GPU)."""
     loss_chunk_tokens: int = 4096
     """loss.chunk_size: tokens per chunk of the chunked LM-head loss."""
+    grad_accum_fp32: bool = True
+    """DeepSpeed sums gradients in fp32 across micro-batches (deepspeed.grad_accum_dtype, fp32 by default at
+    ZeRO-2/3): 4 B per gradient element instead of bf16's 2 B, held from a step's first backward to its
+    optimizer step."""
+
+    @classmethod
+    def of_run(cls, cfg) -> "JobSettings":
+        """The settings of a composed run config (its ``deepspeed`` and ``loss`` sections)."""
+        return cls(zero_stage=cfg.deepspeed.zero_stage, offload_optimizer=cfg.deepspeed.offload_optimizer,
+                   loss_chunk_tokens=cfg.loss.chunk_size, grad_accum_fp32=cfg.deepspeed.grad_accum_fp32())
 
 
-def model_state_bytes(params: int, world_size: int, job: JobSettings) -> int:
-    """Per-GPU bytes of model states in bf16 mixed precision under ZeRO (the ZeRO paper's accounting):
-    bf16 params 2 B (sharded at stage 3), bf16 grads 2 B (stage >= 2), and fp32 master weights, Adam m and v and
-    DeepSpeed's fp32 gradient partition 16 B (stage >= 1; none on the GPU with optimizer offload)."""
+def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
+    """Per-GPU bytes of model states in bf16 mixed precision under ZeRO over ``world_size`` ranks, as DeepSpeed
+    0.19 allocates them (measured on the CPU in tests/test_memory.py).
+
+    Through forward and backward: bf16 params 2 B (sharded at stage 3); gradients 2 B in bf16 or 4 B with fp32
+    accumulation (sharded at stage >= 2; at stage 1 DeepSpeed keeps them whole); fp32 master weights and Adam m
+    and v 12 B (sharded at stage >= 1). ``in_step`` (inside ``step()``, the activations gone): the optimizer
+    needs this rank's gradient partition in fp32 (4 B). With fp32 accumulation at stage 1/2 that is the
+    accumulated gradient itself; with bf16 accumulation step() converts the bf16 partition to a new fp32 one and
+    frees the bf16 gradients; stage 3 copies its gradient partition (kept) into a new fp32 one either way.
+    Optimizer offload keeps the optimizer state and the fp32 gradients on the CPU."""
     w, stage = world_size, job.zero_stage
-    optimizer = 0 if job.offload_optimizer else 16 * params / (w if stage >= 1 else 1)
-    return int(2 * params / (w if stage >= 3 else 1) + 2 * params / (w if stage >= 2 else 1) + optimizer)
+    shard = {k: (w if stage >= k else 1) for k in (1, 2, 3)}
+    weights = 2 * params / shard[3]
+    grads = (4 if job.grad_accum_fp32 else 2) * params / shard[2]
+    if job.offload_optimizer:
+        return int(weights + grads)
+    optimizer = 12 * params / shard[1]
+    if not in_step:
+        return int(weights + grads + optimizer)
+    fp32_grads = grads + 4 * params / shard[1] if stage == 3 else grads if job.grad_accum_fp32 else 4 * params / shard[1]
+    return int(weights + optimizer + fp32_grads)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) -> int:
@@ -51,10 +76,12 @@ def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) ->
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,
                           job: JobSettings) -> int:
-    """Modelled peak memory of one rank: model states + kept activations + one recomputed layer + loss chunk.
+    """Modelled peak memory of one rank: the larger of forward/backward (model states + kept activations + one
+    recomputed layer + loss chunk) and the optimizer step (model states in ``step()``, no activations).
 
     A checkpointed layer keeps only its bf16 input (2h bytes per token); in backward one checkpointed layer at a
-    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy).
+    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy),
+    and when the tokens span several chunks it sums the LM-head weight gradient in an fp32 vocab x hidden buffer.
     """
     tokens = -(-pack_len // sp)
     full = activation_bytes_per_token_layer(shape)
@@ -64,17 +91,21 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     recompute = tokens * full if ckpt_layers > 0 else 0
     embed_and_final = tokens * 2 * shape.hidden * 3  # embedding output, final norm in/out
     chunk = min(job.loss_chunk_tokens, tokens)
-    loss = chunk * shape.vocab * (4 + 4 + 2)
+    loss = chunk * shape.vocab * (4 + 4 + 2) + (4 * shape.vocab * shape.hidden if tokens > chunk else 0)
     states = model_state_bytes(shape.num_params, world_size, job)
-    return int(states + acts + recompute + embed_and_final + loss)
+    in_step = model_state_bytes(shape.num_params, world_size, job, in_step=True)
+    return int(max(states + acts + recompute + embed_and_final + loss, in_step))
 
 
 def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,
                      device_bytes: int, headroom: float = 0.05) -> list[str]:
-    """Warnings for the packing groups that the memory model predicts will not fit one GPU of ``device_bytes``.
+    """Warnings for the packing groups that the memory model predicts will not fit in ``device_bytes``: what the
+    run can use of its GPU (the trainer passes the free memory once the process groups' NCCL communicators exist,
+    plus what torch already holds: the CUDA context, the communicators' buffers and other processes are left out
+    by measurement; ``headroom`` is for the allocator's fragmentation).
 
-    The trainer runs this before it builds anything on a GPU (a 128K group that cannot fit should not cost the
-    minutes of loading a large model first); it is advice from analytic_memory_bytes, not a measurement."""
+    The trainer runs this before it builds the engine (a 128K group that cannot fit should not cost the minutes
+    of initialising a large model first); it is advice from analytic_memory_bytes, not a measurement."""
     warnings = []
     for g, group in enumerate(groups):
         pack_len, sp, ckpt = int(group["pack_len"]), int(group.get("sp", 1)), int(group.get("ckpt_layers") or 0)
@@ -82,6 +113,6 @@ def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job
         if need > (1.0 - headroom) * device_bytes:
             warnings.append(
                 f"group {g} ({pack_len} tokens, sp={sp}, {ckpt} checkpointed layers) is predicted to need "
-                f"{need / 2**30:.1f} GiB of the GPU's {device_bytes / 2**30:.1f} GiB: raise its ckpt_layers "
-                f"(train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
+                f"{need / 2**30:.1f} GiB of the {device_bytes / 2**30:.1f} GiB the GPU has for it: raise its "
+                f"ckpt_layers (train.ckpt_layers) or sp, or let python -m hbp_train.profiler choose")
     return warnings

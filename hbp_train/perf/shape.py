@@ -57,6 +57,10 @@ class ModelShape:
     """MoE: total intermediate size of the shared expert(s) every token goes through; 0 = none."""
     dense_layers: int = 0
     """MoE: layers whose MLP is dense (width ffn) instead of MoE (e.g. DeepSeek's first_k_dense_replace)."""
+    tie_word_embeddings: bool = False
+    """The LM head is the input embedding matrix (HF ``tie_word_embeddings``, e.g. Llama-3.2-1B/3B, Qwen2.5 up to
+    3B): one vocab x hidden matrix of parameters, gradients and optimizer state instead of two. The LM head's
+    FLOPs are the same either way."""
 
     def __post_init__(self):
         for field_name in ("hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab"):
@@ -131,10 +135,11 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        """Parameters of the decoder (untied embeddings and LM head: the upper bound; two norms per layer; every
-        expert). Used by the memory model and the simulator's ZeRO collectives and optimizer step."""
-        return self.linear_params(active=False) + 2 * self.hidden * self.num_layers + 2 * self.vocab * self.hidden \
-            + self.hidden
+        """Parameters of the model: decoder layers (every expert), two norms per layer, the final norm, the
+        embedding and, unless tied to it, the LM head. Used by the memory model and the simulator's ZeRO
+        collectives and optimizer step."""
+        embeddings = (1 if self.tie_word_embeddings else 2) * self.vocab * self.hidden
+        return self.linear_params(active=False) + 2 * self.hidden * self.num_layers + embeddings + self.hidden
 
     @property
     def active_params(self) -> int:
@@ -152,8 +157,8 @@ class ModelShape:
 
 MODEL_SHAPES = {
     "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
-    "llama3.2-1b": ModelShape("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64),
-    "llama3.2-3b": ModelShape("llama3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128),
+    "llama3.2-1b": ModelShape("llama3.2-1b", 2048, 16, 32, 8, 8192, 128256, 64, tie_word_embeddings=True),
+    "llama3.2-3b": ModelShape("llama3.2-3b", 3072, 28, 24, 8, 8192, 128256, 128, tie_word_embeddings=True),
     "llama3.1-70b": ModelShape("llama3.1-70b", 8192, 80, 64, 8, 28672, 128256),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064),
 }
@@ -163,7 +168,7 @@ HF_KEYS = {"hidden_size": "hidden", "num_hidden_layers": "num_layers", "num_atte
            "num_key_value_heads": "num_kv_heads", "intermediate_size": "ffn", "vocab_size": "vocab"}
 _FIELDS = ("name", "hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab", "head_dim", "v_head_dim",
            "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "num_experts", "experts_per_token", "moe_ffn",
-           "shared_ffn", "dense_layers")
+           "shared_ffn", "dense_layers", "tie_word_embeddings")
 # HF config fields of MoE and MLA models that `_moe_and_mla_fields` translates.
 HF_MOE_MLA_KEYS = ("v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank", "kv_lora_rank",
                    "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok",
@@ -202,7 +207,8 @@ def parse_model_shape(spec) -> ModelShape:
         return spec
     if not isinstance(spec, (str, dict)) and hasattr(spec, "num_hidden_layers"):  # a transformers config object
         # Attributes, not to_dict(): the trainer reads the shape per micro-batch and to_dict deep-copies.
-        spec = {k: getattr(spec, k) for k in (*HF_KEYS, "head_dim", *HF_MOE_MLA_KEYS) if hasattr(spec, k)}
+        spec = {k: getattr(spec, k) for k in (*HF_KEYS, "head_dim", "tie_word_embeddings", *HF_MOE_MLA_KEYS)
+                if hasattr(spec, k)}
     if isinstance(spec, str):
         if spec in MODEL_SHAPES:
             return MODEL_SHAPES[spec]
@@ -223,7 +229,8 @@ def parse_model_shape(spec) -> ModelShape:
     if missing:
         raise UserError(f"model shape: missing field(s) {', '.join(sorted(missing))}")
     try:
-        values = {k: (str(v) if k == "name" else int(v)) for k, v in fields.items() if k in _FIELDS}
+        values = {k: (str(v) if k == "name" else bool(v) if k == "tie_word_embeddings" else int(v))
+                  for k, v in fields.items() if k in _FIELDS}
     except (TypeError, ValueError) as exc:
         raise UserError(f"model shape: {exc}") from None
     return ModelShape(**values)

@@ -208,7 +208,7 @@ class AnalyticBackend:
     def __init__(self, shape: ModelShape, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings):
         self.shape, self.cfg, self.cost_model, self.job = shape, cfg, cost_model, job
         self.num_layers = shape.num_layers
-        self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+        self.device_memory_bytes = int(cfg.device_memory_gb * 2**30)
         self.num_gpus = cfg.world_size  # nothing is measured, so nothing is "estimated" beyond being analytic
         self.pool = load_doc_lengths(cfg.docs)
 
@@ -263,6 +263,9 @@ class GpuBackend:
             self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
         self._on_device = True
         self.sequence_parallel = None  # this rank's SequenceParallel inside a measuring torchrun
+        # NVML used memory on this device that is another process's (the parent profiler's, in a measuring
+        # torchrun: launcher.device_excess_bytes), left out of this process's readings.
+        self.nvml_offset_bytes = 0
         self.measured_sp = 1  # the SP degree this process runs for real (with its peers); others are estimated
         self.model.train()
         self.num_layers = len(decoder_layers(self.model))
@@ -272,7 +275,7 @@ class GpuBackend:
         if self.on_gpu:
             self.device_memory_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
         else:  # CPU: only for exercising this code path in tests; memory is not measured there
-            self.device_memory_bytes = int(cfg.device_memory_gb * 1e9)
+            self.device_memory_bytes = int(cfg.device_memory_gb * 2**30)
         self.num_gpus = 1
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.pool = load_doc_lengths(cfg.docs)
@@ -366,11 +369,11 @@ class GpuBackend:
         labels = torch.roll(input_ids, -1, dims=1)
         ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
         labels[0, ends] = IGNORE_INDEX
-        if sp > 1:  # this rank's slice, exactly as the trainer's collate step cuts it
-            from hbp_train.distributed.ulysses import split_for_sp
-
-            local = split_for_sp({"input_ids": input_ids, "position_ids": position_ids, "shift_labels": labels},
-                                 sp, self.sequence_parallel.pstate.sp_rank(sp))
+        if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
+            cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
+            local = self.sequence_parallel.split({"input_ids": input_ids, "position_ids": position_ids,
+                                                  "shift_labels": labels, "cu_seqlens": cu_seqlens,
+                                                  "max_seqlen": max(docs)})
             input_ids, position_ids, labels = local["input_ids"], local["position_ids"], local["shift_labels"]
         set_checkpointed_layers(self.model, ckpt)
         weight = self.model.get_output_embeddings().weight
@@ -408,8 +411,10 @@ class GpuBackend:
         if oom:
             result = (None, None, None)
         elif self.on_gpu:
+            used = nvml_used_bytes(self.device.index or 0)
             result = (float(np.median([t.seconds() for t in times])),
-                      int(torch.cuda.max_memory_allocated(self.device)), nvml_used_bytes(self.device.index or 0))
+                      int(torch.cuda.max_memory_allocated(self.device)),
+                      None if used is None else used - self.nvml_offset_bytes)
         else:  # the model's params and grads as a GPU would hold them, plus what autograd saved
             held = sum(2 * p.numel() * p.element_size() for p in self.model.parameters())
             result = (float(np.median([t.seconds() for t in times])), held + saved.bytes, None)

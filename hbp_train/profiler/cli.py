@@ -52,7 +52,7 @@ profile.* options (defaults in brackets):
   seed [0]                  seed for document lengths and token ids
   dry_run [false]           no GPU: analytic estimate (cost model + memory model), labelled "analytic"
   calibration ['']          cost-model calibration JSON (default: the shipped H100 one, scaled to the model)
-  device_memory_gb [80]     device memory assumed by dry_run and device=cpu
+  device_memory_gb [80]     device memory assumed by dry_run and device=cpu: the card's size (80GB H100: 80), GiB
   device [cuda]             cuda, or cpu (the real model on the CPU, gloo: checks the measuring path)
   measure_devices [null]    devices that measure SP > 1 together, one torchrun per degree (null = the CUDA
                             devices present; device=cpu: 1); larger degrees are estimated
@@ -131,8 +131,7 @@ def profile(argv: list) -> int:
                     "point model.name_or_path (or HBP_MODEL_DIR) at a directory holding it")
         raise UserError(f"config error: {e}{hint}") from None
     pcfg: ProfileConfig = run.profile
-    job = JobSettings(zero_stage=run.deepspeed.zero_stage, offload_optimizer=run.deepspeed.offload_optimizer,
-                      loss_chunk_tokens=run.loss.chunk_size)
+    job = JobSettings.of_run(run)
     if not pcfg.dry_run and pcfg.device == "cuda":
         import torch
 

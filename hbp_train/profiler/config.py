@@ -54,7 +54,8 @@ class ProfileConfig:
     calibration: str = ""
     """Cost-model calibration JSON (empty = the shipped H100 Llama-3-8B layer); scaled to the model's shape."""
     device_memory_gb: float = 80.0
-    """Device memory in GB (1e9 bytes) assumed by --dry-run and by device=cpu (the GPU backend reads the real one)."""
+    """Device memory assumed by --dry-run and by device=cpu (the GPU backend reads the real one): the size a GPU is
+    sold as, "80" for an H100 80GB, which is 80 GiB (2^30 bytes; nvidia-smi shows 81559 MiB), so read as GiB."""
     device: str = "cuda"
     """Where measurements run: "cuda" (the GPUs) or "cpu" (the real model on the CPU, gloo between processes;
     times and autograd-saved activation memory: for checking the measuring path, not for planning a GPU job)."""

@@ -34,6 +34,7 @@ from typing import Optional
 from hbp_train.errors import UserError
 from hbp_train.profiler.backends import Measurement
 from hbp_train.profiler.config import ProfileConfig
+from hbp_train.profiler.nvml import nvml_used_bytes
 
 EXIT_OOM = 3  # a worker rank ran out of memory inside an SP configuration (worker.py)
 MAX_ATTEMPTS = 32  # torchruns per degree (each OOM ends one); a bound, never reached by a sane profile
@@ -77,6 +78,19 @@ def worker_env(device: str) -> dict:
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")  # sp processes share the cores (torchrun would say so, noisily)
     return env
+
+
+def device_excess_bytes(num_devices: int, device: str) -> Optional[list]:
+    """Per measuring device, the NVML used memory it holds beyond the idlest of them, read just before a torchrun
+    starts: on GPU 0 the parent profiler's own CUDA context and allocator cache (its model waits on the CPU), which
+    the torchrun's rank there would otherwise count as its own (a group's memory is its fullest rank's). The
+    worker subtracts it from that rank's NVML readings. None on the CPU or without NVML readings."""
+    if device != "cuda":
+        return None
+    used = [nvml_used_bytes(i) for i in range(num_devices)]
+    if any(u is None for u in used):
+        return None
+    return [u - min(used) for u in used]
 
 
 def measurement_from_dict(d: dict) -> Measurement:
@@ -148,6 +162,7 @@ class SpLauncher:
         wall-clock deadline of the time budget, the measurements already known and where to write."""
         return {"overrides": self.overrides, "sp": sp, "lengths": [int(l) for l in lengths],
                 "vocab_size": self.vocab_size, "device_memory_bytes": self.device_memory_bytes,
+                "device_excess_bytes": device_excess_bytes(sp, self.pcfg.device),
                 "deadline": deadline, "known": [asdict(m) for m in known],
                 "results": str(self.run_dir / f"sp{sp}.jsonl"), "oom_marker": str(self.run_dir / f"sp{sp}.oom")}
 

@@ -46,7 +46,12 @@ def nvml_handle(cuda_index: int):
     uuid = getattr(props, "uuid", None)
     if uuid is not None:
         text = str(uuid)
-        return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
+        if text.startswith(("GPU-", "MIG-")):
+            return pynvml.nvmlDeviceGetHandleByUUID(text)
+        try:  # torch prints the bare UUID; NVML wants "GPU-" before a whole GPU's and "MIG-" before a MIG slice's
+            return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{text}")
+        except pynvml.NVMLError:
+            return pynvml.nvmlDeviceGetHandleByUUID(f"MIG-{text}")
     bus = getattr(props, "pci_bus_id", None)
     if bus is not None:
         pci = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"

@@ -63,15 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     run = run_config.load(job["overrides"])
     on_cpu = run.profile.device == "cpu"
     init_distributed("gloo" if on_cpu else "nccl")
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())  # init's choice
     # The budget is the parent's: its wall-clock deadline, whatever start-up cost here.
     pcfg = replace(run.profile, progress=False, time_budget_s=max(job["deadline"] - time.time(), 1e-3))
-    job_settings = JobSettings(zero_stage=run.deepspeed.zero_stage, offload_optimizer=run.deepspeed.offload_optimizer,
-                               loss_chunk_tokens=run.loss.chunk_size)
+    job_settings = JobSettings.of_run(run)
     shape = model_shape_of(run.model, job["vocab_size"])
     cost_model = CostModel.from_calibration(pcfg.calibration or None, model_shape=shape)
     backend = GpuBackend(run.model, pcfg, cost_model, job_settings, vocab_size=job["vocab_size"], device=device)
     backend.device_memory_bytes = int(job["device_memory_bytes"])  # the parent's budget: the same decisions
+    if job.get("device_excess_bytes") and not on_cpu:  # GPU 0 also holds the parent profiler's context
+        backend.nvml_offset_bytes = int(job["device_excess_bytes"][device.index])
     backend.use_sequence_parallel(build_parallel_state([sp]), sp)
     me = rank()
     results = Path(job["results"])

@@ -57,9 +57,10 @@ TARGETS = {  # name -> (description, comparison, value)
     "backend_grad_cosine": ("backend grads vs reference, lowest cosine over parameters", ">=", None),
 }
 CHECKS = ("backends", "trainer", "calibration", "longest_pack", "memory", "profiler")
-# Seconds a check needs at least (below that it is skipped) and expects on one H100 with the 1B shape; a dry run on
-# the CPU needs far less. The search and the profiler take what is left of their share (their own budgets).
-MIN_S = {"backends": 30, "trainer": 120, "calibration": 40, "longest_pack": 40, "memory": 0, "profiler": 60}
+# Seconds a check needs at least (below that it is skipped), from runs on one H200 with the 1B shape
+# (docs/gpu_results.md: the trainer check is mostly HF flex_attention's first-step compile); a dry run on the CPU
+# needs far less. The search and the profiler take what is left of their share (their own budgets).
+MIN_S = {"backends": 30, "trainer": 180, "calibration": 50, "longest_pack": 40, "memory": 0, "profiler": 60}
 # The profiler's time budget counts its measurements only: its set-up (the model built on the GPU, the back-end's
 # first compile) comes off its share first.
 PROFILER_SETUP_S = 30

@@ -62,8 +62,8 @@ class LoggingConfig:
     comm_wait_every: int = 10
     """With exclude_comm_wait, on a GPU: time the waits on steps 0, N, 2N, … (N = this); the steps between run
     with nothing wrapped or synchronised (full speed) and report the per-rank compute times and the measured
-    balance/* figures as n/a (null). 1 = every step (costs the overlap, 5-15% on ZeRO-2/3, on every step). On a
-    CPU every step is timed: there is no device to synchronise and DeepSpeed does not overlap there."""
+    balance/* figures as n/a (null). 1 = every step (every step loses the overlap). On a CPU every step is timed:
+    there is no device to synchronise and DeepSpeed does not overlap there."""
     wandb: bool = False
     """Also log every step to Weights & Biases (rank 0, the same namespaced keys; needs the `wandb` extra:
     pip install 'hbp-train[wandb]'). WANDB_MODE=offline writes the run under RUN_DIR/wandb for `wandb sync`."""

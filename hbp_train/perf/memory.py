@@ -57,7 +57,10 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: b
     optimizer = 12 * params / shard[1]
     if not in_step:
         return int(weights + grads + optimizer)
-    fp32_grads = grads + 4 * params / shard[1] if stage == 3 else grads if job.grad_accum_fp32 else 4 * params / shard[1]
+    if stage == 3:
+        fp32_grads = grads + 4 * params / shard[1]
+    else:
+        fp32_grads = grads if job.grad_accum_fp32 else 4 * params / shard[1]
     return int(weights + optimizer + fp32_grads)
 
 

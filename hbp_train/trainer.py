@@ -232,6 +232,7 @@ def train(cfg, config_yaml: str = "") -> dict:
     finally:
         stop.uninstall()
         metrics.close()
+        run.sp.set_active(1)  # the summary's model runs on its own (no SP group, no last pack's boundaries)
     if diverged is not None:  # after the checkpoint: train.py turns it into one line and exit 1
         raise FloatingPointError(diverged)
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,

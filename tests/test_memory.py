@@ -55,11 +55,16 @@ def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offl
 
 def test_the_step_peak_counts_only_when_it_exceeds_backward():
     """analytic_memory_bytes is the larger of backward (states + activations) and the optimizer step (states with
-    the fp32 gradient partition, no activations): a long pack is backward's, a 1-token pack the step's."""
-    shape, job = parse_model_shape("llama3.2-1b"), JobSettings(zero_stage=2)
+    the fp32 gradient partition, no activations): a long pack is backward's, a 1-token pack the step's when
+    step() builds a new fp32 partition (bf16 accumulation); with fp32 accumulation the partition already exists."""
+    shape = parse_model_shape("llama3.2-1b")
+    job = JobSettings(zero_stage=2, grad_accum_fp32=False)
     step = model_state_bytes(shape.num_params, 8, job, in_step=True)
+    assert step > model_state_bytes(shape.num_params, 8, job)
     assert analytic_memory_bytes(shape, 1, 1, 0, 8, job) == step
     assert analytic_memory_bytes(shape, 16384, 1, 0, 8, job) > step
+    fp32 = JobSettings(zero_stage=2, grad_accum_fp32=True)
+    assert model_state_bytes(shape.num_params, 8, fp32, in_step=True) == model_state_bytes(shape.num_params, 8, fp32)
 
 
 def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():

@@ -184,6 +184,7 @@ class SequenceParallel:
         for module, groups in self._kv_groups:
             module.num_key_value_groups = groups
         self.active_sp = sp
+        self._pack_bounds = None  # the next `split` cuts at this degree
 
     def split(self, batch: dict) -> dict:
         """This rank's slice of a collated pack at the active degree (see `split_for_sp`).

@@ -237,8 +237,9 @@ def test_interrupt_while_writing_keeps_the_earlier_plan(tmp_path, lengths_file, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.txt", "plan.json"]  # no temporary file left
 
 
-def test_sigint_subprocess_one_line_no_traceback(tmp_path):
-    """A real Ctrl-C (SIGINT) while a 1M-sample plan is being made: no traceback, exit code 130, --out untouched."""
+def test_sigint_subprocess_one_line_no_traceback(tmp_path, ctrl_c_stops_python):
+    """A real Ctrl-C (SIGINT) while a 1M-sample plan is being made: no traceback, exit code 130, --out untouched.
+    (ctrl_c_stops_python: the child reacts to SIGINT even when the suite runs in the background.)"""
     import os
     import signal
     import subprocess

@@ -126,39 +126,42 @@ def _probabilities(logits: torch.Tensor, aux: RouterAux) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1)
 
 
-def router_sums(router_logits, num_real: int, aux: RouterAux, router_choices=None, segments=None,
-                num_segments: int = 1) -> tuple:
-    """This rank's sums over its first ``num_real`` tokens (the real ones; padding is at the end of a slice).
-
-    HF's loss: top-k assignment counts per expert [E] (no gradient), router probabilities per expert [E] and the
-    number of (token, layer) rows, over every MoE layer. DeepSeek's: the same per segment and MoE layer, [S, L, E]
-    and [S, L, E], with the tokens per segment [S]: ``segments`` [T] gives each token's segment (its sample) and
-    ``router_choices`` the experts the router chose ([T, k] per layer)."""
+def router_sums(router_logits, num_real: int, aux: RouterAux) -> tuple:
+    """HF's loss: this rank's sums over its first ``num_real`` tokens (the real ones; padding is at the end of a
+    slice) of every MoE layer: top-k assignment counts per expert [E] (no gradient), router probabilities per expert
+    [E] and the number of (token, layer) rows."""
     first = router_logits[0]
-    if not aux.deepseek:
-        counts = torch.zeros(aux.num_experts, dtype=torch.float32, device=first.device)
-        probs = torch.zeros(aux.num_experts, dtype=torch.float32, device=first.device)
-        rows = 0
-        for logits in router_logits:
-            weights = torch.softmax(logits[:num_real].float(), dim=-1)
-            _, chosen = torch.topk(weights, aux.top_k, dim=-1)
-            counts = counts + torch.bincount(chosen.reshape(-1), minlength=aux.num_experts).float()
-            probs = probs + weights.sum(dim=0)
-            rows += weights.shape[0]
-        return counts, probs, torch.tensor(float(rows), device=first.device)
-    seg = segments[:num_real] if segments is not None else torch.zeros(num_real, dtype=torch.long, device=first.device)
+    counts = torch.zeros(aux.num_experts, dtype=torch.float32, device=first.device)
+    probs = torch.zeros(aux.num_experts, dtype=torch.float32, device=first.device)
+    rows = 0
+    for logits in router_logits:
+        weights = torch.softmax(logits[:num_real].float(), dim=-1)
+        _, chosen = torch.topk(weights, aux.top_k, dim=-1)
+        counts = counts + torch.bincount(chosen.reshape(-1), minlength=aux.num_experts).float()
+        probs = probs + weights.sum(dim=0)
+        rows += weights.shape[0]
+    return counts, probs, torch.tensor(float(rows), device=first.device)
+
+
+def deepseek_sums(router_logits, router_choices, num_real: int, aux: RouterAux, segments, num_segments: int) -> tuple:
+    """DeepSeek's loss: this rank's sums over its first ``num_real`` tokens per segment and MoE layer: the counts of
+    the experts the router chose [S, L, E] (no gradient), the router probabilities [S, L, E] and the tokens [S].
+    ``segments`` [T]: each token's segment (its sample), or None for one segment; ``router_choices``: the chosen
+    experts, [T, k] per layer."""
+    first = router_logits[0]
+    if segments is None:
+        segments = torch.zeros(num_real, dtype=torch.long, device=first.device)
+    seg = segments[:num_real]
     shape = (num_segments, len(router_logits), aux.num_experts)
     counts = torch.zeros(shape, dtype=torch.float32, device=first.device)
     probs_by_layer = []
     for layer, (logits, chosen) in enumerate(zip(router_logits, router_choices)):
-        picks = chosen[:num_real].reshape(num_real, -1)
-        flat = (seg[:, None] * shape[1] + layer) * shape[2] + picks
+        flat = (seg[:, None] * shape[1] + layer) * shape[2] + chosen[:num_real].reshape(num_real, -1)
         counts.view(-1).index_add_(0, flat.reshape(-1), torch.ones(flat.numel(), device=first.device))
         p = _probabilities(logits[:num_real], aux)
         probs_by_layer.append(torch.zeros(num_segments, aux.num_experts, device=first.device).index_add(0, seg, p))
-    probs = torch.stack(probs_by_layer, dim=1)  # [S, L, E], differentiable
     tokens = torch.bincount(seg, minlength=num_segments).float()
-    return counts, probs, tokens
+    return counts, torch.stack(probs_by_layer, dim=1), tokens
 
 
 def pack_aux_loss(router_logits, num_real: int, aux: RouterAux, sum_over_sp, router_choices=None,
@@ -172,8 +175,8 @@ def pack_aux_loss(router_logits, num_real: int, aux: RouterAux, sum_over_sp, rou
     if aux.deepseek:
         num_segments = max(num_samples, 1) if aux.per_sample else 1
         segments = sample_ids.reshape(-1) if aux.per_sample else None
-        counts, probs, tokens = (sum_over_sp(t) for t in router_sums(router_logits, num_real, aux, router_choices,
-                                                                     segments, num_segments))
+        counts, probs, tokens = (sum_over_sp(t) for t in deepseek_sums(router_logits, router_choices, num_real, aux,
+                                                                       segments, num_segments))
         per_token = tokens.detach().clamp(min=1)[:, None, None]
         share = counts.detach() / (per_token * aux.top_k)  # f_e: the segment's share of choices per layer
         seg_aux = aux.num_experts * (share * probs / per_token).sum(dim=(1, 2))  # [S]: Σ_layers E·Σ_e f_e·P_e

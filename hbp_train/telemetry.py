@@ -176,10 +176,11 @@ class SPMixTimer:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        now = (time.perf_counter(), self.waited())
+        now, waited = time.perf_counter(), self.waited()
         if self._sp is not None:
-            self.seconds[self._sp] = self.seconds.get(self._sp, 0.0) + (now[0] - self._since[0]) - (now[1] - self._since[1])
-        self._sp, self._since = sp, now
+            spent = (now - self._since[0]) - (waited - self._since[1])
+            self.seconds[self._sp] = self.seconds.get(self._sp, 0.0) + spent
+        self._sp, self._since = sp, (now, waited)
 
     def stop(self) -> None:
         self.switch(None)

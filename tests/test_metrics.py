@@ -94,7 +94,8 @@ def test_a_mixed_step_reports_every_sp_degree_with_its_share_of_tokens_and_time(
                                 groups=[1, 0], **common)
     assert mixed["plan/sp_degrees"] == [1, 2] and mixed["plan/groups"] == [0, 1]
     assert mixed["plan/sp"] == 2 and mixed["plan/group"] == 1
-    assert mixed["sp/token_share/sp1"] == pytest.approx(40 / 60) and mixed["sp/token_share/sp2"] == pytest.approx(20 / 60)
+    assert mixed["sp/token_share/sp1"] == pytest.approx(40 / 60)
+    assert mixed["sp/token_share/sp2"] == pytest.approx(20 / 60)
     assert mixed["sp/time_share/sp1"] == pytest.approx(0.25) and mixed["sp/time_share/sp2"] == pytest.approx(0.75)
     assert "| groups 0+1 sp=1 (67% tokens, 25% time) + sp=2 (33%, 75%) m 4 |" in format_line(mixed)
     one = [dict(compute_time=1.0, tokens=10, tokens_sp1=10, compute_time_sp1=1.0)] * 2

@@ -70,14 +70,14 @@ def plot_plans(isf: Plan | None, hbp: Plan | None, path: str):
             cost = cost / cost.max() if cost.max() > 0 else cost
             ax.bar(np.arange(len(cost)) + (i - (len(shown) - 1) / 2) * width, cost, width=width, label=label)
         ax.set_ylabel("attention cost (sum len^2) / step max")
-        ax.set_ylim(0, 1.15)
+        ax.set_ylim(0, 1.6 if one_replica else 1.15)  # one replica: room above the bars for the note and legend
         ax.xaxis.get_major_locator().set_params(integer=True)
         if one_replica:
             sp = plan.config.groups[int(plan.step_group[shown[0]])].sp
             ax.set_xlabel("rank, if the packs ran at sp=1")
             ax.set_title(f"{name}: one replica per step (sp={sp} on {plan.config.world_size} ranks), nothing to "
                          f"balance between replicas", fontsize=10)
-            ax.text(0.5, 0.97, f"so ABR is 0 by construction, and every token pays SP communication (CR "
+            ax.text(0.5, 0.98, f"so ABR is 0 by construction, and every token pays SP communication (CR "
                     f"{plan.metrics['CR']:.2f}).\nDrawn instead: each step's first packs, as "
                     f"{plan.config.world_size} ranks at sp=1 would run them (the imbalance without SP)",
                     transform=ax.transAxes, ha="center", va="top", fontsize=8,
@@ -86,7 +86,7 @@ def plot_plans(isf: Plan | None, hbp: Plan | None, path: str):
             ax.set_xlabel("replica")
             ax.set_title(f"{name}: per-replica attention cost of {len(shown)} steps (1 = balanced)")
         if shown:  # a plan whose samples were all dropped has no steps to draw
-            ax.legend(fontsize=8, loc="lower right" if one_replica else "best")
+            ax.legend(fontsize=8, **({"loc": "upper center", "bbox_to_anchor": (0.5, 0.87)} if one_replica else {}))
     if len(plans) == 1:
         axes[1, 0].axis("off")
 

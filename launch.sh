@@ -41,17 +41,20 @@ setup() {
   echo "[launch] setting up $VENV (first run: about two minutes)"
   [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
+  # --no-compile: byte-compiling every installed file (torch's thousands included) is much of pip's time; Python
+  # compiles the modules it imports on their first use instead.
+  local pip=("$PY" -m pip install -q --no-compile)
   if ! "$PY" -c "import torch" 2>/dev/null; then
     # torch first, the build for this machine: an open range would pull the multi-GB CUDA build from PyPI.
     local index=()
     [ -n "${HBP_TORCH_INDEX:-}" ] && index=(--index-url "$HBP_TORCH_INDEX")
     if have_cuda; then
-      "$PY" -m pip install -q ${index[@]+"${index[@]}"} "torch>=2.11"     # the CUDA build
+      "${pip[@]}" ${index[@]+"${index[@]}"} "torch>=2.11"     # the CUDA build
     else
-      "$PY" -m pip install -q ${index[@]+"${index[@]}"} "torch==2.13.0"   # the version the CPU tests run on
+      "${pip[@]}" ${index[@]+"${index[@]}"} "torch==2.13.0"   # the version the CPU tests run on
     fi
   fi
-  "$PY" -m pip install -q -r "$ROOT/requirements.txt"
+  "${pip[@]}" -r "$ROOT/requirements.txt"
   PYTHONWARNINGS=ignore::UserWarning "$PY" -m pip install -q --no-deps -e "$ROOT"   # (no editable-mode banner)
   # Venvs set up before the editable install held a .pth file pointing at the repo: no longer needed.
   rm -f "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hbp_train_repo.pth"

@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan  # noqa: E402
+from hbp_train.planning.metrics import with_metrics  # noqa: E402
 
 DEFAULT_WORK = REPO / "bench" / "out" / "quality"
 DEFAULT_PLOT = REPO / "bench" / "out" / "quality.png"
@@ -92,7 +93,7 @@ def _isf_split(lengths, seed):
     order = np.random.default_rng(seed).permutation(plan.num_steps)
     plan.step_ptr, plan.step_packs, plan.step_group = reorder_steps(plan.step_ptr, plan.step_packs, plan.step_group, order)
     plan.validate()
-    return plan.compute_metrics()
+    return with_metrics(plan)
 
 
 # Strategies, the fix's ablations and diagnostics: name -> (plan function(lengths, seed) -> Plan, extra trainer

@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_plan(path: str):
     """Plan.from_json with one-line errors (UserError naming the file)."""
+    from hbp_train.planning.metrics import with_metrics
     from hbp_train.planning.plan import Plan
 
     p = Path(path)
@@ -158,7 +159,7 @@ def load_plan(path: str):
     if "lengths" not in data:
         raise UserError(f"{path}: the plan has no 'lengths' (written by data_tools.pack); re-run the planner")
     try:
-        return Plan.from_dict(data)
+        return with_metrics(Plan.from_dict(data))
     except UserError as exc:  # the plan's own checks (version, world size, groups): name the file
         raise UserError(f"{path}: {exc}") from None
     # Fields of the wrong shape in the file: int("x") (ValueError), a missing key, a number where a list goes.

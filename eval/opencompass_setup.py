@@ -29,7 +29,9 @@ def setup(venv: Path = DEFAULT_VENV) -> int:
     start = time.time()
     (venv / STAMP).unlink(missing_ok=True)
     python = venv / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "-q"]
+    # --no-compile: byte-compiling every installed file (torch's thousands included) is half of pip's time here;
+    # Python compiles the modules OpenCompass imports on their first use instead.
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
     steps = []
     if not python.is_file():
         # From this interpreter: the same Python version as the training venv, so the same torch wheel exists.

@@ -29,7 +29,7 @@ from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_paral
 from hbp_train.errors import UserError
 from hbp_train.lora import zero3_external_parameters
 from hbp_train.loss import chunked_token_losses
-from hbp_train.moe import RouterAux, router_aux_of
+from hbp_train.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
 
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
 # FutureWarning out of every rank's training log.
@@ -139,13 +139,16 @@ class PackedCausalLM(torch.nn.Module):
     its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
     """
 
-    def __init__(self, model, chunk_size: int, router_aux: bool = False):
+    def __init__(self, model, chunk_size: int, router_aux: bool = False, router_choices: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.router_aux = router_aux
         self.router_logits = None
         """With router_aux: the last forward's router logits (one [T, E] per MoE layer) for moe.pack_aux_loss."""
+        self.keep_choices = router_choices
+        self.router_choices = None
+        """With router_choices (DeepSeek's router loss): the experts the routers chose (one [T, k] per MoE layer)."""
 
     def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
         kwargs = {}
@@ -153,8 +156,9 @@ class PackedCausalLM(torch.nn.Module):
             kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
                       "max_length_k": max_seqlen}
         self.router_logits = [] if self.router_aux else None
+        self.router_choices = [] if self.keep_choices else None
         hidden = modeling.forward_hidden(self.model, input_ids, position_ids, router_logits=self.router_logits,
-                                         **kwargs)
+                                         router_choices=self.router_choices, **kwargs)
         head = self.model.get_output_embeddings()
         return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
                                     lm_head_bias=getattr(head, "bias", None))
@@ -247,6 +251,10 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     with torch.device(init_device) if init_device is not None else nullcontext():
         model = modeling.build_model(cfg.model, vocab_size=vocab_size, zero3_config=zero3_config)
     sp = setup_sequence_parallel(model, pstate)  # SP: Ulysses attention when a degree > 1 is used
+    # an MoE model: the router loss it trains with, or that it trains with none and how to add one
+    moe_line = router_loss_line(model.config, records_router_logits(model))
+    if moe_line and dist_groups.rank() == 0:
+        print(moe_line, flush=True)
     ckpt_layers = [ckpt_layers_for(ckpt_override, g, group.get("ckpt_layers")) for g, group in enumerate(groups)]
     num_layers = len(modeling.decoder_layers(model))
     if any(k > num_layers for k in ckpt_layers):
@@ -269,7 +277,9 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
     import deepspeed
 
     ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
-    wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux_of(model.config) is not None)
+    router_aux = router_aux_of(model.config)
+    wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux is not None,
+                             router_choices=router_aux is not None and router_aux.deepseek)
     if cfg.deepspeed.zero_stage == 3:
         head = model.get_output_embeddings()
         deepspeed.zero.register_external_parameter(wrapper, head.weight)

@@ -294,18 +294,53 @@ def set_checkpointed_layers(model, num_layers: int) -> None:
         layer.gradient_checkpointing = index < num_layers
 
 
-def forward_hidden(model, input_ids, position_ids, router_logits: list | None = None, **attn_kwargs) -> torch.Tensor:
+def forward_hidden(model, input_ids, position_ids, router_logits: list | None = None,
+                   router_choices: list | None = None, **attn_kwargs) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (the model without its LM head).
 
     attn_kwargs go to the attention function (e.g. cu_seq_lens_q / max_length_q); position_ids restart per sample.
-    router_logits (a list) receives an MoE model's router logits, one [T, E] tensor per MoE layer (moe.py).
+    router_logits (a list) receives an MoE model's router logits, one [T, E] tensor per MoE layer (moe.py);
+    router_choices the experts its router chose, one [T, k] tensor per MoE layer (DeepSeek's router loss).
     """
     if router_logits is not None:
         attn_kwargs["output_router_logits"] = True
-    out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
+    with _chosen_experts(model, router_choices):
+        out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
     if router_logits is not None:
         router_logits.extend(out.router_logits)
     return out.last_hidden_state
+
+
+@contextmanager
+def _chosen_experts(model, into: list | None):
+    """Within it, each forward of the model's routers (the modules transformers records router_logits from, whose
+    output is (logits, weights, chosen experts)) appends its chosen experts to ``into``. The hooks live for this
+    forward only, so a checkpointed layer's recompute in backward appends nothing."""
+    if into is None:
+        yield
+        return
+    spec = (getattr(model.base_model, "_can_record_outputs", None) or {}).get("router_logits")
+    router_class = getattr(spec, "target_class", spec)
+    routers = [m for m in model.modules() if isinstance(router_class, type) and isinstance(m, router_class)]
+    if not routers:
+        raise UserError(f"{getattr(model.config, 'model_type', 'this model')}: no router module to read the chosen "
+                        "experts from (DeepSeek's router loss, model.config.aux_loss_alpha); set "
+                        "model.config.router_aux_loss_coef instead, or aux_loss_alpha=0")
+
+    def record(module, args, output):
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        chosen = [t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        if not chosen:
+            raise UserError(f"{type(module).__name__} returns no chosen experts (DeepSeek's router loss, "
+                            "model.config.aux_loss_alpha); set model.config.router_aux_loss_coef instead")
+        into.append(chosen[0])
+
+    handles = [m.register_forward_hook(record) for m in routers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def num_params(model) -> int:

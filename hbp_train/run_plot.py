@@ -3,8 +3,9 @@
     python -m hbp_train.run_plot RUN_DIR [--out PNG]
 
 Four panels over the optimizer steps: the training loss (with the held-out loss where it was measured), tokens/s
-coloured by the step's SP degree, the live imbalance between ranks (max/mean compute time) beside the plan's
-predicted ABR, and the peak memory with the live communication ratio (CR). The trainer writes it when a run ends
+coloured by the SP degrees the step ran (a step that mixes packing groups may run several: "sp=1+2"), the live
+imbalance between ranks (max/mean compute time) beside the plan's predicted ABR, and the peak memory with the live
+communication ratio (CR) and each step's share of compute time at SP > 1. The trainer writes it when a run ends
 (rank 0, with logging.jsonl on); this command redraws it for any run directory, also while the run is going on.
 """
 
@@ -17,6 +18,13 @@ from pathlib import Path
 
 from hbp_train.cli import ArgumentParser, existing_dir, output_file
 from hbp_train.errors import EXIT_USER_ERROR, UserError
+
+
+TIME_SHARE = "sp/time_share/sp"  # sp/time_share/sp<d>: the step's share of compute time at SP degree d
+
+
+def _time_share_above_sp1(record: dict) -> float:
+    return sum(v for k, v in record.items() if k.startswith(TIME_SHARE) and int(k[len(TIME_SHARE):]) > 1)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -68,9 +76,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.set_title("loss")
     ax.legend()
     ax = axes[0][1]
-    for sp in sorted({r["plan/sp"] for r in records}):
-        pts = [(r["plan/step"] + 1, r["perf/tokens_per_s"]) for r in records if r["plan/sp"] == sp]
-        ax.plot(*zip(*pts), ".", label=f"sp={sp}")
+    ran = {r["plan/step"]: tuple(r.get("plan/sp_degrees") or [r["plan/sp"]]) for r in records}
+    for degrees in sorted(set(ran.values())):
+        pts = [(r["plan/step"] + 1, r["perf/tokens_per_s"]) for r in records if ran[r["plan/step"]] == degrees]
+        ax.plot(*zip(*pts), ".", label="sp=" + "+".join(map(str, degrees)))
     ax.set_title("tokens/s (all ranks)")
     ax.legend()
     ax = axes[1][0]
@@ -83,10 +92,15 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax = axes[1][1]
     ax.plot(*zip(*series("memory/peak_gib")), lw=1, color="tab:red")
     ax.set_ylabel("peak memory (GiB)", color="tab:red")
+    time_at_sp = [(r["plan/step"] + 1, _time_share_above_sp1(r)) for r in records
+                  if any(k.startswith(TIME_SHARE) for k in r)]
     if series("sp/cr"):
         twin = ax.twinx()
-        twin.plot(*zip(*series("sp/cr")), lw=1, color="tab:blue")
-        twin.set_ylabel("live CR (share of tokens through SP)", color="tab:blue")
+        twin.plot(*zip(*series("sp/cr")), lw=1, color="tab:blue", label="live CR (run so far)")
+        if time_at_sp:
+            twin.plot(*zip(*time_at_sp), ".", ms=3, color="tab:cyan", label="step's compute time at SP > 1")
+            twin.legend(fontsize=8, loc="lower right")
+        twin.set_ylabel("share through SP: tokens (live CR), step time", color="tab:blue")
     ax.set_title("memory and communication")
     for ax in axes.flat:
         ax.set_xlabel("step")

@@ -12,6 +12,11 @@ share per length bucket and ``mix/tv``, its total-variation distance to the whol
 1 = lengths the data has none of; hbp_train/planning/metrics.py). A run whose steps sit far above the plan report's
 isf mix_TV trains on length-skewed batches, which costs quality (bench/bench_quality.py).
 
+``sp/token_share/sp<d>`` and ``sp/time_share/sp<d>`` split a step by SP degree: the share of its tokens and of its
+compute time (all ranks) that ran at degree d. A step that mixes packing groups (hbp step_mix="mixed") runs
+several degrees; ``plan/sp_degrees`` and ``plan/groups`` list what it ran, and the rank-0 line shows each degree
+with its shares. Each rank times its degrees with ``SPMixTimer`` (a device sync where the degree changes).
+
 MFU counts attention FLOPs per sample (sum of len^2 over the samples of a pack, not T^2): a packed pack of short
 samples does far less attention work than one long sample of the same T.
 """
@@ -165,6 +170,65 @@ def comm_wait_timer(enabled: bool = True):
 RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: distributed/ulysses.py's per-rank compute times
 
 
+def sp_mix_columns(degrees) -> list[str]:
+    """The per-step all-gather's columns that split a step by SP degree: this rank's tokens at each degree, then its
+    compute seconds at each (SPMixTimer.values, in the same order)."""
+    return [f"tokens_sp{d}" for d in degrees] + [f"compute_time_sp{d}" for d in degrees]
+
+
+class SPMixTimer:
+    """This rank's tokens and compute seconds at each SP degree within one step.
+
+    ``switch(sp)`` where the micro-batches change degree (a no-op when it stays the same) and ``stop()`` after the
+    last one; each marks the time after a device sync, so queued device work counts at the degree that ran it.
+    ``waited()`` returns the seconds spent so far inside collectives (comm_wait_timer): a degree's time leaves its
+    waits out, as the step's compute time does."""
+
+    def __init__(self, waited=lambda: 0.0):
+        self.waited = waited
+        self.tokens: dict = {}
+        self.seconds: dict = {}
+        self._sp = None
+        self._since = (0.0, 0.0)  # (time, waited) when the current degree began
+
+    def switch(self, sp) -> None:
+        if sp == self._sp:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now, waited = time.perf_counter(), self.waited()
+        if self._sp is not None:
+            spent = (now - self._since[0]) - (waited - self._since[1])
+            self.seconds[self._sp] = self.seconds.get(self._sp, 0.0) + spent
+        self._sp, self._since = sp, (now, waited)
+
+    def stop(self) -> None:
+        self.switch(None)
+
+    def add_tokens(self, sp: int, num_tokens: float) -> None:
+        self.tokens[sp] = self.tokens.get(sp, 0.0) + num_tokens
+
+    def values(self, degrees) -> list:
+        """This rank's values for sp_mix_columns(degrees)."""
+        return [self.tokens.get(d, 0.0) for d in degrees] + [self.seconds.get(d, 0.0) for d in degrees]
+
+
+def sp_mix_metrics(col: dict) -> dict:
+    """``sp/token_share/sp<d>``, ``sp/time_share/sp<d>`` for every degree of the run and ``plan/sp_degrees`` (those
+    the step ran), from the gathered sp_mix_columns (``col``: column name -> [W] values); {} without them."""
+    degrees = sorted(int(name[len("tokens_sp"):]) for name in col if name.startswith("tokens_sp"))
+    if not degrees:
+        return {}
+    tokens = {d: float(col[f"tokens_sp{d}"].sum()) for d in degrees}
+    seconds = {d: float(col[f"compute_time_sp{d}"].sum()) for d in degrees}
+    total_tokens, total_seconds = sum(tokens.values()), sum(seconds.values())
+    metrics = {"plan/sp_degrees": [d for d in degrees if tokens[d] > 0 or seconds[d] > 0]}
+    for d in degrees:
+        metrics[f"sp/token_share/sp{d}"] = tokens[d] / total_tokens if total_tokens > 0 else 0.0
+        metrics[f"sp/time_share/sp{d}"] = seconds[d] / total_seconds if total_seconds > 0 else 0.0
+    return metrics
+
+
 def _start_wandb(cfg: LoggingConfig, run_dir: str):
     """The W&B run (rank 0 only); UserError when the package is missing."""
     try:
@@ -287,11 +351,14 @@ class MetricsLogger:
     def step_metrics(self, *, step: int, total_steps: int, gathered: torch.Tensor, columns: list, lr: float,
                      grad_norm: Optional[float], step_time: float, data_time: float, group: int, sp: int,
                      num_micro_batches: int, plan_metrics: dict, skipped: bool, num_skipped: int,
-                     pack_len: Optional[int] = None, num_packs: Optional[int] = None) -> dict:
+                     pack_len: Optional[int] = None, num_packs: Optional[int] = None,
+                     groups: Optional[list] = None) -> dict:
         """The namespaced metric dict of one step from every rank's gathered values.
 
         With the group's ``pack_len`` and the step's ``num_packs`` (all replicas, empty ones included) it adds the
-        paper's plan metrics as lived: ``tokens/ave_t`` (tokens per GPU this step) and ``tokens/pad_ratio``."""
+        paper's plan metrics as lived: ``tokens/ave_t`` (tokens per GPU this step) and ``tokens/pad_ratio``.
+        ``groups``: every group the step ran (a step that mixes groups), else [group]; with sp_mix_columns among
+        ``columns``, ``plan/sp`` is the largest degree the step ran and ``plan/group`` its largest group."""
         col = {name: gathered[:, i] for i, name in enumerate(columns)}
         compute = col["compute_time"]
         timed = bool(torch.isfinite(compute).all())  # NaN: a step between timed ones (comm_wait_mode "skip")
@@ -324,11 +391,15 @@ class MetricsLogger:
             "memory/peak_gib": float(col["peak_mem_gib"].max()),
             "plan/step": step,
             "plan/total_steps": total_steps,
-            "plan/group": group,
+            "plan/group": max(groups) if groups else group,
+            "plan/groups": sorted(groups) if groups else [group],
             "plan/sp": sp,
             "plan/micro_batches": num_micro_batches,
             "tokens/ave_t": tokens / world,
         }
+        metrics.update(sp_mix_metrics(col))
+        if metrics.get("plan/sp_degrees"):
+            metrics["plan/sp"] = max(metrics["plan/sp_degrees"])
         if "aux_sum" in col and float(col["aux_sum"].sum()) > 0:  # MoE router loss (hbp_train/moe.py)
             metrics["loss/aux"] = float(col["aux_sum"].sum()) / max(loss_tokens, 1.0)
         if pack_len and num_packs:
@@ -411,6 +482,20 @@ def _fmt(value, spec: str, missing: str = "n/a") -> str:
     return format(value, spec)
 
 
+def _groups_and_degrees(m: dict) -> str:
+    """``group 0 sp=1``; a step that mixes groups names them all, and, if it ran several SP degrees, each degree's
+    share of the step's tokens and compute time: ``groups 0+1 sp=1 (T1% tokens, S1% time) + sp=2 (T2%, S2%)``."""
+    groups = m.get("plan/groups") or [m["plan/group"]]
+    degrees = m.get("plan/sp_degrees") or [m["plan/sp"]]
+    where = f"group {groups[0]}" if len(groups) == 1 else "groups " + "+".join(map(str, groups))
+    if len(degrees) == 1:
+        return f"{where} sp={degrees[0]}"
+    shares = [(d, 100 * m[f"sp/token_share/sp{d}"], 100 * m[f"sp/time_share/sp{d}"]) for d in degrees]
+    first, rest = shares[0], shares[1:]
+    return (f"{where} sp={first[0]} ({first[1]:.0f}% tokens, {first[2]:.0f}% time)"
+            + "".join(f" + sp={d} ({tok:.0f}%, {sec:.0f}%)" for d, tok, sec in rest))
+
+
 def format_line(m: dict) -> str:
     """The rank-0 line of one step."""
     mfu = m["perf/mfu"]
@@ -420,7 +505,7 @@ def format_line(m: dict) -> str:
         f" | {m['perf/tokens_per_s']:,.0f} tok/s | mfu {'n/a' if mfu is None else format(100 * mfu, '.1f') + '%'}"
         f" | imb {_fmt(m['balance/imbalance'], '.3f')} (BR live {_fmt(m['balance/live_BR'], '.3f')}, plan ABR {_fmt(m['balance/plan_ABR'], '.3f')}"
         f" DBR {_fmt(m['balance/plan_DBR'], '.3f')}) | mem {m['memory/peak_gib']:.2f} GiB"
-        f" | group {m['plan/group']} sp={m['plan/sp']} m {m['plan/micro_batches']}"
+        f" | {_groups_and_degrees(m)} m {m['plan/micro_batches']}"
         f"{' cr ' + format(m['sp/cr'], '.2f') if m.get('sp/cr') is not None else ''}"
         f"{' | mix tv ' + format(m['mix/tv'], '.2f') if m.get('mix/tv') is not None else ''}"
         f" | data {m['perf/data_wait_pct']:.1f}%"

@@ -13,7 +13,8 @@ micro-batch the SP split of the collated pack, forward, loss normalization (the 
 backward; then the optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the
 stop and NaN flags every rank must agree on). A step that mixes packing groups (hbp step_mix="mixed": one plan step
 per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
-loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas.
+loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split
+the step's tokens and compute time by SP degree (telemetry.SPMixTimer).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, comm_wait_mode, comm_wait_timer,
-                                 peak_memory_gib, reset_peak_memory)
+from hbp_train.telemetry import (MetricsLogger, SPMixTimer, StepLengthMix, all_gather_floats, comm_wait_mode,
+                                 comm_wait_timer, peak_memory_gib, reset_peak_memory, sp_mix_columns)
 
 ON_NAN = ("skip", "abort")
 
@@ -132,9 +133,16 @@ class TrainConfig:
 
 
 # One row per rank in the per-step all-gather. booked_tokens / sp_tokens: the live CR (tokens the SP attention
-# dispatcher booked, and those of them that went through the all-to-all).
+# dispatcher booked, and those of them that went through the all-to-all). After these come the run's SP degrees'
+# columns (stat_columns).
 STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib",
                 "booked_tokens", "sp_tokens", "aux_sum"]
+
+
+def stat_columns(run: Run) -> list:
+    """The all-gather's columns: STAT_COLUMNS, then this rank's tokens and compute seconds at each SP degree the run
+    built (telemetry.sp_mix_columns)."""
+    return STAT_COLUMNS + sp_mix_columns(run.sp.pstate.sp_degrees)
 
 
 def train(cfg, config_yaml: str = "") -> dict:
@@ -195,9 +203,10 @@ def train(cfg, config_yaml: str = "") -> dict:
             num_skipped += int(skipped)
             step_time = time.perf_counter() - t0
             m = metrics.step_metrics(
-                step=step, total_steps=run.total_steps, gathered=gathered, columns=STAT_COLUMNS,
+                step=step, total_steps=run.total_steps, gathered=gathered, columns=stat_columns(run),
                 lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
+                groups=sorted({mb.get("group", step_batch.group) for mb in step_batch.micro_batches}),
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
                 skipped=skipped, num_skipped=num_skipped,
                 pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs)
@@ -245,7 +254,7 @@ def skip_limit(max_skipped: Optional[int], total_steps: int) -> int:
 
 
 def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) -> tuple:
-    """One optimizer step. Returns (gathered per-rank stats [W, len(STAT_COLUMNS)], skipped: bool, lr used).
+    """One optimizer step. Returns (gathered per-rank stats [W, len(stat_columns(run))], skipped: bool, lr used).
 
     The stats all-gather happens before the optimizer step so that every rank decides the same about a NaN/inf
     loss (and about stopping: ``stop_requested()`` is read just before it) from the same numbers.
@@ -259,13 +268,13 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
                             world_size())
     start = time.perf_counter()
     with comm_wait_timer(timing == "exclude") as comm_wait:
-        local = forward_backward(run, step_batch)
+        local = forward_backward(run, step_batch, waited=lambda: comm_wait[0])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     compute_time = float("nan") if timing == "skip" else time.perf_counter() - start - comm_wait[0]
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
               local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts(),
-              local["aux_sum"]]
+              local["aux_sum"], *local["sp_mix"].values(run.sp.pstate.sp_degrees)]
     gathered = all_gather_floats(values, run.device)
     any_nonfinite = bool(gathered[:, STAT_COLUMNS.index("nonfinite")].max() > 0)
     if any_nonfinite and run.cfg.train.on_nan == "abort":
@@ -279,9 +288,10 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     return gathered, skipped, lr
 
 
-def forward_backward(run: Run, step_batch: StepBatch) -> dict:
+def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
-    ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag)."""
+    ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag) and
+    its tokens and compute seconds per SP degree ("sp_mix"; ``waited``: seconds spent in collectives so far)."""
     engine = run.engine
     active = None  # (group, sp) the model is set up for
     shape = parse_model_shape(run.model.config)
@@ -289,10 +299,12 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     aux_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # MoE: Σ pack aux x its local loss tokens
     tokens = flops = loss_tokens = 0.0
+    sp_mix = SPMixTimer(waited)
     for k, micro_batch in enumerate(step_batch.micro_batches):
         # A step that mixes packing groups (plan step_mix="mixed") switches group settings between micro-batches.
         group, sp = micro_batch.get("group", step_batch.group), micro_batch.get("sp", step_batch.sp)
         if (group, sp) != active:
+            sp_mix.switch(sp)
             set_checkpointed_layers(run.model, step_ckpt_layers(
                 run.cfg, group, micro_batch.get("ckpt_layers", step_batch.ckpt_layers),
                 run.data.groups if run.data is not None else None))
@@ -301,6 +313,7 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
         if micro_batch["num_samples"]:
             # Under SP each rank of the group does 1/sp of the pack's work (its token slice, its share of heads).
             tokens += micro_batch["input_ids"].shape[1] / sp
+            sp_mix.add_tokens(sp, micro_batch["input_ids"].shape[1] / sp)
             flops += pack_flops(shape, micro_batch["seq_lens"]) / sp
         # One boundary per step, at its last micro-batch: ZeRO accumulates gradients until then.
         engine.set_gradient_accumulation_boundary(k == num_micro - 1)
@@ -312,16 +325,18 @@ def forward_backward(run: Run, step_batch: StepBatch) -> dict:
         loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                         batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
         loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
-        if run.router_aux is not None:  # MoE: the pack's router loss, given to its loss tokens (moe.py)
+        if run.router_aux is not None:  # MoE: the pack's (or each sample's) router loss, given to its loss tokens
             aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]
-                                else 0, run.router_aux, run.sp.reduce_loss)
-            has_label_T = (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)
-            loss_T = loss_T + run.router_aux.coef * aux * has_label_T
-            aux_sum += aux.detach().double() * has_label_T.sum()
+                                else 0, run.router_aux, run.sp.reduce_loss, engine.module.router_choices,
+                                batch["sample_ids"], micro_batch["num_samples"])
+            aux_T = aux * (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)  # moe.py
+            loss_T = loss_T + run.router_aux.coef * aux_T
+            aux_sum += aux_T.detach().double().sum()
         engine.backward(_normalized_loss(run, loss_T, batch, step_batch, sp))
+    sp_mix.stop()
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
     return {"loss_sum": float(loss_sum), "aux_sum": float(aux_sum), "loss_tokens": loss_tokens, "tokens": tokens,
-            "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum)))}
+            "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum))), "sp_mix": sp_mix}
 
 
 def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch, sp: int):

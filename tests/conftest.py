@@ -1,9 +1,10 @@
 """Shared pytest set-up: offline HF, CPU threads, the tests pinned to the CPU (tests/cpu_pin.py), the `gpu` marker,
-and paths to shipped assets."""
+paths to shipped assets, and the Ctrl-C set-up of the tests that send or check SIGINT."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +37,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ctrl_c_stops_python():
+    """SIGINT as in an interactive shell: Python's KeyboardInterrupt handler here, and the default action in the
+    processes a test starts (exec resets a handled signal to its default; Python then installs its own handler).
+    A suite started in the background or under nohup inherits SIGINT ignored, and an ignored signal stays ignored
+    across fork and exec: a test of what Ctrl-C does would then see nothing happen."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")

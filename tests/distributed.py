@@ -1,11 +1,18 @@
-"""Run a function in N spawned CPU processes with gloo and collect each rank's return value.
+"""Run a function in N fresh CPU processes with gloo and collect each rank's return value.
 
 Used by every distributed test: the result of the N-process run is compared against a single-process
 reference computed in the test itself.
+
+The processes come from multiprocessing's fork server, which imports torch, DeepSpeed, transformers and the
+trainer once per test session: a process spawned from scratch spends seconds importing them, and the suite starts
+dozens. The server only imports (no thread, no process group, no device), so each forked process starts as a
+spawned one would; it gets the test's environment as it is at the call (a forked process would otherwise have the
+server's).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -15,6 +22,9 @@ import traceback
 
 import torch.multiprocessing as mp
 
+PRELOAD = ["torch", "deepspeed", "transformers", "datasets", "hbp_train.trainer", "tests.distributed"]
+multiprocessing.set_forkserver_preload(PRELOAD)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -22,7 +32,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, environ: dict, fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -60,8 +72,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _worker, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _worker, args=(world_size, _free_port(), out_dir, dict(os.environ), fn, args), nprocs=world_size,
+            join=False, start_method="forkserver",
         )
         import time
 

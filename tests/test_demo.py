@@ -1,8 +1,9 @@
 """End-to-end smoke run of the default demo (what ``./launch.sh`` runs), on a smaller generated dataset.
 
 It runs every stage as its CLI — generate → preprocess → plan + packed shards → compare strategies (simulated)
-→ train on 2 CPU processes (with held-out loss) → export → offline evaluation — and checks that each stage's outputs are there and consistent with
-each other: every sample is accounted for, training ran every plan step and switched SP degree, the export loads.
+→ train on 2 CPU processes (with held-out loss) → export → offline evaluation (OpenCompass's stage aside: see the
+test) — and checks that each stage's outputs are there and consistent with each other: every sample is accounted
+for, training ran every plan step and switched SP degree, the export loads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from hbp_train import demo
 @pytest.mark.slow
 def test_demo_pipeline_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    assert demo.main(["--out", str(out), "--num-samples", "300", "--epochs", "1"]) == 0
+    # Every stage but OpenCompass's: it runs only where its venv is set up (on a fresh clone it is skipped anyway),
+    # and tests/test_eval_opencompass_e2e.py runs the same command on a model that can score.
+    stages = [i for i, name in enumerate(demo._stage_names(), 1) if name != demo.OPENCOMPASS_STAGE]
+    assert len(stages) == len(demo._stage_names()) - 1
+    assert demo.main(["--out", str(out), "--num-samples", "300", "--epochs", "1",
+                      "--only", ",".join(map(str, stages))]) == 0
 
     report = json.loads((out / "tokenized" / "report.json").read_text())
     assert report["read"] == report["kept"] + sum(report["dropped"].values()) == 300
@@ -32,7 +38,7 @@ def test_demo_pipeline_end_to_end(tmp_path):
     # One metrics row per optimizer step: with step_mix="mixed" an optimizer step runs several plan steps.
     optimizer_steps = {s.get("optimizer_step", i) for i, s in enumerate(plan["steps"])}
     assert len(steps) == len(optimizer_steps) <= len(plan["steps"])
-    sp_seen = {s["plan/sp"] for s in steps}
+    sp_seen = {sp for s in steps for sp in s["plan/sp_degrees"]}  # a step that mixes groups runs several degrees
     assert sp_seen == {1, 2}, f"the demo must switch SP degree between groups, saw {sp_seen}"
     assert all(s["loss/train"] == s["loss/train"] for s in steps)  # no NaN
     # The held-out chats were packed too; their loss is logged after the last step (and every 40 steps).

@@ -20,6 +20,21 @@ from hbp_train.moe import pack_aux_loss, router_aux_of
 VOCAB = 128
 LENGTHS = (7, 12, 5)  # samples of one pack
 AUX_COEF = 0.5  # MoE router loss weight in the SP test (large, so that a wrong aux gradient shows)
+# The router-loss keys each MoE family's checkpoints carry: DeepSeek-V3's own (its sequence-wise loss over the
+# experts its sigmoid, group-limited router chose), HF's load-balancing weight for the others.
+ROUTER_LOSS = {"deepseek_v3": {"aux_loss_alpha": AUX_COEF, "seq_aux": True, "scoring_func": "sigmoid"}}
+
+
+def router_loss_keys(family: str) -> dict:
+    return ROUTER_LOSS.get(family.partition("+")[0], {"router_aux_loss_coef": AUX_COEF})
+
+
+def aux_per_token(wrapper, aux_cfg, num_real: int, sample_ids, num_samples: int, sum_over_sp) -> torch.Tensor:
+    """The router loss of each token of a pack (or of this rank's slice: ``sample_ids``, its first ``num_real``
+    tokens real) of ``num_samples`` samples, as the trainer computes it (moe.py)."""
+    aux = pack_aux_loss(wrapper.router_logits, num_real, aux_cfg, sum_over_sp, wrapper.router_choices, sample_ids,
+                        num_samples)
+    return aux.expand(sample_ids.shape[-1]) if aux.dim() == 0 else aux
 
 
 def tiny_model(family: str, **overrides):
@@ -49,23 +64,30 @@ def pack_of(samples):
     labels = torch.cat([s[1] for s in samples])[None]
     positions = torch.cat([torch.arange(len(s[0])) for s in samples])[None]
     cu = torch.tensor([0, *torch.cumsum(torch.tensor([len(s[0]) for s in samples]), 0).tolist()], dtype=torch.int32)
-    return ids, positions, labels, cu, max(len(s[0]) for s in samples)
+    sample_ids = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor([len(s[0]) for s in samples]))[None]
+    return ids, positions, labels, cu, max(len(s[0]) for s in samples), sample_ids
+
+
+def _wrapper(model, aux_cfg):
+    return PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None,
+                          router_choices=aux_cfg is not None and aux_cfg.deepseek)
 
 
 def losses_and_grads(model, runs, with_aux=False):
-    """Per-token losses of each forward in ``runs`` (input_ids, position_ids, shift_labels, cu, max_len), and the
-    gradients of their sum (``with_aux``: plus an MoE model's router loss, coef x aux per loss token)."""
+    """Per-token losses of each forward in ``runs`` (input_ids, position_ids, shift_labels, cu, max_len,
+    sample_ids), and the gradients of their sum (``with_aux``: plus an MoE model's router loss, coef x each loss
+    token's aux; the per-token aux comes first)."""
     aux_cfg = router_aux_of(model.config) if with_aux else None
-    wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
+    wrapper = _wrapper(model, aux_cfg)
     model.zero_grad(set_to_none=True)
     out = []
-    for ids, positions, labels, cu, max_len in runs:
+    for ids, positions, labels, cu, max_len, sample_ids in runs:
         loss_T = wrapper(ids, positions, labels, cu, max_len)
         objective = loss_T.sum()
         if aux_cfg is not None:
-            aux = pack_aux_loss(wrapper.router_logits, ids.shape[1], aux_cfg, lambda t: t)
-            objective = objective + aux_cfg.coef * aux * (labels != IGNORE_INDEX).sum()
-            out.append(aux.detach()[None])
+            aux_T = aux_per_token(wrapper, aux_cfg, ids.shape[1], sample_ids, int(sample_ids.max()) + 1, lambda t: t)
+            objective = objective + aux_cfg.coef * (aux_T * (labels[0] != IGNORE_INDEX)).sum()
+            out.append(aux_T.detach())
         objective.backward()
         out.append(loss_T.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -77,10 +99,10 @@ def losses_and_grads(model, runs, with_aux=False):
 def test_packed_equals_per_sample(family, boundaries):
     model = tiny_model(family)
     samples = make_samples()
-    ids, positions, labels, cu, max_len = pack_of(samples)
+    ids, positions, labels, cu, max_len, _ = pack_of(samples)
     if boundaries == "position_ids":  # what the attention sees under Ulysses: boundaries from position restarts
         cu = max_len = None
-    packed_loss, packed_grads = losses_and_grads(model, [(ids, positions, labels, cu, max_len)])
+    packed_loss, packed_grads = losses_and_grads(model, [(ids, positions, labels, cu, max_len, None)])
     alone = [pack_of([s]) for s in samples]
     single_loss, single_grads = losses_and_grads(model, alone)
     assert (labels != IGNORE_INDEX).sum() > 0 and packed_loss.abs().sum() > 0
@@ -92,9 +114,9 @@ def test_packed_equals_per_sample(family, boundaries):
 
 # ------------------------------------------------------------------------------------ (b) SP=2 == SP=1
 def _pack_batch(seed: int) -> dict:
-    ids, positions, labels, cu, max_len = pack_of(make_samples(seed=seed))
+    ids, positions, labels, cu, max_len, sample_ids = pack_of(make_samples(seed=seed))
     return {"input_ids": ids, "position_ids": positions, "shift_labels": labels, "cu_seqlens": cu,
-            "max_seqlen": max_len}
+            "max_seqlen": max_len, "sample_ids": sample_ids}
 
 
 def _sp_worker(rank, world_size, families):
@@ -109,10 +131,10 @@ def _sp_worker(rank, world_size, families):
     pstate = build_parallel_state([1, 2])
     out = {}
     for family in families:
-        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)  # MoE: the router loss, made to matter
+        model = tiny_model(family, **router_loss_keys(family))  # MoE: the router loss, made to matter
         aux_cfg = router_aux_of(model.config)
         sp = setup_sequence_parallel(model, pstate)
-        wrapper = PackedCausalLM(model, chunk_size=16, router_aux=aux_cfg is not None)
+        wrapper = _wrapper(model, aux_cfg)
         batch = _pack_batch(seed=1)
         for degree in (2, 1):  # sp=1 after sp=2: nothing the SP step changed in the model may leak
             sp.set_active(degree)
@@ -122,13 +144,18 @@ def _sp_worker(rank, world_size, families):
             loss_T = wrapper(local["input_ids"], local["position_ids"], local["shift_labels"],
                              local["cu_seqlens"] if whole else None, local["max_seqlen"] if whole else None)
             objective = loss_T.sum()
-            aux = None
-            if aux_cfg is not None:  # as the trainer: the pack's aux (summed over the SP group) per loss token
-                aux = pack_aux_loss(wrapper.router_logits, local["num_local_tokens"], aux_cfg, sp.reduce_loss)
-                objective = objective + aux_cfg.coef * aux * (local["shift_labels"] != IGNORE_INDEX).sum()
+            aux_T = None
+            if aux_cfg is not None:  # as the trainer: the pack's (sample's) aux, summed over the SP group, per token
+                aux_T = aux_per_token(wrapper, aux_cfg, local["num_local_tokens"], local["sample_ids"],
+                                      len(batch["cu_seqlens"]) - 1, sp.reduce_loss)
+                objective = objective + aux_cfg.coef * (aux_T * (local["shift_labels"][0] != IGNORE_INDEX)).sum()
             sp.reduce_loss(objective).backward()
-            pieces = [torch.empty_like(loss_T) for _ in range(world_size)]
-            dist.all_gather(pieces, loss_T.detach())
+
+            def gathered(values):
+                pieces = [torch.empty_like(values) for _ in range(world_size)]
+                dist.all_gather(pieces, values.detach())
+                return torch.cat(pieces)[: batch["input_ids"].shape[1]] if degree > 1 else values.detach()
+
             grads = {}
             for name, param in model.named_parameters():
                 if not param.requires_grad:  # frozen (LoRA): no gradient may appear
@@ -137,9 +164,9 @@ def _sp_worker(rank, world_size, families):
                 grad = param.grad.clone() if param.grad is not None else torch.zeros_like(param)
                 dist.all_reduce(grad)  # DeepSpeed's average over the W ranks (the loss above is the group's)
                 grads[name] = grad / world_size
-            losses = torch.cat(pieces)[: batch["input_ids"].shape[1]] if degree > 1 else loss_T.detach()
-            if aux is not None:
-                losses = torch.cat([aux.detach()[None], losses])
+            losses = gathered(loss_T)
+            if aux_T is not None:
+                losses = torch.cat([gathered(aux_T), losses])
             out[family, degree] = (losses, grads)
         sp.uninstall(model)
     return out if rank == 0 else None
@@ -157,7 +184,7 @@ def test_sp2_equals_sp1_for_every_family():
     families = [*sorted(FAMILIES), "qwen3_moe+lora", "mistral+dora"]
     result = run_distributed(_sp_worker, 2, families, timeout=900)[0]
     for family in families:
-        model = tiny_model(family, router_aux_loss_coef=AUX_COEF)
+        model = tiny_model(family, **router_loss_keys(family))
         ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())], with_aux=True)
         for degree in (2, 1):
             loss, grads = result[family, degree]
@@ -177,6 +204,8 @@ SP_PLAN_STEPS = [
     {"group": 1, "replicas": [[[12, 13]]]},
 ]
 TRAIN_FAMILIES = ("mistral", "mixtral", "deepseek_v3")  # dense (1 kv head, replicated at sp=2), MoE, MLA
+# DeepSeek-V3 with its checkpoints' router-loss keys (transformers' config has none); Mixtral's config has its own.
+TRAIN_ROUTER_LOSS = {"deepseek_v3": {"aux_loss_alpha": 0.001, "seq_aux": True, "scoring_func": "sigmoid"}}
 TRAIN_STEPS = 10
 
 
@@ -203,7 +232,8 @@ def _train_worker(rank, world_size, shards, out):
     for family in TRAIN_FAMILIES:
         cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{family}",
                            "logging=quiet", "data.epochs=3", f"train.max_steps={TRAIN_STEPS}", "train.lr=1e-2",
-                           "train.warmup_steps=0", "train.save_final=false", *model_overrides(family)])
+                           "train.warmup_steps=0", "train.save_final=false",
+                           *model_overrides(family, **TRAIN_ROUTER_LOSS.get(family, {}))])
         summary = trainer.train(cfg)
         ended[family] = (summary["ended"], summary["end_step"])
     return ended
@@ -212,7 +242,8 @@ def _train_worker(rank, world_size, shards, out):
 @pytest.mark.slow
 def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
     """10 steps of the trainer on 2 ranks for a dense, an MoE and the MLA family over a plan whose groups run at
-    sp=1 and sp=2: every step finite, the SP degree switches, the loss falls, MoE logs its router loss."""
+    sp=1 and sp=2: every step finite, the SP degree switches, the loss falls, both MoE families log their router
+    loss (Mixtral HF's, DeepSeek-V3 its own sequence-wise one)."""
     import json
 
     from tests.assets.packed_fixture import synthetic_samples, write_packed
@@ -231,7 +262,7 @@ def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
         # the same four plan steps, once per epoch (shuffled): the later epochs' loss is lower
         assert sum(losses[4:8]) < sum(losses[:4]), (family, losses)
         has_aux = ["loss/aux" in m for m in logged]
-        assert all(has_aux) if family == "mixtral" else not any(has_aux), family
+        assert all(has_aux) if family in ("mixtral", "deepseek_v3") else not any(has_aux), family
         assert all(m["loss/aux"] > 0 for m in logged if "loss/aux" in m)
 
 

@@ -22,12 +22,19 @@ VARIANTS = {"qwen3+lora": ("qwen3", []), "qwen3+dora": ("qwen3", ["model.lora.do
             "qwen3_moe+lora": ("qwen3_moe", [])}
 
 
-def _worker(rank, world_size, shards, out, variant):
-    from hbp_train import config, trainer
+def _worker(rank, world_size, shards, out, variants):
+    """Every variant on the same 2 ranks, one after the other: one spawn (each costs ~15 s of imports)."""
     from hbp_train.distributed.groups import init_distributed
 
-    family, extra = VARIANTS[variant]
     init_distributed()
+    results = {variant: _train_variant(shards, f"{out}/{variant}", variant) for variant in variants}
+    return results if rank == 0 else None
+
+
+def _train_variant(shards, out, variant):
+    from hbp_train import config, trainer
+
+    family, extra = VARIANTS[variant]
     results = {}
     for zero_stage in (2, 3):
         base = ["experiment=cpu_demo", f"data.shards={shards}", "logging=quiet", "train.lr=5e-2",
@@ -49,7 +56,7 @@ def _worker(rank, world_size, shards, out, variant):
             with torch.no_grad():
                 ids = torch.arange(3, 30)[None]
                 results["logits"] = model(input_ids=ids, position_ids=torch.arange(27)[None]).logits
-    return results if rank == 0 else None
+    return results
 
 
 def _initial(family, lora=None):
@@ -68,20 +75,30 @@ def _wraps_fused(model) -> set:
     return {name + "." for name, module in model.named_modules() if isinstance(module, ParamWrapper)}
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(the runs' folder, every variant's results), trained in one spawn of 2 ranks."""
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
+    from tests.distributed import run_distributed
+
+    tmp = tmp_path_factory.mktemp("lora")
+    shards = write_packed(str(tmp / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2,
+                          groups={1: {"sp": 2}})
+    return tmp / "runs", run_distributed(_worker, 2, shards, str(tmp / "runs"), sorted(VARIANTS), timeout=900)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(variant, tmp_path, tokenizer_dir):
+def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(variant, trained, tmp_path,
+                                                                              tokenizer_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from hbp_train.export import export
-    from tests.assets.packed_fixture import synthetic_samples, write_packed
-    from tests.distributed import run_distributed
 
     family, extra = VARIANTS[variant]
-    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, 4096, seed=7), SP_PLAN_STEPS, world_size=2,
-                          groups={1: {"sp": 2}})
-    results = run_distributed(_worker, 2, shards, str(tmp_path / "runs"), variant, timeout=900)[0]
+    runs, every = trained
+    results, runs = every[variant], runs / variant
     for zero_stage in (2, 3):
         losses, resumed_losses, start = results[zero_stage]
         assert len(losses) == 4 and losses[-1] < losses[0], losses
@@ -100,14 +117,14 @@ def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(var
     assert all(any(n.startswith(p) for n in changed) for p in fused)  # ... and trained
     # export merges: the base model's weights (no adapter left), logits equal the trained model's
     ids = torch.arange(3, 30)[None]
-    merged = AutoModelForCausalLM.from_pretrained(export(str(tmp_path / "runs" / "z2" / "full"), str(tmp_path / "hf")))
+    merged = AutoModelForCausalLM.from_pretrained(export(str(runs / "z2" / "full"), str(tmp_path / "hf")))
     assert merged.state_dict().keys() == _initial(family).state_dict().keys()
     assert not hasattr(merged.config, "hbp_lora")
     with torch.no_grad():
         torch.testing.assert_close(merged.eval()(input_ids=ids).logits, results["logits"], rtol=1e-4, atol=1e-5)
     # --adapter: a peft adapter folder that loads over the base model to the same logits (written over the merged
     # export: its full-model files go)
-    out = export(str(tmp_path / "runs" / "z2" / "full"), str(tmp_path / "hf"), adapter=True)
+    out = export(str(runs / "z2" / "full"), str(tmp_path / "hf"), adapter=True)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
     with open(os.path.join(out, "hbp_export.json")) as f:
         assert json.load(f)["adapter"] is True

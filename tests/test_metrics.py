@@ -9,14 +9,26 @@ import pytest
 import torch
 
 from hbp_train.errors import UserError
-from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
+from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line, sp_mix_columns
 from hbp_train.trainer import STAT_COLUMNS
 from tests.cli_exit import exit_code
 
 
-def _gathered(rows):
+def _gathered(rows, columns=STAT_COLUMNS):
     # columns a row does not name (e.g. the SP token counts) are 0
-    return torch.tensor([[r.get(c, 0.0) for c in STAT_COLUMNS] for r in rows], dtype=torch.float64)
+    return torch.tensor([[r.get(c, 0.0) for c in columns] for r in rows], dtype=torch.float64)
+
+
+MIXED_COLUMNS = STAT_COLUMNS + sp_mix_columns([1, 2])
+
+
+def _mixed_rows(step=0):
+    """Two ranks of a step that ran groups 0 (sp=1) and 1 (sp=2): 40 of its 60 tokens at sp=1, 2 of its 8 compute
+    seconds (both ranks)."""
+    return [dict(compute_time=4.0 + step, loss_sum=3.0, loss_tokens=3, tokens=40, flops=1e9, tokens_sp1=30,
+                 tokens_sp2=10, compute_time_sp1=1.0, compute_time_sp2=3.0),
+            dict(compute_time=4.0, loss_sum=3.0, loss_tokens=3, tokens=20, flops=1e9, tokens_sp1=10, tokens_sp2=10,
+                 compute_time_sp1=1.0, compute_time_sp2=3.0)]
 
 
 def test_step_metrics_and_outputs(tmp_path):
@@ -67,6 +79,39 @@ def test_run_plot_reads_resumed_logs_and_refuses_damaged_ones(tmp_path, capsys):
     assert exit_code(main, [str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: run_dir: {tmp_path / 'nowhere'}: no such folder" in err, err
+
+
+def test_a_mixed_step_reports_every_sp_degree_with_its_share_of_tokens_and_time(tmp_path):
+    """A step that mixes groups at sp=1 and sp=2: plan/sp_degrees, the per-degree token and time shares in the JSON
+    row, TensorBoard and the rank-0 line; plan/sp and plan/group are the largest it ran. A one-degree step keeps its
+    short line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(LoggingConfig(progress_bar=False), str(tmp_path), rank=0, total_steps=2)
+    common = dict(total_steps=2, columns=MIXED_COLUMNS, lr=1e-4, grad_norm=0.5, step_time=4.0, data_time=0.0,
+                  num_micro_batches=4, plan_metrics={}, skipped=False, num_skipped=0)
+    mixed = logger.step_metrics(step=0, gathered=_gathered(_mixed_rows(), MIXED_COLUMNS), group=0, sp=1,
+                                groups=[1, 0], **common)
+    assert mixed["plan/sp_degrees"] == [1, 2] and mixed["plan/groups"] == [0, 1]
+    assert mixed["plan/sp"] == 2 and mixed["plan/group"] == 1
+    assert mixed["sp/token_share/sp1"] == pytest.approx(40 / 60)
+    assert mixed["sp/token_share/sp2"] == pytest.approx(20 / 60)
+    assert mixed["sp/time_share/sp1"] == pytest.approx(0.25) and mixed["sp/time_share/sp2"] == pytest.approx(0.75)
+    assert "| groups 0+1 sp=1 (67% tokens, 25% time) + sp=2 (33%, 75%) m 4 |" in format_line(mixed)
+    one = [dict(compute_time=1.0, tokens=10, tokens_sp1=10, compute_time_sp1=1.0)] * 2
+    single = logger.step_metrics(step=1, gathered=_gathered(one, MIXED_COLUMNS), group=0, sp=1, groups=[0], **common)
+    assert single["plan/sp_degrees"] == [1] and single["sp/time_share/sp2"] == 0.0
+    assert "| group 0 sp=1 m 4 |" in format_line(single)
+    for m in (mixed, single):
+        logger.log(m)
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["plan/sp_degrees"] for r in rows] == [[1, 2], [1]] and rows[0]["sp/time_share/sp2"] == 0.75
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("sp/time_share/sp2")] == pytest.approx([0.75, 0.0])
+    assert [e.value for e in events.Scalars("sp/token_share/sp1")] == pytest.approx([40 / 60, 1.0])
+    assert (tmp_path / "metrics.png").stat().st_size > 0  # tokens/s as "sp=1+2" and "sp=1", time at SP > 1
 
 
 def test_mfu_is_na_without_a_peak_on_cpu(tmp_path):
@@ -189,11 +234,12 @@ def test_wandb_sink_logs_the_same_keys_on_rank_0_only_with_one_line_per_rank(tmp
     logger = MetricsLogger(cfg, str(tmp_path), rank=0, total_steps=3)
     logged = []
     for step in range(3):
-        rows = [dict(compute_time=1.0 + step, loss_sum=3.0, loss_tokens=3, tokens=10, flops=1e9),
-                dict(compute_time=2.0, loss_sum=3.0, loss_tokens=3, tokens=10, flops=1e9)]
-        m = logger.step_metrics(step=step, total_steps=3, gathered=_gathered(rows), columns=STAT_COLUMNS, lr=1e-4,
-                                grad_norm=0.5, step_time=2.0, data_time=0.1, group=0, sp=1, num_micro_batches=1,
-                                plan_metrics={"ABR": 0.1}, skipped=False, num_skipped=0)
+        # steps that mix sp=1 and sp=2: their per-degree shares (sp/token_share/sp<d>, ...) reach W&B too
+        m = logger.step_metrics(step=step, total_steps=3, gathered=_gathered(_mixed_rows(step), MIXED_COLUMNS),
+                                columns=MIXED_COLUMNS, lr=1e-4, grad_norm=0.5, step_time=2.0, data_time=0.1, group=0,
+                                sp=1, num_micro_batches=1, plan_metrics={"ABR": 0.1}, skipped=False, num_skipped=0,
+                                groups=[0, 1])
+        assert m["sp/time_share/sp2"] == 0.75
         m.update({"time/compute_s/rank0": 1.0 + step, "time/compute_s/rank1": 2.0})
         logger.log(m)
         other.log(m)

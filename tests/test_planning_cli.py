@@ -173,6 +173,29 @@ def test_plot_edge_cases(tmp_path):
     assert len(shown) == NUM_STEPS_SHOWN and set(plan.step_group[shown].tolist()) == {0, 1}
 
 
+def test_isf_with_one_replica_per_step_says_so_and_draws_its_packs_at_sp1(tmp_path):
+    """The demo's shape: isf runs everything at sp=2 on 2 ranks, one replica per step. Its panel says there is
+    nothing to balance between replicas (with its CR) and draws each step's first 2 packs as 2 ranks at sp=1 would
+    run them, with that slot's ABR; hbp's panel is unchanged (per replica, with the steps' ABR)."""
+    from hbp_train.planning import GroupSpec, PlanConfig, make_plan
+    from hbp_train.planning.plot import _slot_abr, _steps_to_show, pack_attention, plot_plans
+
+    lengths = np.random.default_rng(0).integers(16, 2048, 300)
+    cfg = dict(world_size=2, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=8192)
+    isf, hbp = (make_plan(lengths, PlanConfig(strategy=s, **cfg)) for s in ("isf", "hbp"))
+    assert all(isf.step_replicas(s) == 1 for s in range(isf.num_steps))
+    fig = plot_plans(isf, hbp, tmp_path / "plan.png")
+    isf_ax, hbp_ax = fig.axes[1], fig.axes[2]
+    assert "isf: one replica per step (sp=2 on 2 ranks), nothing to balance" in isf_ax.get_title()
+    assert any(f"(CR {isf.metrics['CR']:.2f})" in t.get_text() for t in isf_ax.texts)
+    labels = [t.get_text() for t in isf_ax.get_legend().get_texts()]
+    for s, label in zip(_steps_to_show(isf), labels):
+        cost = pack_attention(isf, isf.step_matrix(s)[:2, 0])
+        assert label == f"step {s}: its first 2 packs side by side, ABR {_slot_abr(cost):.3f} at sp=1"
+    assert len(isf_ax.patches) == 2 * len(labels) and max(p.get_height() for p in isf_ax.patches) == 1.0
+    assert hbp_ax.get_title().startswith("hbp: per-replica attention cost") and not hbp_ax.texts
+
+
 def test_bad_values_found_before_planning_are_one_line_exit_2(tmp_path, capsys):
     good = tmp_path / "good.txt"
     good.write_text("12\n7\n300\n")
@@ -237,8 +260,9 @@ def test_interrupt_while_writing_keeps_the_earlier_plan(tmp_path, lengths_file, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lengths.txt", "plan.json"]  # no temporary file left
 
 
-def test_sigint_subprocess_one_line_no_traceback(tmp_path):
-    """A real Ctrl-C (SIGINT) while a 1M-sample plan is being made: no traceback, exit code 130, --out untouched."""
+def test_sigint_subprocess_one_line_no_traceback(tmp_path, ctrl_c_stops_python):
+    """A real Ctrl-C (SIGINT) while a 1M-sample plan is being made: no traceback, exit code 130, --out untouched.
+    (ctrl_c_stops_python: the child reacts to SIGINT even when the suite runs in the background.)"""
     import os
     import signal
     import subprocess

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hbp_train.planning.csr import pack_csr
+from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
 
 
@@ -24,7 +25,7 @@ def make(lengths, packs, steps, groups, world_size):
         step_group=np.array([g for g, _ in steps], np.int32),
     )
     plan.validate()
-    return plan.compute_metrics()
+    return with_metrics(plan)
 
 
 def test_paper_abr_example():

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hbp_train.planning import GroupSpec, Plan, PlanConfig, make_plan
+from hbp_train.planning import GroupSpec, Plan, PlanConfig, make_plan, with_metrics
 from hbp_train.planning.balance import build_steps, stratify_slots
 from hbp_train.planning.hbp import pack_hierarchical
 from hbp_train.planning.metrics import mix_distance, mix_edges, step_mix, token_mix
@@ -194,7 +194,7 @@ def test_mixed_optimizer_steps_hold_every_group_in_proportion_with_the_same_slot
         # one tail step per group may move as a whole (up to m slots)
         slack = len(groups) + max(cfg.micro_batches(h) for h in groups)
         assert np.all(np.abs(seen - share * np.arange(1, len(slot_order) + 1)) <= slack)
-    back = Plan.from_dict(mixed.to_dict())
+    back = with_metrics(Plan.from_dict(mixed.to_dict()))
     assert np.array_equal(back.optimizer_step, mixed.optimizer_step)
     assert back.metrics["mix_TV"] == pytest.approx(mixed.metrics["mix_TV"])
 

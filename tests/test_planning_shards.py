@@ -173,7 +173,7 @@ def test_live_length_mix_of_packed_shards_is_the_plans(tmp_path, tokenized, plan
     """telemetry.StepLengthMix over the loader (plan.json or plan.npz): every optimizer step's token share per length
     bucket (all its plan steps and replicas) and mix/tv equal the plan's own; a plan without lengths gives {}."""
     from hbp_train.data import PackedData
-    from hbp_train.planning import Plan
+    from hbp_train.planning.plan_npz import load_plan
     from hbp_train.planning.metrics import mix_distance, step_mix
     from hbp_train.telemetry import StepLengthMix
 
@@ -182,7 +182,7 @@ def test_live_length_mix_of_packed_shards_is_the_plans(tmp_path, tokenized, plan
     assert main(["--dataset", str(src), "--shards", str(out), "--world-size", "4", "--groups", "64:1,256:2",
                  "--global-tokens", "512", "--quiet", "--plan-format", plan_format, "--out", str(tmp_path / "p.json"),
                  "--step-mix", step_mix_method]) == 0
-    plan = Plan.from_json(tmp_path / "p.json")
+    plan = load_plan(tmp_path / "p.json")  # the reader every tool uses: metrics recomputed from the steps
     data = PackedData(str(out))
     assert data.num_steps == plan.num_optimizer_steps
     mix = StepLengthMix(data)

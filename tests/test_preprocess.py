@@ -472,9 +472,10 @@ def test_interrupt_exits_130_and_keeps_the_earlier_output(tmp_path, capsys, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]
 
 
-def test_pool_workers_leave_ctrl_c_to_the_parent(encoder):
+def test_pool_workers_leave_ctrl_c_to_the_parent(encoder, ctrl_c_stops_python):
     """Ctrl-C reaches every process of the job: workers ignore it (else each prints a traceback); the parent
-    stops them."""
+    stops them. (ctrl_c_stops_python: the parent starts with Python's Ctrl-C handler even when the suite runs in
+    the background, where SIGINT is ignored from the start.)"""
     import signal
 
     from data_tools.preprocess import _start_pool

@@ -12,6 +12,7 @@ import pytest
 from hbp_train.errors import UserError
 from hbp_train.perf.cost_model import CostModel
 from hbp_train.planning.csr import pack_csr
+from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
 from hbp_train.planning.simulator import COMPUTE_ONLY, SimConfig, simulate, speedup, zero_comm_seconds
 from tests.cli_exit import exit_code
@@ -42,11 +43,11 @@ def make_plan(lengths, groups, world_size, steps, extra=None) -> Plan:
         step_group.append(g)
     ptr, flat = pack_csr(packs)
     cfg = PlanConfig(world_size=world_size, groups=[GroupSpec(*g) for g in groups], strategy="test")
-    return Plan(config=cfg, lengths=np.asarray(lengths, np.int64), pack_ptr=ptr, pack_samples=flat,
-                pack_group=np.asarray(pack_group, np.int32),
-                step_ptr=np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64),
-                step_packs=np.arange(len(packs), dtype=np.int64), step_group=np.asarray(step_group, np.int32),
-                extra=extra or {})
+    return with_metrics(Plan(config=cfg, lengths=np.asarray(lengths, np.int64), pack_ptr=ptr, pack_samples=flat,
+                             pack_group=np.asarray(pack_group, np.int32),
+                             step_ptr=np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64),
+                             step_packs=np.arange(len(packs), dtype=np.int64),
+                             step_group=np.asarray(step_group, np.int32), extra=extra or {}))
 
 
 LENGTHS = [4, 2, 3, 1, 1, 2]

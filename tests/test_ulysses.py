@@ -363,6 +363,8 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [m["plan/sp"] for m in logged] == [1, 2, 1, 2]
+    assert [m["plan/sp_degrees"] for m in logged] == [[1], [2], [1], [2]]
+    assert [m["sp/token_share/sp2"] for m in logged] == [0.0, 1.0, 0.0, 1.0]
     # data.eval_shards with train.eval_every=3: held-out loss after step 3 and after the last one
     assert ["loss/eval" in m for m in logged] == [False, False, True, True]
     assert all(m["loss/eval"] > 0 and m["eval/loss_tokens"] == logged[2]["eval/loss_tokens"] for m in logged[2:])
@@ -383,9 +385,11 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
     """A plan whose optimizer steps each hold a plan step at sp=1 and one at sp=2 (plan.json "optimizer_step"): on 2
     ranks the trainer runs both in one step, switching the SP degree between micro-batches, and every optimizer
     step's gradient is the normalizer's single-process gradient over all its samples (token_mean: per rank, its
-    own sp=1 packs and the sp=2 packs it shares); the held-out loss is the token mean; the loop logs 2 steps."""
+    own sp=1 packs and the sp=2 packs it shares); the held-out loss is the token mean; the loop logs 2 steps, each
+    with both SP degrees and their shares of its tokens and compute time (JSON rows, rank-0 line, metrics.png)."""
     import json
 
+    from hbp_train.telemetry import format_line
     from tests.assets.packed_fixture import synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
@@ -410,6 +414,17 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
     with open(tmp_path / "runs" / "loop" / "metrics.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert [m["plan/step"] for m in logged] == [0, 1] and [m["plan/micro_batches"] for m in logged] == [4, 2]
-    assert logged[-1]["sp/cr"] == pytest.approx(
-        sum(len(samples[i][0]) for s in (1, 3) for r in SP_TRAINER_STEPS[s]["replicas"] for p in r for i in p)
-        / sum(len(samples[i][0]) for s in SP_TRAINER_STEPS for r in s["replicas"] for p in r for i in p))
+
+    def tokens(plan_step):
+        return sum(len(samples[i][0]) for r in SP_TRAINER_STEPS[plan_step]["replicas"] for p in r for i in p)
+
+    assert logged[-1]["sp/cr"] == pytest.approx((tokens(1) + tokens(3)) / sum(map(tokens, range(4))))
+    # What each mixed step really ran: both degrees, each one's share of its tokens and of its compute time.
+    for k, m in enumerate(logged):
+        assert m["plan/sp_degrees"] == [1, 2] and m["plan/groups"] == [0, 1] and m["plan/sp"] == 2
+        assert m["sp/token_share/sp2"] == pytest.approx(tokens(2 * k + 1) / (tokens(2 * k) + tokens(2 * k + 1)))
+        assert m["sp/token_share/sp1"] + m["sp/token_share/sp2"] == pytest.approx(1.0)
+        assert 0 < m["sp/time_share/sp2"] < 1 and m["sp/time_share/sp1"] + m["sp/time_share/sp2"] == pytest.approx(1.0)
+        assert f"groups 0+1 sp=1 ({100 * m['sp/token_share/sp1']:.0f}% tokens, " in format_line(m)
+        assert f"+ sp=2 ({100 * m['sp/token_share/sp2']:.0f}%, {100 * m['sp/time_share/sp2']:.0f}%)" in format_line(m)
+    assert (tmp_path / "runs" / "loop" / "metrics.png").stat().st_size > 0

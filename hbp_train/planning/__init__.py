@@ -11,17 +11,18 @@ Entry point: ``make_plan(lengths, config) -> Plan``. Strategies are a plain if/e
 
 Shared pieces other strategies can reuse, bottom layer first: ``csr`` (CSR helpers), ``plan.Plan`` (the types and
 their JSON), ``balance.build_steps`` (packs -> balanced steps with the tail rule), ``curriculum.order_steps``,
-``metrics.compute_metrics`` (via ``Plan.compute_metrics``).
+``metrics.with_metrics`` (fills a plan's metrics; above ``plan``, which never imports it).
 """
 
 from __future__ import annotations
 
 from hbp_train.errors import UserError
 from hbp_train.planning.balance import default_pack_cost
+from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import DROP_TOO_LONG, GroupSpec, PackCostFn, Plan, PlanConfig, check_lengths
 
 __all__ = ["make_plan", "Plan", "PlanConfig", "GroupSpec", "PackCostFn", "DROP_TOO_LONG", "check_lengths",
-           "default_pack_cost"]
+           "default_pack_cost", "with_metrics"]
 
 
 # Every strategy make_plan knows (the first two are documented above; the others in their modules).
@@ -61,5 +62,5 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
         plan = plan_bytescale(lengths, config)
     else:
         raise UserError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
-    return plan.compute_metrics()
+    return with_metrics(plan)
 

@@ -21,14 +21,10 @@ the trainer runs a zero-loss dummy micro-batch for them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from hbp_train.planning.csr import gather_ranges, pack_tokens, segment_sums
-
-if TYPE_CHECKING:  # annotations only: plan.py needs metrics.py, which needs this module
-    from hbp_train.planning.plan import GroupSpec, PlanConfig
+from hbp_train.planning.plan import GroupSpec, PlanConfig
 
 
 def default_pack_cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group: GroupSpec | None = None) -> np.ndarray:

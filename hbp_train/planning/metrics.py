@@ -23,15 +23,12 @@ A step's ABR/DBR is the mean over its slots. A slot whose packs are all empty co
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hbp_train.planning.balance import default_pack_cost, pack_costs
 from hbp_train.planning.csr import gather_ranges, segment_sums
-
-if TYPE_CHECKING:  # annotations only: Plan.compute_metrics calls this module
-    from hbp_train.planning.plan import Plan
+from hbp_train.planning.plan import Plan
 
 
 # Octave buckets of the length mix: (0, top/2^(B-1)], ..., (top/4, top/2], (top/2, top] with top the largest pack_len.
@@ -141,6 +138,12 @@ def slot_imbalance(values: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         out = (mx[:, None] - values).sum(axis=1) / (mx * n)
     return np.where(mx > 0, out, 0.0)
+
+
+def with_metrics(plan: Plan) -> Plan:
+    """Fill ``plan.metrics`` and ``plan.step_metrics`` from its steps; returns the plan."""
+    plan.metrics, plan.step_metrics = compute_metrics(plan)
+    return plan
 
 
 def compute_metrics(plan: Plan) -> tuple[dict, dict]:

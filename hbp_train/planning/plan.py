@@ -10,7 +10,8 @@ replica runs, in order. Internally everything is flat numpy so a 1M-sample plan 
   packs that run at the same time next to each other, which is what balancing and the metrics look at.
 
 Python lists are only built when serialising (``to_dict`` / ``to_json``); ``from_json`` rebuilds the arrays.
-The JSON layout is the contract in docs/architecture.md ("Plan").
+The JSON layout is the contract in docs/architecture.md ("Plan"). The metrics are computed by
+hbp_train/planning/metrics.py, which sits above this module (``with_metrics``); ``to_dict`` needs them filled.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class PlanConfig:
 
 @dataclass
 class Plan:
-    """A complete plan. Build one with ``make_plan`` (hbp_train.planning) or ``Plan.from_json``."""
+    """A complete plan. Build one with ``make_plan`` (hbp_train.planning) or read one with ``plan_npz.load_plan``."""
 
     config: PlanConfig
     """The config the plan was made with (pack_cost is not serialised)."""
@@ -193,9 +194,9 @@ class Plan:
     deferred: list[dict] = field(default_factory=list)
     """Samples a strategy delayed ({"index", "waited_steps"}); empty for hbp/isf."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """Plan-wide metrics (DBR, PR, ABR, CR, AveT, sp_required_share, ...), filled by compute_metrics()."""
+    """Plan-wide metrics (DBR, PR, ABR, CR, AveT, sp_required_share, ...), filled by metrics.with_metrics()."""
     step_metrics: dict[str, np.ndarray] = field(default_factory=dict)
-    """Per-step metric arrays (ABR, DBR, tokens, group), filled by compute_metrics()."""
+    """Per-step metric arrays (ABR, DBR, tokens, group), filled by metrics.with_metrics()."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Other top-level JSON keys to keep (e.g. planning wall time); written as-is by to_dict()."""
 
@@ -253,13 +254,6 @@ class Plan:
 
     def pack(self, p: int) -> np.ndarray:
         return self.pack_samples[self.pack_ptr[p]:self.pack_ptr[p + 1]]
-
-    def compute_metrics(self) -> "Plan":
-        """Fill ``metrics`` and ``step_metrics`` (see hbp_train.planning.metrics). Returns self."""
-        from hbp_train.planning.metrics import compute_metrics
-
-        self.metrics, self.step_metrics = compute_metrics(self)
-        return self
 
     # -- checks ------------------------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -339,8 +333,8 @@ class Plan:
     def to_dict(self, step_rows: list | None = None) -> dict:
         """The plan as JSON-ready Python objects (docs/architecture.md). ``step_rows``: optional per-step
         "rows" (the packed-shard writer adds them)."""
-        if not self.metrics:
-            self.compute_metrics()
+        if not self.metrics:  # metrics.py sits above this module: its caller fills them
+            raise ValueError("plan.to_dict: the plan has no metrics; fill them first (planning.metrics.with_metrics)")
         flat = self.pack_samples.tolist()
         ptr = self.pack_ptr.tolist()
         packs = [flat[ptr[p]:ptr[p + 1]] for p in range(self.num_packs)]
@@ -393,7 +387,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        """Rebuild a plan (numpy arrays) from its JSON dict. Needs "lengths" (written by to_dict)."""
+        """Rebuild a plan (numpy arrays) from its JSON dict. Needs "lengths" (written by to_dict). Its metrics are
+        left empty: ``planning.metrics.with_metrics`` recomputes them from the steps (plan_npz.load_plan does)."""
         if d.get("version", PLAN_VERSION) != PLAN_VERSION:
             raise UserError(f"plan version {d.get('version')!r} is not the version {PLAN_VERSION} this code reads; "
                             "re-run python -m data_tools.pack to rebuild the plan")
@@ -435,7 +430,7 @@ class Plan:
             dropped_reason=[x["reason"] for x in dropped], deferred=list(d.get("deferred", [])),
             extra={k: v for k, v in d.items() if k not in known},
         )
-        return plan.compute_metrics()
+        return plan
 
     @classmethod
     def from_json(cls, path: str | Path) -> "Plan":

@@ -28,6 +28,7 @@ import numpy as np
 
 from hbp_train.errors import UserError
 from hbp_train.outputs import atomic_write
+from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import PLAN_VERSION, GroupSpec, Plan, PlanConfig
 
 FORMAT = "hbp-plan-npz"
@@ -54,7 +55,7 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 def write_npz(plan: Plan, path, pack_row: np.ndarray | None = None) -> None:
     """Write ``plan`` as a binary plan to ``path`` (atomically; see the module docstring)."""
     if not plan.metrics:
-        plan.compute_metrics()
+        with_metrics(plan)
     reasons = sorted(set(plan.dropped_reason))
     code = {r: i for i, r in enumerate(reasons)}
     header = {"format": FORMAT, "version": PLAN_VERSION, **plan.config.to_dict(), "num_samples": plan.num_samples,
@@ -169,4 +170,4 @@ def save_plan(plan: Plan, path, step_rows: list | None = None, pack_row: np.ndar
 
 def load_plan(path, mmap: bool = True) -> Plan:
     """Read a plan written by save_plan: binary for ``.npz``, JSON otherwise."""
-    return read_npz(path, mmap) if is_binary_path(path) else Plan.from_json(path)
+    return read_npz(path, mmap) if is_binary_path(path) else with_metrics(Plan.from_json(path))

@@ -27,6 +27,7 @@ from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import replace_dir, staging_dir
 from hbp_train.planning.csr import gather_ranges
+from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import Plan
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
@@ -168,6 +169,8 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
                 part.save_to_disk(str(staged / f"group_{g}"), num_shards=min(shards, max(1, len(packs))))
                 rows_written[g] = len(packs)
                 del part
+        if not plan.metrics:  # a plan read back by Plan.from_dict
+            with_metrics(plan)
         if plan_format == "npz":
             from hbp_train.planning.plan_npz import write_npz
 

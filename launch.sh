@@ -7,6 +7,7 @@
 #   ./launch.sh eval [ARGS]         evaluation (python -m eval.run); --setup-opencompass builds its own venv
 #   ./launch.sh preprocess|pack|simulate|compare [ARGS]  python -m data_tools.<command> ARGS
 #   ./launch.sh profile|calibrate|export [ARGS]          python -m hbp_train.profiler | .perf.calibrate | .export
+#   ./launch.sh make-code-data [ARGS]  python -m data_tools.make_code_data: SFT chats from this Python's stdlib
 #   (the same commands are in the venv as hbp-train, hbp-preprocess, hbp-pack, ..., hbp-eval, hbp-demo)
 #   ./launch.sh setup               only the set-up
 #   ./launch.sh wheelhouse DIR [--python-version 3.12] [--torch none]  every wheel the venv needs, for an offline node
@@ -135,6 +136,7 @@ case "$cmd" in
   train) setup; train "$@" ;;
   eval) setup; exec "$PY" -m eval.run "$@" ;;
   preprocess|pack|simulate|compare) setup; exec "$PY" -m "data_tools.$cmd" "$@" ;;
+  make-code-data) setup; exec "$PY" -m data_tools.make_code_data "$@" ;;
   profile) setup; exec "$PY" -m hbp_train.profiler "$@" ;;
   calibrate) setup; exec "$PY" -m hbp_train.perf.calibrate "$@" ;;
   export) setup; exec "$PY" -m hbp_train.export "$@" ;;

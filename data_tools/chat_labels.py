@@ -91,7 +91,9 @@ class ChatEncoder:
         self.template = template or DEFAULT_CHAT_TEMPLATE
         self.label_mode = "generation" if _GENERATION_TAG.search(self.template) else "incremental"
 
-    def _render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as the text the template makes; ``encode`` tokenizes this text (no special tokens
+        added), so its token count is the sample's length (data_tools.make_code_data caps with it)."""
         return self.tokenizer.apply_chat_template(turns, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
@@ -114,13 +116,13 @@ class ChatEncoder:
         return ids, labels
 
     def _encode_incremental(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        full = self._render(turns)
+        full = self.render(turns)
         spans = []
         for i, turn in enumerate(turns):
             if turn["role"] != "assistant":
                 continue
-            before = self._render(turns[:i], add_generation_prompt=True)
-            through = self._render(turns[: i + 1])
+            before = self.render(turns[:i], add_generation_prompt=True)
+            through = self.render(turns[: i + 1])
             if through.startswith(before) and full.startswith(through):
                 spans.append((len(before), max(len(before), len(through.rstrip()))))
                 continue
@@ -145,7 +147,7 @@ class ChatEncoder:
         """(start, end) of assistant turn i's text in ``full`` (its end-of-turn text included), found by rendering
         the conversation with the turn's content replaced by a sentinel; None if that does not frame it."""
         probe = [*turns[:i], {**turns[i], "content": _SENTINEL}, *turns[i + 1:]]
-        text = self._render(probe)
+        text = self.render(probe)
         if text.count(_SENTINEL) != 1:
             return None
         before, after = text.split(_SENTINEL)
@@ -162,7 +164,7 @@ class ChatEncoder:
         removed; "" if a one-turn render does not show it."""
         if not hasattr(self, "_closing"):
             try:
-                text = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
+                text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}])
                 self._closing = text.split(_SENTINEL)[1].rstrip() if text.count(_SENTINEL) == 1 else ""
             except Exception:  # noqa: BLE001 -- a template that cannot render the probe: label the content only
                 self._closing = ""

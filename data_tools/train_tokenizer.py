@@ -53,8 +53,9 @@ def training_texts() -> list[str]:
     return texts
 
 
-def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
-    """Train the BPE and save the HF tokenizer directory ``out``; returns ``out``."""
+def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096, texts: list[str] | None = None) -> Path:
+    """Train the BPE on ``texts`` (default: ``training_texts()``, the shipped tokenizer's) and save the HF tokenizer
+    directory ``out``; returns ``out``. data_tools.make_code_data passes the text of its train split."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -68,7 +69,7 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_texts(), trainer=trainer)
+    tokenizer.train_from_iterator(training_texts() if texts is None else texts, trainer=trainer)
 
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -81,7 +81,7 @@ def test_assistant_masks_of_each_template_style(tmp_path, style):
     assert encoder.label_mode == "incremental"
     for turns, expected in zip(CONVERSATIONS, EXPECTED[style]):
         ids, labels = encoder.encode(turns)
-        rendered = encoder._render(turns)
+        rendered = encoder.render(turns)
         text, runs = labelled_texts(encoder, ids, labels)
         assert text == rendered.removeprefix(encoder.tokenizer.bos_token or "") or text == rendered
         # each labelled run is one assistant turn's text as rendered (a token may carry the whitespace before it)

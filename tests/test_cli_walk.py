@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Every tool with flags, by module: each has main(argv) and build_parser() (test_the_tools_are_every_entry_point
 # keeps the list complete).
 TOOLS = ["data_tools.preprocess", "data_tools.pack", "data_tools.simulate", "data_tools.compare",
-         "data_tools.make_demo_data", "data_tools.train_tokenizer", "hbp_train.perf.calibrate", "hbp_train.export",
-         "hbp_train.demo", "hbp_train.run_plot", "hbp_train.launch", "eval.run"]
+         "data_tools.make_demo_data", "data_tools.make_code_data", "data_tools.train_tokenizer",
+         "hbp_train.perf.calibrate", "hbp_train.export", "hbp_train.demo", "hbp_train.run_plot", "hbp_train.launch",
+         "eval.run"]
 # Entry points whose arguments are Hydra overrides of the run config (tests/test_config_walk.py walks them).
 HYDRA_CLIS = {"hbp_train.train", "hbp_train.config", "hbp_train.profiler", "hbp_train.profiler.cli"}
 # Entry points that are not user tools: started by the project itself with arguments it wrote.
@@ -42,6 +43,8 @@ _TORCHRUN = "torchrun's own, passed on unchanged (rendezvous, logging and worker
 FREE_FORM = {
     "data_tools.preprocess --input": "files or dataset folders checked one by one, a missing one being a bad-input "
                                      "reason that --on-error skip drops (test_preprocess)",
+    "data_tools.make_code_data --modules": "module names, each one that matches no usable module a one-line error "
+                                           "(test_make_code_data)",
     "data_tools.pack --groups": "pack_len:sp list or auto, parse_groups (test_planning_cli)",
     "data_tools.pack --model-shape": "preset, JSON or file, parse_model_shape (test_shape)",
     "data_tools.simulate --name": "a free label",

@@ -309,7 +309,8 @@ def test_out_never_replaces_a_file_that_is_not_a_plan(tmp_path, lengths_file, ca
 
 
 @pytest.mark.parametrize("module", ["data_tools.pack", "data_tools.compare", "data_tools.simulate",
-                                    "data_tools.preprocess", "data_tools.make_demo_data", "hbp_train.perf.calibrate",
+                                    "data_tools.preprocess", "data_tools.make_demo_data", "data_tools.make_code_data",
+                                    "hbp_train.perf.calibrate",
                                     "bench.bench_planner", "bench.bench_simulated_speedup"])
 def test_every_option_of_every_planning_cli_says_its_default(module):
     """--help of each CLI: every option explained; every option that takes a value says its default or that it is

@@ -1,4 +1,4 @@
-"""Planner benchmark: isf, bfd, sorted and hbp on a seeded long-tailed mix (1M samples by default), in one process.
+"""Planner benchmark: isf, bfd, sorted, kk and hbp on a seeded long-tailed mix (1M samples by default), in one process.
 
     .venv/bin/python bench/bench_planner.py [--samples 1000000] [--repeats 3] [--world-size 32]
     .venv/bin/python bench/bench_planner.py --samples 10000000 --repeats 1 --strategies isf --no-cost-model  # 10M
@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats, the best is reported (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the mix and the planners (default 0)")
     ap.add_argument("--world-size", type=int, default=32, help="GPUs (W) the plan is made for (default 32)")
-    ap.add_argument("--strategies", default="isf,bfd,sorted,hbp-sort",
-                    help="comma-separated strategies planned besides hbp (isf, bfd, sorted, hbp-sort; isf is always "
-                         "planned, as the reference of the ratios) (default isf,bfd,sorted,hbp-sort)")
+    ap.add_argument("--strategies", default="isf,bfd,sorted,kk,hbp-sort",
+                    help="comma-separated strategies planned besides hbp (isf, bfd, sorted, kk, hbp-sort; isf is "
+                         "always planned, as the reference of the ratios) (default isf,bfd,sorted,kk,hbp-sort)")
     ap.add_argument("--no-cost-model", action="store_true",
                     help="skip the extra hbp plan balanced with the cost model (default: plan it)")
     ap.add_argument("--global-tokens", type=int, default=None,
@@ -130,7 +130,8 @@ def main():
 
     print(f"{args.samples} samples, {lengths.sum() / 1e9:.2f}G tokens, W={args.world_size}, {global_tokens} tokens "
           f"per step, groups 16384:1,131072:8, best of {args.repeats}")
-    known = {"isf": cfg("isf"), "bfd": cfg("bfd"), "sorted": cfg("sorted"), "hbp-sort": cfg("hbp", "sort")}
+    known = {"isf": cfg("isf"), "bfd": cfg("bfd"), "sorted": cfg("sorted"), "kk": cfg("kk"),
+             "hbp-sort": cfg("hbp", "sort")}
     others = ["isf"] + [n.strip() for n in args.strategies.split(",") if n.strip() and n.strip() != "isf"]
     bad = [n for n in others if n not in known]
     if bad:

@@ -1,6 +1,6 @@
 """Does balance cost quality? Train the same tiny model on the same data with each strategy's plan; held-out loss.
 
-    python bench/bench_quality.py [--datasets demo,long] [--strategies isf,sorted,bfd,hbp,hbp-unmixed]
+    python bench/bench_quality.py [--datasets demo,long] [--strategies isf,sorted,bfd,kk,hbp,hbp-unmixed]
         [--seeds 0,1,2,3,4,5] [--epochs 3] [--work bench/out/quality] [--plot bench/out/quality.png] [--resume]
 
 For every dataset: generate it (data_tools.make_demo_data), tokenize it (data_tools.preprocess) and pack its
@@ -9,12 +9,19 @@ held-out counterpart; then, for every strategy and plan seed, plan the training 
 --global-tokens 8192 --curriculum-steps 4 --seed S`` makes), write its packed shards and train the real trainer
 (``hbp_train.launch`` torchrun, 2 CPU processes, experiment=cpu_demo, the same model seed for every run) for
 ``--epochs`` epochs, and read the final held-out loss (``loss/eval``, token mean over the held-out set) from the
-run's metrics.jsonl. One training at a time (the machine has 2 cores). About a minute per run on 2 free cores: the defaults (2 datasets x 5 strategies x 6 seeds) take ~45 minutes.
+run's metrics.jsonl. One training at a time (the machine has 2 cores). About a minute per run on 2 free cores: the
+defaults (2 datasets x 6 strategies x 6 seeds) take about an hour.
 
-Strategies (VARIANTS below): isf, sorted, hbp (step_mix="mixed", the default: optimizer steps that mix the groups),
-hbp-stratified (steps of one group, one slot per cost stratum), hbp-unmixed (step_mix="sorted": the earlier hbp),
-and the ablations and diagnostics that found the cause (isf-split, hbp-1group, isf-120, isf-nocurr,
-hbp-noshuffle, isf-sum, hbp-sum; see their comments).
+Every strategy trains at equal optimisation (the planner's default step_tokens="real", #24): the same number of
+optimizer steps of the same real tokens (8192 a step, to within one slot), so a strategy's packing changes its
+speed, never its number of updates. isf-capacity and hbp-capacity size steps by pack capacity instead, as before
+#24: hbp's denser packs then make fewer, larger steps (the cause of its loss there).
+
+Strategies (VARIANTS below): isf, sorted, bfd, kk (veRL's Karmarkar-Karp balancing), hbp (step_mix="mixed", the
+default: optimizer steps that mix the groups), hbp-stratified (steps of one group, one slot per cost stratum),
+hbp-unmixed (step_mix="sorted": the earlier hbp), isf-capacity and hbp-capacity (above), and the ablations and
+diagnostics that found the cause of #16 (isf-split, hbp-1group, isf-120, isf-nocurr, hbp-noshuffle, isf-sum,
+hbp-sum; see their comments).
 
 Datasets:
 * ``demo`` — the demo's data: 2000 chats, 4% long (512-1946 tokens); held-out: 64 chats up to 1024 tokens.
@@ -102,6 +109,7 @@ VARIANTS = {
     "isf": (_plan("isf"), []),
     "sorted": (_plan("sorted"), []),
     "bfd": (_plan("bfd"), []),  # best-fit decreasing into the largest pack (TRL / ms-swift packing)
+    "kk": (_plan("kk"), []),  # veRL: each step's samples split across the replicas by Karmarkar-Karp on workload
     "hbp": (_plan("hbp"), []),  # step_mix="mixed": optimizer steps that mix the groups, spread over the costs
     # hbp with only the first half of the fix (steps of one group, one slot per cost stratum), and the earlier hbp
     # (m consecutive cost-sorted slots per step: steps homogeneous in length)
@@ -114,15 +122,18 @@ VARIANTS = {
     # (the trainer shuffles the steps of later epochs uniformly by default, data.shuffle_epochs)
     "isf-nocurr": (_plan("isf", curriculum_steps=0), []),
     "hbp-nocurr": (_plan("hbp", curriculum_steps=0), []),
-    # isf stopped after 120 steps (hbp's count on the demo: its denser packs need fewer steps)
-    "isf-120": (_plan("isf"), ["train.max_steps=120"]),
+    # steps sized by pack capacity (before #24): hbp's denser packs make fewer, larger optimizer steps than isf's
+    "isf-capacity": (_plan("isf", step_tokens="capacity"), []),
+    "hbp-capacity": (_plan("hbp", step_tokens="capacity"), []),
+    # isf stopped after 120 steps (#16: hbp's step count on the demo when steps were sized by capacity)
+    "isf-120": (_plan("isf", step_tokens="capacity"), ["train.max_steps=120"]),
     "hbp-noshuffle": (_plan("hbp", step_mix="stratified"), ["data.shuffle_epochs=false"]),
     # diagnostics: the loss as a plain sum of token losses (every loss token weighs the same whatever its step),
     # no gradient clipping (clipping would re-weight steps by their gradient norm)
     "isf-sum": (_plan("isf"), ["loss.normalizer=sum", "train.grad_clip=0"]),
     "hbp-sum": (_plan("hbp", step_mix="stratified"), ["loss.normalizer=sum", "train.grad_clip=0"]),
 }
-DEFAULT_VARIANTS = "isf,sorted,bfd,hbp,hbp-unmixed"
+DEFAULT_VARIANTS = "isf,sorted,bfd,kk,hbp,hbp-unmixed"
 
 
 def env() -> dict:

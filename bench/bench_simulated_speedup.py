@@ -4,8 +4,9 @@
 
 The mix is bench/bench_planner.py's ``long_tailed_lengths``: 95% chat-like samples (lognormal, median 600, clipped
 to [16, 32768]) and 5% long documents (log-uniform 8K-128K), seeded. Planned at max_len 128K, W=32, groups 16384:1,131072:8 (hbp; the single-group strategies use 131072:8),
-4M tokens per step, and simulated with the shipped H100 Llama-3-8B calibration (hbp_train/perf/cost_model.py,
-docs/simulator.md). Prints one row per strategy and the speed-up over isf and over the best baseline (fastest of isf, bfd, sorted)
+4M real tokens per step (the same optimizer steps for every strategy), and simulated with the shipped H100 Llama-3-8B
+calibration (hbp_train/perf/cost_model.py, docs/simulator.md). Prints one row per strategy and the speed-up over isf
+and over the best baseline (fastest of isf, bfd, sorted, kk, kk-cost)
 measured in this same run, twice, from
 the same plans: compute only (no optimizer step, no ZeRO collectives: the UPPER bound) and with ZeRO-2's
 collectives fully exposed plus the optimizer step (--zero-stage 2 --comm-overlap 0: the PESSIMISTIC bound;

@@ -4,11 +4,13 @@
         --groups 16384:1,131072:8 [--calibration FILE] [--plot cmp.png] [--out cmp.json]
     python -m data_tools.compare --lengths lengths.txt --world-size 8 --groups auto --profile profile.json
 
-Plans the lengths with each strategy (isf, bfd, sorted, hbp, hbp-cost = hbp balancing predicted pack time from the
-cost model instead of Σ len², wlb, bytescale), simulates each plan with the cost model (data_tools.simulate's
-model; nothing runs on a GPU) and prints one row per strategy with the speed-up over isf AND over the best
-baseline users run (the fastest of isf, bfd and sorted in this same run: beating the weak isf alone proves
-little), then one line naming that baseline and hbp's speed-up over it. bytescale is simulated
+Plans the lengths with each strategy (isf, bfd, sorted, kk = veRL's Karmarkar-Karp on 24576·s + s², kk-cost = kk
+on the cost model's predicted time, hbp, hbp-cost = hbp balancing predicted pack time from the cost model instead
+of Σ len², wlb, bytescale), every one to the same optimizer steps of the same real tokens (--global-tokens),
+simulates each plan with the cost model (data_tools.simulate's model; nothing runs on a GPU) and prints one row per
+strategy with the speed-up over isf AND over the best baseline users run (the fastest of isf, bfd, sorted, kk and
+kk-cost in this same run: beating the weak isf alone proves little), then one line naming that baseline and hbp's
+speed-up over it. bytescale is simulated
 with one synchronisation per step (ZeRO-0/1, the only stages it may run with); every other plan with one per
 micro-batch (ZeRO-2/3). By default compute only (an upper bound of the speed-ups); --zero-stage S adds ZeRO's
 collectives and the optimizer step (bytescale at stage 1 when S is 2 or 3), --comm-overlap F hides a share of the
@@ -31,7 +33,7 @@ from hbp_train.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
 
-STRATEGIES = ("isf", "bfd", "sorted", "hbp", "hbp-cost", "wlb", "bytescale")
+STRATEGIES = ("isf", "bfd", "sorted", "kk", "kk-cost", "hbp", "hbp-cost", "wlb", "bytescale")
 
 COLUMNS = [("name", "strategy", "s"), ("ABR", "ABR", ".4f"), ("DBR", "DBR", ".4f"), ("PR", "PR", ".4f"),
            ("CR", "CR", ".3f"), ("num_steps", "steps", "d"), ("num_slots", "slots", "d"), ("planning_seconds", "plan s", ".2f"),
@@ -39,9 +41,10 @@ COLUMNS = [("name", "strategy", "s"), ("ABR", "ABR", ".4f"), ("DBR", "DBR", ".4f
            ("simulated_hours", "sim hours", ".3f"), ("idle_fraction", "idle", ".3f"),
            ("speedup", "speed-up", ".3f"), ("speedup_best", "vs best", ".3f")]
 
-# The single-group baselines users actually run (naive packing, TRL/ms-swift best fit, LongAlign sorting): every
-# comparison reports hbp against the fastest of those present as well as against isf.
-BASELINES = ("isf", "bfd", "sorted")
+# The single-group baselines users actually run (naive packing, TRL/ms-swift best fit, LongAlign sorting, veRL's
+# Karmarkar-Karp balancing, also on the cost model): every comparison reports hbp against the fastest of those
+# present as well as against isf.
+BASELINES = ("isf", "bfd", "sorted", "kk", "kk-cost")
 
 
 def compare_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, strategies=STRATEGIES,
@@ -68,9 +71,9 @@ def plan_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, s
                         sim_config.gpus_per_node)
     out = {}
     for name in tqdm(strategies, desc="strategies", disable=not progress):
-        strategy = "hbp" if name == "hbp-cost" else name
-        # wlb and bytescale balance a workload; give them the same cost model the simulator uses.
-        use_cost = name in ("hbp-cost", "wlb", "bytescale")
+        strategy = name.removesuffix("-cost")
+        # wlb and bytescale balance a workload; give them (and the -cost variants) the cost model the simulator uses.
+        use_cost = name.endswith("-cost") or name in ("wlb", "bytescale")
         cfg = PlanConfig(strategy=strategy, pack_cost=cost if use_cost else None, **plan_kwargs)
         t0 = time.perf_counter()
         plan = make_plan(lengths, cfg)
@@ -158,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --groups auto: the profiler's JSON (python -m hbp_train.profiler) (default: none; "
                         "--groups auto needs it)")
     p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
-                   help="target tokens per optimizer step (default 4194304)")
+                   help="real tokens per optimizer step: every strategy makes round(T / G) steps (default 4194304)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="planning seed (default 0)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {', '.join(STRATEGIES)} (default: all)")

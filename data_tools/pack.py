@@ -64,14 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="FILE", type=existing_file,
                    help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
                    "(default: none; --groups auto needs it)")
-    p.add_argument("--strategy", choices=["hbp", "isf", "bfd", "sorted", "wlb", "bytescale"], default="hbp",
+    p.add_argument("--strategy", choices=["hbp", "isf", "bfd", "sorted", "wlb", "bytescale", "kk"], default="hbp",
                    help="hbp = hierarchical balance packing; isf = naive packing into the largest pack_len; bfd = "
                    "best-fit decreasing into the largest pack_len (TRL / ms-swift packing); sorted = "
                    "LongAlign sorted batching; wlb = WLB-LLM workload-balanced packing with outlier delay; bytescale "
-                   "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage) (default hbp)")
+                   "= more micro-batches for lighter replicas (needs ZeRO stage 0/1, see --zero-stage); kk = veRL's "
+                   "Karmarkar-Karp partition of every step's samples across the replicas (default hbp)")
     p.add_argument("--calibration", metavar="FILE", type=existing_file, default=None,
                    help="balance predicted pack time from this cost-model calibration (hbp_train.perf.calibrate JSON) "
-                   "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration)")
+                   "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration, kk "
+                   "veRL's 24576*s + s^2)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
                    help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: the "
                    "calibration's own shape)")
@@ -79,8 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
                    "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
     p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
-                   help="target tokens per optimizer step; micro-batches per replica m = max(1, round(G / (pack_len "
-                   "* W/sp))) (default 4194304)")
+                   help="tokens per optimizer step G: real tokens with --step-tokens real (every strategy then makes "
+                   "round(T / G) optimizer steps for T tokens), pack capacity with --step-tokens capacity "
+                   "(default 4194304)")
+    p.add_argument("--step-tokens", choices=["real", "capacity"], default="real",
+                   help="what --global-tokens counts: real = real (non-padding) tokens, the same number of optimizer "
+                   "steps of the same tokens for every strategy, so a better plan saves time, never updates; "
+                   "capacity = pack capacity, m = max(1, round(G / (pack_len * W/sp))) micro-batches per replica, "
+                   "so denser packs make fewer, larger steps (default real)")
     p.add_argument("--curriculum-steps", type=nonneg_int, default=0,
                    help="the first K steps use only the shortest group (isf: only packs of short samples) (default 0)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed (>= 0) for all shuffles; same inputs + seed = same "
@@ -276,8 +284,26 @@ def check_shards_dir(path: str) -> None:
 
 
 METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"), ("mix_TV", "{:.4f}"),
-               ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"), ("num_packs", "{}"),
-               ("num_dropped", "{}"), ("empty_packs", "{}")]
+               ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"),
+               ("step_tokens_target", "{:.0f}"), ("step_tokens_min", "{}"), ("step_tokens_max", "{}"),
+               ("step_tokens_mean", "{:.0f}"),
+               ("num_packs", "{}"), ("num_dropped", "{}"), ("empty_packs", "{}")]
+
+
+def step_line(plan, global_tokens: int, step_tokens: str) -> str:
+    """What an optimizer step holds, in one line (docs/planning.md "Equal optimisation")."""
+    from hbp_train.planning.equal_steps import step_budget
+
+    m = plan.metrics
+    line = (f"optimizer steps: {m['num_steps']}, each of {m['step_tokens_min']}..{m['step_tokens_max']} real tokens "
+            f"(mean {m['step_tokens_mean']:.0f}; target {m['step_tokens_target']:.0f} = the real tokens / "
+            f"round(real tokens / --global-tokens {global_tokens}))")
+    if step_tokens == "capacity":
+        line += "; --step-tokens capacity: steps sized by pack capacity, so strategies differ in step count"
+    elif m["num_steps"] < step_budget(m["tokens"], global_tokens)[0]:
+        line += ("; fewer steps than the target: a step holds at least one micro-batch of every replica, more "
+                 "than --global-tokens here")
+    return line
 
 
 def metrics_table(plans: dict) -> str:
@@ -332,7 +358,7 @@ def run(argv=None) -> int:
                          global_tokens=args.global_tokens, max_len=args.max_len,
                          curriculum_steps=args.curriculum_steps, seed=args.seed, isf_rounds=args.isf_rounds,
                          isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
-                         progress=not args.quiet,
+                         step_tokens=args.step_tokens, progress=not args.quiet,
                          pack_cost=pack_cost)
         t0 = time.perf_counter()
         plan = make_plan(lengths, cfg)
@@ -349,7 +375,8 @@ def run(argv=None) -> int:
             save_plan(plan, args.out)
         except OSError as e:  # checked before the planning; a full disk or a folder that changed since
             raise CliError(f"--out {args.out}: cannot write ({e.strerror})") from None
-        print(f"wrote {args.out} ({plan.num_steps} steps, {plan.num_packs} packs) in {time.perf_counter() - t0:.2f}s")
+        print(f"wrote {args.out} ({plan.num_optimizer_steps} optimizer steps, {plan.num_packs} packs) in "
+              f"{time.perf_counter() - t0:.2f}s")
     if args.shards:
         from hbp_train.planning.shards import write_shards
 
@@ -369,6 +396,7 @@ def run(argv=None) -> int:
                 datasets.enable_progress_bars()
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
+    print(step_line(plan, args.global_tokens, args.step_tokens))
     from hbp_train.planning.metrics import mix_report
 
     # The steps' length mix beside the data's: far above isf's mix_TV means length-skewed steps (docs/planning.md).

@@ -41,8 +41,19 @@ def test_every_variant_plans_every_sample_once_and_the_cache_key_tells_them_apar
         assert isinstance(overrides, list)
     # the same plan trained another way (a diagnostic's overrides) shares a fingerprint; different plans do not
     same = {frozenset(v) for v in prints.values() if len(v) > 1}
-    assert all(group <= {"isf", "isf-120", "isf-sum", "hbp-stratified", "hbp-noshuffle", "hbp-sum"} for group in same)
+    assert all(group <= {"isf", "isf-sum", "hbp-stratified", "hbp-noshuffle", "hbp-sum"}
+               or group == {"isf-capacity", "isf-120"} for group in same)
     assert not any({"hbp", "hbp-stratified"} <= group for group in same)  # optimizer steps are part of the key
+
+
+def test_the_compared_strategies_make_equal_optimizer_steps(bench):
+    """The default comparison is at equal optimisation: every default strategy makes the same optimizer steps;
+    by capacity (before #24) hbp's denser packs made fewer."""
+    lengths = _lengths(3)
+    steps = {name: bench.VARIANTS[name][0](lengths, 0).num_optimizer_steps
+             for name in bench.DEFAULT_VARIANTS.split(",") + ["hbp-capacity", "isf-capacity"]}
+    assert len({steps[name] for name in bench.DEFAULT_VARIANTS.split(",")}) == 1, steps
+    assert steps["hbp-capacity"] < steps["isf-capacity"], steps
 
 
 def test_isf_split_ablation_separates_long_and_short_packs(bench):

@@ -26,7 +26,8 @@ from tests.test_planning_properties import GROUP_SETS, SETTINGS
 @st.composite
 def cases(draw):
     """hbp plans with several full steps of several micro-batches in their groups (where the dealing matters):
-    a long-tailed mix, W in 1..8, m = 2..5 micro-batches in the smallest group and samples for several steps."""
+    a long-tailed mix, W in 1..8, m = 2..5 micro-batches in the smallest group and samples for several steps. By
+    capacity: the steps hbp deals (by real tokens they are re-cut from the same slots: tests/test_equal_steps.py)."""
     groups = draw(st.sampled_from(GROUP_SETS))
     world = draw(st.sampled_from([1, 2, 4, 8]).filter(lambda w: all(w % g.sp == 0 for g in groups)))
     top, small = groups[-1].pack_len, groups[0].pack_len
@@ -38,7 +39,7 @@ def cases(draw):
     lengths = rng.permutation(np.r_[short, long]).astype(np.int64)
     cfg = PlanConfig(world_size=world, groups=groups, strategy="hbp", global_tokens=m * small * replicas,
                      curriculum_steps=draw(st.integers(0, 3)), seed=draw(st.integers(0, 3)),
-                     balance=draw(st.sampled_from(["refine", "sort"])))
+                     balance=draw(st.sampled_from(["refine", "sort"])), step_tokens="capacity")
     return lengths, cfg
 
 
@@ -130,7 +131,7 @@ def test_stratified_steps_follow_the_data_mix_closer_than_sorted_ones(seed):
     stratified dealing brings the mean step closer to the data's length mix, at the same balance."""
     lengths = _long_tailed(seed)
     cfg = PlanConfig(world_size=4, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=1 << 15, seed=seed,
-                     step_mix="stratified")
+                     step_mix="stratified", step_tokens="capacity")
     mixed, plain = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="sorted"))
     isf = make_plan(lengths, replace(cfg, strategy="isf"))
     assert mixed.metrics["mix_TV"] < 0.8 * plain.metrics["mix_TV"]
@@ -201,14 +202,16 @@ def test_mixed_optimizer_steps_hold_every_group_in_proportion_with_the_same_slot
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_mixed_steps_hold_the_datas_length_mix(seed):
-    """With optimizer steps that mix the groups, the steps' length mix is as close to the data's as a random fill
-    (isf) gets, or closer (mix_TV), and far closer than steps of one group; the balance is the same."""
+    """With optimizer steps that mix the groups, the steps' length mix is about as close to the data's as a random
+    fill (isf) gets (mix_TV; hbp's steps take whole slots, ~8 a step here, isf's mix at the sample level: measured
+    1.1-1.24x isf's at equal real tokens per step) and far closer than steps of one group; the balance is the same."""
     lengths = _long_tailed(seed)
     cfg = PlanConfig(world_size=4, groups=[GroupSpec(1024, 1), GroupSpec(2048, 2)], global_tokens=1 << 15, seed=seed)
-    mixed, strat = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="stratified"))
+    # stratified by capacity: steps of one group each (by real tokens they are re-cut across the groups too)
+    mixed, strat = make_plan(lengths, cfg), make_plan(lengths, replace(cfg, step_mix="stratified", step_tokens="capacity"))
     isf = make_plan(lengths, replace(cfg, strategy="isf"))
     assert mixed.metrics["mix_TV"] < 0.6 * strat.metrics["mix_TV"]
-    assert mixed.metrics["mix_TV"] < 1.2 * isf.metrics["mix_TV"]
+    assert mixed.metrics["mix_TV"] < 1.3 * isf.metrics["mix_TV"]
     assert mixed.metrics["ABR"] == pytest.approx(strat.metrics["ABR"])
 
 
@@ -266,7 +269,7 @@ def test_plan_mix_metrics():
     edges = plan.metrics["mix_edges"]
     assert plan.metrics["data_mix"][int(np.searchsorted(edges, 900))] == pytest.approx(0.9)
     # One step of the long samples, one of the short ones: each step is far from the data's 10/90 mix.
-    plan = make_plan(np.array([900, 900, 100, 100], np.int64), replace(cfg, global_tokens=1800,
+    plan = make_plan(np.array([900, 900, 100, 100], np.int64), replace(cfg, global_tokens=1800, step_tokens="capacity",
                                                                       groups=[GroupSpec(1800, 1)]))
     tv = plan.step_metrics["mix_TV"]
     assert sorted(tv.tolist()) == pytest.approx([0.1, 0.9])

@@ -133,13 +133,14 @@ def test_lpt_repack_deals_every_sample_once_within_capacity_and_evens_the_cost()
 def test_tail_steps_are_balanced_like_full_steps():
     # A group's last, partial step used to be made of the packer's least-filled packs (ABR up to ~0.25 on this
     # mix); its samples are now dealt afresh by attention cost. (Steps of one group each, to find the tails; with
-    # step_mix="mixed" the same slots are dealt to steps that mix the groups: tests/test_planning_mix.py.)
+    # step_mix="mixed" the same slots are dealt to steps that mix the groups: tests/test_planning_mix.py; by
+    # capacity, the steps as build_steps makes them.)
     from bench.bench_planner import long_tailed_lengths
 
     lengths = long_tailed_lengths(20000, 1)
     plan = make_plan(lengths, PlanConfig(world_size=16, groups=[GroupSpec(16384, 1), GroupSpec(131072, 8)],
                                          strategy="hbp", global_tokens=16 * 131072, max_len=131072, seed=0,
-                                         step_mix="stratified"))
+                                         step_mix="stratified", step_tokens="capacity"))
     steps = plan.to_dict()["step_metrics"]
     full = max(s["micro_batches"] for s in steps)
     tails = [s for s in steps if s["micro_batches"] != full]
@@ -184,6 +185,6 @@ def test_partial_tail_step_has_as_many_micro_batches_as_its_packs_need():
     # isf, every sample a full pack: 2 full steps of 2 replicas x 3 micro-batches, then 2 packs -> 1 micro-batch.
     lengths = np.full(2 * 3 * 2 + 2, 64, np.int64)
     plan = make_plan(lengths, PlanConfig(world_size=2, groups=[GroupSpec(64, 1)], strategy="isf",
-                                         global_tokens=64 * 2 * 3))
+                                         global_tokens=64 * 2 * 3, step_tokens="capacity"))
     assert sorted(plan.step_micro_batches().tolist()) == [1, 3, 3]
     assert plan.num_empty_packs == 0

@@ -1,7 +1,10 @@
 """Property tests (hypothesis) of the isf and hbp planners: conservation, capacity, equal micro-batch counts,
-W/sp replicas, determinism, step sizes, tail rule, curriculum, JSON round trip."""
+W/sp replicas, determinism, step sizes (by capacity; by real tokens: tests/test_equal_steps.py), tail rule,
+curriculum, JSON round trip."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings
@@ -28,6 +31,7 @@ def cases(draw):
         world_size=world, groups=groups, strategy=draw(st.sampled_from(["hbp", "isf"])),
         global_tokens=draw(st.integers(1, 8 * top * world)), curriculum_steps=draw(st.integers(0, 3)),
         seed=draw(st.integers(0, 3)), balance=draw(st.sampled_from(["refine", "sort"])),
+        step_tokens=draw(st.sampled_from(["real", "capacity"])),
     )
     return np.asarray(lengths, np.int64), cfg
 
@@ -63,15 +67,18 @@ def test_plan_invariants(case):
 # Found by a random draw: with mixed steps, the tail's slot (one sample and an empty pack) is dealt into a step
 # whose other slot holds two-sample packs.
 TAIL_DEALT_INTO_A_FULL_STEP = (np.array([16, 16, 16, 16, 16, 16, 22, 43]),
-                               PlanConfig(world_size=2, groups=[GroupSpec(64, 1)], global_tokens=192, max_len=64))
+                               PlanConfig(world_size=2, groups=[GroupSpec(64, 1)], global_tokens=192, max_len=64,
+                                          step_tokens="capacity"))
 
 
 @SETTINGS
 @given(cases())
 @example(TAIL_DEALT_INTO_A_FULL_STEP)
 def test_steps_sized_to_global_tokens_and_tail(case):
+    """step_tokens="capacity": the steps as the strategies build them (by real tokens they are then re-cut, which
+    tests/test_equal_steps.py checks)."""
     lengths, cfg = case
-    plan = make_plan(lengths, cfg)
+    plan = make_plan(lengths, replace(cfg, step_tokens="capacity"))
     micro = plan.step_micro_batches()
     tokens = plan.step_metrics["tokens"]
     for g in np.unique(plan.step_group):
@@ -101,21 +108,32 @@ def test_deterministic_for_a_seed(case):
     a, b = make_plan(lengths, cfg), make_plan(lengths, cfg)
     for name in ("pack_ptr", "pack_samples", "pack_group", "step_ptr", "step_packs", "step_group", "dropped"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert np.array_equal(a.optimizer_steps(), b.optimizer_steps())
 
 
 @SETTINGS
 @given(cases())
 def test_curriculum_first_steps_shortest(case):
+    """The first K optimizer steps hold only the shortest samples (the lowest GroupData level present; hbp by
+    capacity: its lowest group). By real tokens only where a slot is at most half a step (else a step cannot be cut
+    to its share: equal_steps.py)."""
     lengths, cfg = case
     plan = make_plan(lengths, cfg)
     if plan.num_steps == 0 or cfg.curriculum_steps == 0:
         return
     pack_lens = [g.pack_len for g in cfg.groups]
-    if cfg.strategy == "hbp":
-        level = plan.step_group
+    opt = plan.optimizer_steps()
+    if cfg.strategy == "hbp" and cfg.step_tokens == "capacity":
+        level = plan.step_group[np.r_[True, np.diff(opt) > 0]]
     else:
-        level = np.array([sample_levels(plan.lengths[np.concatenate([plan.pack(p) for p in plan.step_matrix(s).ravel()])],
-                                        pack_lens).max() for s in range(plan.num_steps)])
+        if cfg.step_tokens == "real" and 2 * max(cfg.replicas(g) * cfg.groups[g].pack_len
+                                                 for g in range(len(cfg.groups))) > plan.metrics["step_tokens_target"]:
+            return
+        sample_level = np.zeros(plan.num_samples, np.int64)
+        sample_level[plan.pack_samples] = sample_levels(plan.lengths[plan.pack_samples], pack_lens)
+        level = np.array([sample_level[np.concatenate([plan.pack(p) for s in np.flatnonzero(opt == k)
+                                                       for p in plan.step_matrix(s).ravel()])].max()
+                          for k in range(plan.num_optimizer_steps)])
     k = min(cfg.curriculum_steps, int(np.count_nonzero(level == level.min())))
     assert np.all(level[:k] == level.min())
 

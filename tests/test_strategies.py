@@ -1,4 +1,5 @@
-"""The extra strategies (bfd, sorted, wlb, bytescale): conservation, capacity, their defining properties, the contract."""
+"""The extra strategies (bfd, sorted, wlb, bytescale, kk): conservation, capacity, their defining properties, the
+contract (kk's own properties: tests/test_kk.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hbp_train.planning.baselines.bytescale import check_zero_stage
 from hbp_train.planning.simulator import simulate
 from tests.cli_exit import exit_code
 
-EXTRA = ("bfd", "sorted", "wlb", "bytescale")
+EXTRA = ("bfd", "sorted", "wlb", "bytescale", "kk")
 
 
 @st.composite
@@ -193,7 +194,9 @@ def test_heaviest_first_greedy_meets_grahams_lpt_bound(costs, machines):
     assert not left and max(work) <= bound
 
 
-WLB_CFG = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 2 * 4)  # N = 8
+# WLB's own steps (by capacity: by real tokens they are re-cut, equal_steps.py), N = 8 packs each.
+WLB_CFG = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 2 * 4,
+               step_tokens="capacity")
 
 
 def test_wlb_outlier_threshold_is_inclusive():
@@ -257,16 +260,16 @@ def test_sorted_steps_are_shuffled_after_the_curriculum():
 
 
 def test_isf_curriculum_moves_only_the_first_k_short_steps():
-    """isf: the first K steps whose longest sample fits the smallest group move to the front, in packed order;
-    every other step keeps its packed order."""
+    """isf's own steps (by capacity): the first K steps whose longest sample fits the smallest group move to the
+    front, in packed order; every other step keeps its packed order."""
     from hbp_train.planning.curriculum import sample_levels
 
     rng = np.random.default_rng(3)
     lengths = rng.integers(50, 2000, 3000)
     lengths[rng.random(3000) < 0.004] = 12000  # a long sample in about every other step
-    base = make_plan(lengths, PlanConfig(strategy="isf", **CFG))
+    base = make_plan(lengths, PlanConfig(strategy="isf", step_tokens="capacity", **CFG))
     k = 3
-    cur = make_plan(lengths, PlanConfig(strategy="isf", curriculum_steps=k, **CFG))
+    cur = make_plan(lengths, PlanConfig(strategy="isf", curriculum_steps=k, step_tokens="capacity", **CFG))
 
     def step_key(plan, s):
         return tuple(tuple(plan.pack(p).tolist()) for p in plan.step_matrix(s).ravel())

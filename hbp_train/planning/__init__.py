@@ -7,7 +7,13 @@ Entry point: ``make_plan(lengths, config) -> Plan``. Strategies are a plain if/e
   baselines/isf.py; ``sorted`` — LongAlign sorted batching, baselines/sorted.py; ``wlb`` — WLB-LLM variable-length
   packing with outlier delay, baselines/wlb.py; ``bytescale`` — unequal micro-batch counts per replica (ZeRO 0/1
   only), baselines/bytescale.py; ``bfd`` — best-fit decreasing into the largest pack length (TRL / ms-swift
-  packing, the strongest single-group baseline), baselines/bfd.py
+  packing, the strongest single-group baseline), baselines/bfd.py; ``kk`` — veRL-style Karmarkar-Karp partition of
+  every step's samples across the replicas, baselines/kk.py
+
+Equal optimisation (``config.step_tokens="real"``, the default): every strategy's plan has the same number of
+optimizer steps of (nearly) the same real tokens, equal_steps.py. make_plan re-cuts the steps of the strategies
+that build slots (hbp, isf, bfd, sorted); wlb re-cuts its own (its delays are counted in the new steps), and kk and
+bytescale cut their sample stream to the budget themselves.
 
 Shared pieces other strategies can reuse, bottom layer first: ``csr`` (CSR helpers), ``plan.Plan`` (the types and
 their JSON), ``balance.build_steps`` (packs -> balanced steps with the tail rule), ``curriculum.order_steps``,
@@ -26,7 +32,9 @@ __all__ = ["make_plan", "Plan", "PlanConfig", "GroupSpec", "PackCostFn", "DROP_T
 
 
 # Every strategy make_plan knows (the first two are documented above; the others in their modules).
-ALL_STRATEGIES = ("hbp", "isf", "bfd", "sorted", "wlb", "bytescale")
+ALL_STRATEGIES = ("hbp", "isf", "bfd", "sorted", "wlb", "bytescale", "kk")
+# Strategies that meet the real-token step budget themselves (see the module docstring).
+CUT_OWN_STEPS = ("wlb", "bytescale", "kk")
 
 
 def make_plan(lengths, config: PlanConfig) -> Plan:
@@ -60,7 +68,15 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
         from hbp_train.planning.baselines.bytescale import plan_bytescale
 
         plan = plan_bytescale(lengths, config)
+    elif config.strategy == "kk":
+        from hbp_train.planning.baselines.kk import plan_kk
+
+        plan = plan_kk(lengths, config)
     else:
         raise UserError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
+    if config.step_tokens == "real" and config.strategy not in CUT_OWN_STEPS:
+        from hbp_train.planning.equal_steps import equal_steps
+
+        plan = equal_steps(plan, config.curriculum_steps)
     return with_metrics(plan)
 

@@ -81,7 +81,8 @@ def mix_group_steps(step_ptr: np.ndarray, step_packs: np.ndarray, step_group: np
     interleaves steps: unit j of a group with n units gets the key (j + u) / n, u ~ U(0, 1). Walking the keys, an
     optimizer step takes units while its capacity (pack_len x replicas per slot) stays within half a slot of
     ``config.global_tokens``; its slots of each group form one plan step (the trainer runs them one after the
-    other, each at its group's SP degree, and makes one update). Slots are kept as they are, so the balance (ABR,
+    other, each at its group's SP degree, and makes one update); with ``step_tokens="real"`` every unit is left a
+    step of its own, for equal_steps.py to cut by real tokens. Slots are kept as they are, so the balance (ABR,
     DBR) and the simulated compute time are those of the input steps. With ``curriculum_steps`` K, the first K
     optimizer steps are made of the lowest group's first K x m slots of its sequence. ``empty_pack``: bool per
     pack id.
@@ -118,10 +119,12 @@ def mix_group_steps(step_ptr: np.ndarray, step_packs: np.ndarray, step_group: np
         keys.append((np.arange(n) + rng.random(n)) / max(n, 1))
     current: list[tuple[int, np.ndarray]] = []
     capacity = 0.0
+    # By real tokens (step_tokens="real") every unit stays a step of its own, in key order: equal_steps.py cuts them.
+    by_capacity = config.step_tokens == "capacity"
     for i in np.argsort(np.concatenate(keys), kind="stable").tolist():
         g, packs = units[i]
         cap = slot_cap[g] * (len(packs) // replicas[g])
-        if current and capacity + cap / 2 > config.global_tokens:
+        if current and (not by_capacity or capacity + cap / 2 > config.global_tokens):
             opt_steps.append(current)
             current, capacity = [], 0.0
         current.append((g, packs))

@@ -8,6 +8,8 @@ under DeepSpeed ZeRO, docs/planning.md). With T_r the tokens and A_r = sum of le
 * PR  = 1 - sum tokens / sum over packs of its group's pack_len  (padding ratio)
 * CR  = tokens in steps whose group has sp > 1 / sum tokens      (communication ratio)
 * AveT = sum tokens / (number of optimizer steps * world_size)  (average tokens per rank per step)
+* step_tokens_target / _min / _max / _mean: real tokens per optimizer step — the equal-optimisation target
+  T / max(1, round(T / global_tokens)) and the plan's spread around it (planning/equal_steps.py)
 * sp_required_share = share of tokens in samples longer than the largest sp=1 group's pack_len (they must use
   SP whatever the plan; 1.0 when no group has sp=1) — the floor CR is compared with.
 * length mix: samples fall into MIX_BUCKETS octave buckets of length below the largest pack_len (``mix_edges``);
@@ -28,6 +30,7 @@ import numpy as np
 
 from hbp_train.planning.balance import default_pack_cost, pack_costs
 from hbp_train.planning.csr import gather_ranges, segment_sums
+from hbp_train.planning.equal_steps import step_budget
 from hbp_train.planning.plan import Plan
 
 
@@ -194,6 +197,7 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "sp_required_share": float(required / total) if total else 0.0,
         "tokens": total,
         "num_steps": plan.num_optimizer_steps,  # optimizer steps (plan steps of several groups may share one)
+        **optimizer_step_tokens(plan, step_tokens, total),
         "num_plan_steps": num_steps,
         "num_packs": plan.num_packs,
         "num_slots": int(len(slot_abr)),
@@ -221,6 +225,18 @@ def compute_metrics(plan: Plan) -> tuple[dict, dict]:
         "mix_TV": step_tv,
     }
     return metrics, step_metrics
+
+
+def optimizer_step_tokens(plan: Plan, step_tokens: np.ndarray, total: int) -> dict:
+    """What an optimizer step holds, in real tokens: the equal-optimisation target T / max(1, round(T / G))
+    (equal_steps.step_budget: what every strategy's steps hold under step_tokens="real", whatever its padding) and
+    the plan's min, max and mean per optimizer step. ``step_tokens``: real tokens per plan step."""
+    per_step = np.bincount(plan.optimizer_steps(), step_tokens, minlength=plan.num_optimizer_steps)
+    if len(per_step) == 0:
+        return {"step_tokens_target": 0.0, "step_tokens_min": 0, "step_tokens_max": 0, "step_tokens_mean": 0.0}
+    return {"step_tokens_target": float(step_budget(total, plan.config.global_tokens)[1]),
+            "step_tokens_min": int(per_step.min()), "step_tokens_max": int(per_step.max()),
+            "step_tokens_mean": float(per_step.mean())}
 
 
 def cost_balance_ratio(plan: Plan, pack_cost) -> float:

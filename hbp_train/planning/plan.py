@@ -33,6 +33,7 @@ MAX_ISF_ROUNDS = 1000
 STRATEGIES = ("hbp", "isf")
 BALANCE_METHODS = ("refine", "sort")
 STEP_MIX_METHODS = ("mixed", "stratified", "sorted")
+STEP_TOKENS = ("real", "capacity")
 DROP_TOO_LONG = "longer_than_max_pack_len"
 
 # A per-pack cost: (lengths of the samples of all packs, flat in pack order; CSR pointer [num_packs + 1];
@@ -78,7 +79,14 @@ class PlanConfig:
     strategy: str = "hbp"
     """Planning strategy: "hbp" (hierarchical balance packing) or "isf" (naive packing baseline)."""
     global_tokens: int = 4 * 1024 * 1024
-    """Target tokens per optimizer step; sets micro-batches per replica m = max(1, round(G / (pack_len * R)))."""
+    """Tokens per optimizer step, G. With step_tokens="real" (default): real (non-padding) tokens, the same for every
+    strategy: a plan of T real tokens has max(1, round(T / G)) optimizer steps of T / that count tokens each, up to
+    one slot (planning/equal_steps.py). With "capacity": pack capacity, m = max(1, round(G / (pack_len * R)))
+    micro-batches per replica, so denser packs make fewer steps."""
+    step_tokens: str = "real"
+    """What global_tokens counts: "real" (default) — real tokens, every strategy makes the same number of
+    optimizer steps of (nearly) the same real tokens, so a better plan saves time, never updates; "capacity" —
+    pack capacity (the steps before #24: a strategy's step count then depends on its padding)."""
     max_len: int | None = None
     """Longest sample length the data may have (recorded in the plan); None = the largest group's pack_len.
     Must not exceed the largest pack_len (samples longer than that are dropped as longer_than_max_pack_len)."""
@@ -140,13 +148,16 @@ class PlanConfig:
             raise UserError(f"balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
         if self.step_mix not in STEP_MIX_METHODS:
             raise UserError(f"step_mix must be one of {STEP_MIX_METHODS}, got {self.step_mix!r}")
+        if self.step_tokens not in STEP_TOKENS:
+            raise UserError(f"step_tokens must be one of {STEP_TOKENS}, got {self.step_tokens!r}")
 
     def replicas(self, group: int) -> int:
         """Number of replicas (SP groups) of a step in ``group``."""
         return self.world_size // self.groups[group].sp
 
     def micro_batches(self, group: int) -> int:
-        """Micro-batches per replica of a full step in ``group``: max(1, round(G / (pack_len * R)))."""
+        """Micro-batches per replica of a full step in ``group``: max(1, round(G / (pack_len * R))). The step shape
+        strategies build with; with step_tokens="real" their steps are then re-cut to the real-token budget."""
         g = self.groups[group]
         return max(1, int(round(self.global_tokens / (g.pack_len * self.replicas(group)))))
 
@@ -157,6 +168,7 @@ class PlanConfig:
             "seed": int(self.seed),
             "max_len": int(self.max_len),
             "global_tokens": int(self.global_tokens),
+            "step_tokens": self.step_tokens,
             "curriculum_steps": int(self.curriculum_steps),
             "groups": [g.to_dict() for g in self.groups],
         }
@@ -186,7 +198,8 @@ class Plan:
     """int64 [num_steps] or None: the optimizer step every plan step belongs to (0, 1, 2, ..., each value on
     consecutive plan steps of distinct groups). The plan steps of one optimizer step accumulate their gradients
     into one update, each at its own group's SP degree (hbp with step_mix="mixed": every optimizer step holds slots
-    of every group). None: every plan step is an optimizer step of its own."""
+    of every group; any real-token step that spans groups, equal_steps.py). None: every plan step is an optimizer
+    step of its own."""
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     """int64: indices of dropped samples (sorted)."""
     dropped_reason: list[str] = field(default_factory=list)
@@ -397,6 +410,7 @@ class Plan:
             world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),
             global_tokens=int(d.get("global_tokens", 1)), max_len=d.get("max_len"),
             curriculum_steps=int(d.get("curriculum_steps", 0)), seed=int(d.get("seed", 0)),
+            step_tokens=d.get("step_tokens", "capacity"),  # plans written before #24 were cut by capacity
         )
         lengths = np.asarray(d["lengths"], np.int64)
         pack_sizes, flat, step_sizes, step_packs, step_group, pack_group = [], [], [], [], [], []
@@ -416,7 +430,8 @@ class Plan:
             step_sizes.append(m * len(reps))
             step_group.append(g)
         dropped = d.get("dropped", [])
-        known = {"version", "world_size", "strategy", "seed", "max_len", "global_tokens", "curriculum_steps", "groups",
+        known = {"version", "world_size", "strategy", "seed", "max_len", "global_tokens", "step_tokens",
+                 "curriculum_steps", "groups",
                  "steps", "dropped", "deferred", "num_samples", "empty_packs", "lengths", "metrics", "step_metrics"}
         plan = cls(
             config=cfg, lengths=lengths,

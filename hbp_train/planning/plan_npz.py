@@ -135,7 +135,8 @@ def read_npz(path, mmap: bool = True) -> Plan:
     groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in header["groups"]]
     cfg = PlanConfig(world_size=int(header["world_size"]), groups=groups, strategy=header.get("strategy", "hbp"),
                      global_tokens=int(header.get("global_tokens", 1)), max_len=header.get("max_len"),
-                     curriculum_steps=int(header.get("curriculum_steps", 0)), seed=int(header.get("seed", 0)))
+                     curriculum_steps=int(header.get("curriculum_steps", 0)), seed=int(header.get("seed", 0)),
+                     step_tokens=header.get("step_tokens", "capacity"))
     reasons = header["dropped_reasons"]
     # The Plan's documented types (int64 indices, int32 groups): widened from the file's narrow types in one pass
     # per array (milliseconds at 10M samples). The loader (data.py) reads the memory maps as they are instead.

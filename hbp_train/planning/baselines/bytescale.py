@@ -1,10 +1,11 @@
 """ByteScale-style balance scheduling: lighter replicas run MORE micro-batches so that all replicas finish together.
 
 All samples go to the largest group (one pack length, its SP degree). The data (seeded shuffle) is cut into
-global batches of R·m·pack_len tokens, the same volume as an isf step. Within a step, samples are dealt to the
-R replicas heaviest first, each to the replica with the least predicted time so far (LPT on
-``config.pack_cost`` per sample, default the cost model with the shipped calibration — additive per sample),
-and each replica packs its samples first-fit-decreasing into packs of pack_len. Replicas therefore get
+global batches of ``global_tokens`` real tokens (``step_tokens="real"``, the budget every strategy meets,
+equal_steps.py; R·m·pack_len with "capacity") at the sample boundaries nearest to the budget's multiples. Within a
+step, samples are dealt to the R replicas heaviest first, each to the replica with the least predicted time so far
+(LPT on ``config.pack_cost`` per sample, default the cost model with the shipped calibration — additive per
+sample), and each replica packs its samples first-fit-decreasing into packs of pack_len. Replicas therefore get
 *different numbers of micro-batches*; the plan records ``"unequal_micro_batches": true`` (in memory the shorter
 replicas are padded at the end with empty packs, which the JSON omits).
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from hbp_train.errors import UserError
 from hbp_train.planning.curriculum import order_steps, sample_levels
+from hbp_train.planning.equal_steps import even_positions, nearest_cuts, step_budget
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 from hbp_train.planning.baselines.wlb import first_fit_decreasing, sample_costs
 
@@ -65,16 +67,16 @@ def plan_bytescale(lengths: np.ndarray, config: PlanConfig) -> Plan:
     g = len(config.groups) - 1
     cap = config.groups[g].pack_len
     num_r = config.replicas(g)
-    budget = num_r * config.micro_batches(g) * cap
+    # Real tokens per step: global_tokens (step_tokens="real", the same for every strategy) or R·m·pack_len.
+    budget = config.global_tokens if config.step_tokens == "real" else num_r * config.micro_batches(g) * cap
     too_long = lengths > cap
     kept, dropped = np.flatnonzero(~too_long), np.flatnonzero(too_long)
     stream = kept[rng.permutation(len(kept))]
     cost = np.zeros(len(lengths))
     cost[stream] = sample_costs(lengths, stream, config, g)
-    # Step of every sample: the budget-sized window its first token falls in (every sample <= cap <= budget).
-    before = np.concatenate([[0], np.cumsum(lengths[stream])[:-1]])
-    step_of = before // budget
-    cuts = np.flatnonzero(np.diff(step_of)) + 1
+    # Steps: the stream cut at the sample boundaries nearest to multiples of its tokens / round(tokens / budget).
+    total = int(lengths[stream].sum())
+    cuts = nearest_cuts(lengths[stream], even_positions(total, step_budget(total, budget)[0]))[1:-1]
     pack_sizes, flat, step_sizes, step_flat = [], [], [], []
     imbalance = []
     for items in np.split(stream, cuts) if len(stream) else []:

@@ -19,8 +19,9 @@ Workload = ``config.pack_cost`` per sample (additive), default the cost model wi
 the group's sp and ckpt_layers (attention + linear + Ulysses comm, WLB's W_a + W_l). When the data runs out,
 everything still queued or carried is packed first-fit-decreasing and built into steps by balance.build_steps
 (its tail rule). Steps keep data order (that is WLB's point: only outliers move), so ``curriculum_steps`` is
-ignored (with a warning). Every delayed sample is listed in ``plan.deferred`` as {"index", "waited_steps"}
-(steps between the one it was drawn in and the one it is trained in).
+ignored (with a warning). With ``step_tokens="real"`` the steps are then re-cut, in order, to the real-token
+budget (equal_steps.py). Every delayed sample is listed in ``plan.deferred`` as {"index", "waited_steps"}
+(optimizer steps between the one it was drawn in and the one it is trained in).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import warnings
 import numpy as np
 
 from hbp_train.planning.balance import build_steps
+from hbp_train.planning.equal_steps import equal_steps
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig
 
 # Outlier queue thresholds as fractions of pack_len: queue i holds L_i <= len < L_{i+1}, the last up to pack_len.
@@ -177,15 +179,26 @@ def plan_wlb(lengths: np.ndarray, config: PlanConfig) -> Plan:
         step_flat += (ts_packs + len(packs)).tolist()
     pack_ptr = np.concatenate([[0], np.cumsum(pack_sizes)]).astype(np.int64)
     step_ptr = np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64)
-    waited = trained[kept] - arrival[kept]
-    delayed = np.flatnonzero(waited > 0)
-    deferred = [{"index": int(i), "waited_steps": int(w)} for i, w in zip(kept[delayed], waited[delayed])]
-    return Plan(
+    plan = Plan(
         config=config, lengths=lengths, pack_ptr=pack_ptr, pack_samples=np.asarray(flat, np.int64),
         pack_group=np.full(len(pack_sizes), g, np.int32), step_ptr=step_ptr,
         step_packs=np.asarray(step_flat, np.int64), step_group=np.full(len(step_sizes), g, np.int32),
-        dropped=dropped, dropped_reason=[DROP_TOO_LONG] * len(dropped), deferred=deferred,
-        extra={"planning_seconds": time.perf_counter() - t0,
-               "wlb": {"outlier_thresholds": bounds[:-1], "packs_per_step": num_packs,
+        dropped=dropped, dropped_reason=[DROP_TOO_LONG] * len(dropped),
+        extra={"wlb": {"outlier_thresholds": bounds[:-1], "packs_per_step": num_packs,
                        "flush_steps": len(step_sizes) - num_main_steps}},
     )
+    if config.step_tokens == "real" and len(kept):
+        # Re-cut to the real-token budget (equal_steps keeps the packs and their order), and count every wait in
+        # the new steps: a sample drawn in old step a is drawn in the optimizer step that holds a's first pack.
+        old_first_pack = plan.step_packs[plan.step_ptr[:-1]]
+        plan = equal_steps(plan)
+        step_of_pack = np.empty(plan.num_packs, np.int64)
+        step_of_pack[plan.step_packs] = np.repeat(plan.optimizer_steps(), np.diff(plan.step_ptr))
+        new_of_old = step_of_pack[old_first_pack]
+        trained[kept] = new_of_old[trained[kept]]
+        arrival[kept] = new_of_old[arrival[kept]]
+    waited = trained[kept] - arrival[kept]
+    delayed = np.flatnonzero(waited > 0)
+    plan.deferred = [{"index": int(i), "waited_steps": int(w)} for i, w in zip(kept[delayed], waited[delayed])]
+    plan.extra["planning_seconds"] = time.perf_counter() - t0
+    return plan

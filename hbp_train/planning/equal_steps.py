@@ -20,7 +20,9 @@ switches the SP degree between them).
 
 Curriculum (``curriculum_steps`` K): the units whose samples all fit the smallest group (GroupData level 0, or
 the lowest level present), in run order, up to the boundary nearest K tau, move to the front, and a cut is forced
-at their end: the first K optimizer steps hold only short samples.
+at their end: the first K optimizer steps hold only short samples. When the plan has fewer short tokens than K tau,
+the steps before the forced cut share its tokens and the steps after it share the rest, each within one unit of
+its side's own mean.
 
 ``equal_steps`` applies the rule to a finished plan (hbp, isf, sorted, bfd, wlb): its packs stay as they are, so
 every slot keeps its balance (ABR, DBR) and padding (PR); only the steps are re-cut.
@@ -139,7 +141,15 @@ def equal_steps(plan: Plan, curriculum_steps: int = 0) -> Plan:
     if curriculum_steps and num_steps > 1:
         order, count, tokens = curriculum_front(plan, unit_ptr, unit_tokens, min(curriculum_steps, num_steps) * target)
         forced = (count, int(round(tokens / target)))  # their end replaces the cut nearest to it
-    bounds = nearest_cuts(unit_tokens[order], even_positions(unit_tokens.sum(), num_steps), forced)
+    total = float(unit_tokens.sum())
+    positions = even_positions(total, num_steps)
+    if forced is not None and 1 <= forced[1] <= num_steps - 1:
+        # The curriculum's end moves one cut: the steps on each side of it share their own tokens evenly, so a
+        # curriculum short of short samples makes its own steps smaller, never the first step after it larger.
+        j = forced[1]
+        positions = np.concatenate([even_positions(tokens, j), [tokens],
+                                    tokens + even_positions(total - tokens, num_steps - j)])
+    bounds = nearest_cuts(unit_tokens[order], positions, forced)
     unit_step = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
     # Units in their new run order as CSR over the old step_packs.
     sizes = np.diff(unit_ptr)[order]

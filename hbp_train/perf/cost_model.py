@@ -106,7 +106,9 @@ class CostModel:
             linear = float("nan")
         if not linear > 0:  # also NaN and non-numbers
             raise UserError(f"calibration {path}: linear_fwdbwd_ms_per_32768_tokens must be > 0")
-        source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
+        # A CPU calibration (hbp_train.perf.calibrate --device cpu) names its CPU and threads, and is fp32.
+        source, note = "measured", f"{path.name} ({data.get('gpu') or data.get('cpu') or 'unknown GPU'})"
+        dtype_bytes = 4 if data.get("dtype") == "float32" else 2
         shape = measured_shape
         if model_shape is not None:
             shape = parse_model_shape(model_shape)
@@ -117,7 +119,7 @@ class CostModel:
                 linear = linear * linear_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(measured_shape)
                 source = "scaled"
                 note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
-        return cls(shape, lens, fb, f, linear, source, note)
+        return cls(shape, lens, fb, f, linear, source, note, dtype_bytes)
 
     @classmethod
     def analytic(cls, model_shape, peak_tflops: float = 989.0, efficiency: float = 0.5) -> "CostModel":

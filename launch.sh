@@ -9,6 +9,8 @@
 #   ./launch.sh profile|calibrate|export [ARGS]          python -m hbp_train.profiler | .perf.calibrate | .export
 #   (the same commands are in the venv as hbp-train, hbp-preprocess, hbp-pack, ..., hbp-eval, hbp-demo)
 #   ./launch.sh setup               only the set-up
+#   ./launch.sh wheelhouse DIR [--python-version 3.12] [--torch none]  every wheel the venv needs, for an offline node
+#   ./launch.sh setup --offline DIR the set-up from such a folder, with no network (docs/gpu.md)
 #   ./launch.sh help                this text (every command also takes --help)
 #
 # Set-up: HBP_VENV (default .venv), HBP_PYTHON (interpreter that creates the venv, default python3),
@@ -35,6 +37,7 @@ setup() {
   local stamp=$VENV/.hbp-installed want
   want=$( (cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  if [ "${1:-}" = "--offline" ]; then setup_offline "${2:-}"; echo "$want" > "$stamp"; return 0; fi
   echo "[launch] setting up $VENV (first run: about two minutes)"
   [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
@@ -56,6 +59,28 @@ setup() {
     "$PY" -m pip install -q --no-build-isolation -r "$ROOT/requirements-flash.txt" || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
   fi
   echo "$want" > "$stamp"
+}
+
+setup_offline() {
+  # Everything from a folder written by `./launch.sh wheelhouse` (scripts/wheelhouse.py), nothing from the network.
+  # Without a torch wheel in it, the venv sees the system's packages, so the node's own (CUDA) torch is used.
+  local dir=$1 site=()
+  if [ -z "$dir" ] || [ ! -d "$dir" ]; then
+    echo "launch.sh: setup --offline ${dir:-(no folder)}: not a folder of wheels (write one with ./launch.sh wheelhouse DIR on a connected machine)" >&2
+    exit 2
+  fi
+  compgen -G "$dir/torch-*.whl" >/dev/null || site=(--system-site-packages)
+  echo "[launch] setting up $VENV offline from $dir${site:+ (torch from the system)}"
+  [ -x "$PY" ] || "${HBP_PYTHON:-python3}" -m venv ${site[@]+"${site[@]}"} "$VENV"
+  local pipi=(-q --no-index --find-links "$dir")
+  "$PY" -m pip install "${pipi[@]}" setuptools wheel
+  if [ ${#site[@]} -eq 0 ]; then "$PY" -m pip install "${pipi[@]}" torch; fi
+  if ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "launch.sh: setup --offline: no torch in $dir and none on this system (add it: ./launch.sh wheelhouse DIR --torch installed)" >&2
+    exit 2
+  fi
+  "$PY" -m pip install "${pipi[@]}" -r "$ROOT/requirements.txt"
+  PYTHONWARNINGS=ignore::UserWarning "$PY" -m pip install "${pipi[@]}" --no-deps --no-build-isolation -e "$ROOT"
 }
 
 demo() {
@@ -100,7 +125,8 @@ cmd=${1:-demo}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   help|-h|--help) sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  setup) setup ;;
+  setup) setup "$@" ;;
+  wheelhouse) setup; exec "$PY" "$ROOT/scripts/wheelhouse.py" "$@" ;;
   demo) setup; demo "$@" ;;
   test) setup; run_tests "$@" ;;
   train) setup; train "$@" ;;

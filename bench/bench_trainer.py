@@ -163,6 +163,10 @@ def print_report(results: dict) -> None:
         print(f"{name:<12}{r['attention']:<28}{r['tokens_per_s']:>11,.0f}{r['tflops']:>9.1f}"
               f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f'):>8}{r['step_time_s_mean']:>9.3f}{r['peak_mem_gib']:>10.2f}"
               f"{fmt(r['first_loss'], '.4f'):>10}")
+    ours = results["paths"].get("ours", {})
+    if ours.get("optimizer_step_s_mean"):
+        print(f"ours: engine.step (optimizer) {ours['optimizer_step_s_mean']:.3f} s of {ours['step_time_s_mean']:.3f} s "
+              "per step; the rest is forward, backward, gradient reduction and step statistics")
     for note in results["notes"]:
         print(f"note: {note}")
     for name, ratio in results["ratios"].items():

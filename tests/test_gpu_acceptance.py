@@ -52,7 +52,7 @@ def test_dry_run_runs_every_check_end_to_end_on_the_cpu(tmp_path, monkeypatch, c
     # every backend available on the CPU matched the eager per-document reference in loss and gradients
     assert checks["backends"]["backends"] and all(r["loss_rel_error"] < 1e-4 and r["grad_min_cosine"] > 0.9999
                                                   for r in checks["backends"]["backends"].values())
-    assert checks["trainer"]["ours_tokens_per_s"] > 0 and checks["trainer"]["longest_pack_by_ckpt_layers"]
+    assert checks["trainer"]["ours_tokens_per_s"] > 0 and checks["longest_pack"]["longest_pack_by_ckpt_layers"]
     assert checks["memory"]["packs"] and checks["calibration"]["packs"] and checks["profiler"]["exit_code"] == 0
     verdicts = acc.all_verdicts(report)
     assert len(verdicts) >= 7 and all(v["met"] is None for _, v in verdicts)  # a dry run judges nothing
@@ -60,3 +60,48 @@ def test_dry_run_runs_every_check_end_to_end_on_the_cpu(tmp_path, monkeypatch, c
     for label, v in verdicts:
         assert f"| {label} | {v['what']} |" in md
     assert (tmp_path / "calibration.json").exists() and (tmp_path / "profile.json").exists()
+
+
+def test_budget_shares_keep_every_later_checks_minimum():
+    args = acc.build_parser().parse_args(["--out", "x"])
+    checks = list(acc.CHECKS)
+    later = sum(acc.MIN_S[c] for c in checks[1:])
+    # the first check gets what is left once the later checks' minimums are set aside
+    assert acc.plan_share("backends", checks, 1000.0, acc.MIN_S, args) == pytest.approx(1000.0 - later)
+    # with less than that it still gets its own minimum: an earlier check never waits for a later one
+    assert acc.plan_share("backends", checks, acc.MIN_S["backends"] + 1, acc.MIN_S, args) == acc.MIN_S["backends"]
+    # below its own minimum it is skipped (None), and so is everything once the budget is spent
+    assert acc.plan_share("trainer", checks, acc.MIN_S["trainer"] - 1, acc.MIN_S, args) is None
+    assert acc.plan_share("memory", checks, 0.0, acc.MIN_S, args) is None
+    # the search and the profiler are capped by their own flags, and get what is left when that is less
+    assert acc.plan_share("profiler", checks, 1000.0, acc.MIN_S, args) == args.profile_budget_s
+    assert acc.plan_share("profiler", checks, 100.0, acc.MIN_S, args) == 100.0
+    assert acc.plan_share("longest_pack", checks, 150.0, acc.MIN_S, args) == 150.0 - acc.MIN_S["memory"] - acc.MIN_S["profiler"]
+
+
+def test_a_tiny_budget_skips_checks_and_reports_them_as_skipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    # a budget that is spent before the first check: nothing runs, every check is reported as skipped
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "0"]) == 0
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    assert report["complete"] and set(report["checks"]) == set(acc.CHECKS)
+    assert all("budget_skipped" in r for r in report["checks"].values())
+    verdicts = dict(acc.all_verdicts(report))
+    assert set(verdicts) == set(acc.CHECKS) and all(v["met"] == "skipped" for v in verdicts.values())
+    md = (tmp_path / "acceptance.md").read_text()
+    assert md.count("**skipped**") == len(acc.CHECKS) and "| met |" not in md
+    assert capsys.readouterr().out.count(": skipped (") == len(acc.CHECKS)
+
+
+def test_a_budget_for_the_first_check_runs_it_and_skips_the_next(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(acc, "DRY_MIN_S", dict(acc.DRY_MIN_S, backends=1, trainer=10_000))
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "600", "--checks", "trainer,backends"]) == 0
+    report = json.loads((tmp_path / "acceptance.json").read_text())
+    checks = report["checks"]
+    assert list(checks) == ["backends", "trainer"]  # the order of value, whatever order --checks gave
+    assert checks["backends"]["backends"] and "budget_skipped" not in checks["backends"]
+    assert "needs at least 10000 s" in checks["trainer"]["budget_skipped"]
+    assert dict(acc.all_verdicts(report))["trainer"]["met"] == "skipped"

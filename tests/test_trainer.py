@@ -242,6 +242,22 @@ def test_unusable_attention_backend_fails_before_the_model_is_built(shards, tmp_
         build(cfg)
 
 
+def test_deepspeed_config_asks_for_torchs_fused_adamw_on_a_gpu_only(monkeypatch):
+    import torch
+
+    from hbp_train.build import DeepSpeedConfig, deepspeed_config
+    from hbp_train.trainer import TrainConfig
+
+    def params(on_gpu: bool, **ds):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+        return deepspeed_config(DeepSpeedConfig(**ds), TrainConfig(), total_steps=10, world_size=2,
+                                bf16=on_gpu)["optimizer"]["params"]
+
+    assert params(True)["fused"] is True and params(True)["torch_adam"] is True
+    assert "fused" not in params(False)  # the CPU: plain torch AdamW
+    assert "fused" not in params(True, zero_stage=3, offload_optimizer=True)  # DeepSpeed's CPU Adam takes no flag
+
+
 def test_deepspeed_config_follows_the_run_config():
     from hbp_train.build import DeepSpeedConfig, deepspeed_config
     from hbp_train.trainer import TrainConfig

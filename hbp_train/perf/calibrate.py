@@ -317,7 +317,13 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
 
     timed = _timer(device)
     torch.manual_seed(args.seed)
-    net = LlamaForCausalLM(llama_config(shape)).to(device, dtype)
+    with torch.device(device):  # built where it runs, in its dtype: a 1B model made in fp32 on the CPU takes minutes
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            net = LlamaForCausalLM(llama_config(shape))
+        finally:
+            torch.set_default_dtype(previous)
     backend = register_packed_attention(net, args.backend, device)
     rng = np.random.default_rng(args.seed)
     counts = np.unique(np.geomspace(1, args.max_samples, args.num_packs).round().astype(int))

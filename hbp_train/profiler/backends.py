@@ -257,7 +257,10 @@ class GpuBackend:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.on_gpu = self.device.type == "cuda"
         self.name = "gpu" if self.on_gpu else "cpu"
-        self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
+        # A model from a config is initialised where it runs: a 1B model's random init on the host takes most of a
+        # minute (pretrained weights are loaded on the host and moved, as transformers does by default).
+        with torch.device(self.device) if model_cfg.name_or_path is None else nullcontext():
+            self.model = build_model(model_cfg, vocab_size=vocab_size).to(self.device)
         self._on_device = True
         self.sequence_parallel = None  # this rank's SequenceParallel inside a measuring torchrun
         self.measured_sp = 1  # the SP degree this process runs for real (with its peers); others are estimated

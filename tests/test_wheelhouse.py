@@ -1,0 +1,70 @@
+"""scripts/wheelhouse.py (``./launch.sh wheelhouse``): which pins go into the wheelhouse and how torch is chosen.
+The round trip itself (download, build, install with no index, import, the acceptance dry run) needs the network
+and minutes: scripts/check_offline_install.sh runs it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hbp_train.errors import UserError
+
+SPEC = importlib.util.spec_from_file_location("wheelhouse", Path(__file__).resolve().parent.parent / "scripts" / "wheelhouse.py")
+wheelhouse = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(wheelhouse)
+
+PINS = ["deepspeed==0.19.8", "nvidia-ml-py==13.615.71", "nvidia-cublas==13.1.0", "torch==2.13.0+cpu",
+        "triton==3.6.0", "Hydra_Core==1.3.8", "numpy==2.4.6"]
+
+
+def test_torch_and_its_cuda_libraries_are_apart_and_nvml_stays():
+    chosen, torch = wheelhouse.select(PINS, only=None, exclude=set(), torch="installed")
+    names = {wheelhouse.canonical(p.split("==")[0]) for p in chosen if "==" in p}
+    assert names == {"deepspeed", "nvidia-ml-py", "hydra-core", "numpy"}
+    assert torch == "torch==2.13.0+cpu"
+    # the editable install on the node needs these, and the node cannot fetch them
+    assert {"setuptools", "wheel"} <= set(chosen)
+
+
+def test_torch_none_a_requirement_and_a_venv_without_torch():
+    assert wheelhouse.select(PINS, None, set(), "none")[1] is None
+    assert wheelhouse.select(PINS, None, set(), "torch==2.11.0")[1] == "torch==2.11.0"
+    with pytest.raises(UserError, match="no torch"):
+        wheelhouse.select([p for p in PINS if not p.startswith("torch")], None, set(), "installed")
+
+
+def test_only_and_exclude_narrow_by_canonical_name():
+    chosen, _ = wheelhouse.select(PINS, only={"hydra-core", "deepspeed"}, exclude=set(), torch="none")
+    assert chosen == ["deepspeed==0.19.8", "Hydra_Core==1.3.8"]
+    chosen, _ = wheelhouse.select(PINS, only=None, exclude={"numpy", "wheel"}, torch="none")
+    assert "numpy==2.4.6" not in chosen and "wheel" not in chosen and "setuptools" in chosen
+
+
+def test_another_python_asks_pip_for_its_tags():
+    args = wheelhouse.build_parser().parse_args(["out", "--python-version", "3.12"])
+    flags = wheelhouse.target_flags(args)
+    assert flags[flags.index("--python-version") + 1] == "3.12"
+    assert flags.count("--platform") == len(wheelhouse.DEFAULT_PLATFORMS)
+    assert wheelhouse.target_flags(wheelhouse.build_parser().parse_args(["out"])) == []
+
+
+def test_a_bad_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert wheelhouse.main([str(tmp_path / "file"), "--torch", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a folder" in err[0]
+
+
+def test_setup_offline_without_a_wheel_folder_is_one_line_and_makes_no_venv(tmp_path):
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"
+    proc = subprocess.run([str(repo / "launch.sh"), "setup", "--offline", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HBP_VENV": str(venv)})
+    assert proc.returncode == 2 and not venv.exists()
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "not a folder of wheels" in err[0] and "./launch.sh wheelhouse" in err[0]

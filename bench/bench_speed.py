@@ -75,8 +75,8 @@ class Setup:
 
 
 SETUPS = {
-    "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, num_samples=400,
-                  heldout_tokens=12288, step_tokens=16384, seeds=(0, 1, 2), eval_every=4, calib_iters=3,
+    "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, num_samples=340,
+                  heldout_tokens=24576, step_tokens=16384, seeds=(0, 1, 2), eval_every=2, calib_iters=2,
                   calib_rounds=3, min_len=512, profile_dry_run=False, group_configs=3),
     "quick": Setup(chain.Shape(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64), max_len=1024, num_samples=160,
                    heldout_tokens=2048, step_tokens=4096, seeds=(0,), eval_every=2, calib_iters=1, calib_rounds=1,
@@ -147,13 +147,16 @@ def main(argv=None) -> int:
         # 10-20% over minutes) then does not always slow the same strategy.
         for strategy in strategies[i % len(strategies):] + strategies[:i % len(strategies)]:
             stage(f"{strategy} seed {seed}: plan, train")
-            result = _plan_and_train(work, data, setup, calibration, strategy, seed, "auto", setup.eval_every, model)
+            result = _plan_and_train(work, data, setup, calibration, strategy, seed, "auto", model)
             runs[strategy].append(result)
             if strategy == "hbp" and seed == seeds[0]:
                 group_runs[next(iter(configs))] = result
     for label, groups in list(configs.items())[1:]:
         stage(f"hbp groups {label}: plan, train (speed only)")
-        group_runs[label] = _plan_and_train(work, data, setup, calibration, "hbp", seeds[0], groups, 0, model)
+        group_runs[label] = _plan_and_train(work, data, setup, calibration, "hbp", seeds[0], groups, model,
+                                            evaluate=False)
+    # every run's compute per token (the same work in every run) measures the machine's drift over the bench
+    report.set_drift([r for seeds_ in runs.values() for r in seeds_] + list(group_runs.values()))
     figs = report.strategy_figures(runs)
     groups = report.group_figures(group_runs) if len(group_runs) > 1 else None
     wall = time.time() - t0
@@ -168,13 +171,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plan_and_train(work, data, setup, calibration, strategy, seed, groups, eval_every, model) -> dict:
+def _plan_and_train(work, data, setup, calibration, strategy, seed, groups, model, evaluate=True) -> dict:
     # Hydra reads a comma in a path as a list: the groups' folder name has none.
     name = f"{strategy}-s{seed}" if groups == "auto" else "hbp-groups-" + groups.replace(":", "x").replace(",", "_")
     run = work / "runs" / name
     plan = chain.plan(data, run / "shards", strategy, seed, groups, calibration, work / "profile.json",
                       setup.step_tokens)
-    rows = chain.train(run / "shards", data, setup.shape, run / "train", seed, eval_every)
+    rows = chain.train(run / "shards", data, setup.shape, run / "train", seed, setup.eval_every if evaluate else 0)
     shutil.rmtree(run / "shards", ignore_errors=True)  # the plan is in the results; shards are re-made
     return report.run_figures(plan, rows, model)
 
@@ -204,6 +207,9 @@ def summary(results: dict, setup: Setup, model) -> str:
                 "noise)" if val.get("rounds") else ""),
              "groups (profiler): " + ", ".join(f"{g['pack_len']}:{g['sp']}" for g in results["profile_groups"]),
              "", report.table(results["strategies"])]
+    drift = [r["drift"] for seeds_ in results["runs"].values() for r in seeds_]
+    lines.append(f"drift: the runs' compute per token ranged {min(drift):.2f}x to {max(drift):.2f}x its median (the "
+                 "machine's speed over the bench; the same work in every run); * = times divided by that factor")
     isf = results["strategies"]["isf"]
     lines.append(f"isf's step time is {isf['balance_bound']:.3f}x its ranks' mean compute: the most a better balance "
                  f"of the same work can gain over isf (hbp: {results['strategies']['hbp']['measured_speedup']:.3f}x)")

@@ -60,7 +60,8 @@ class Shape:
 
     def overrides(self) -> list:
         return [f"++model.config.hidden_size={self.hidden}", f"++model.config.num_hidden_layers={self.layers}",
-                f"++model.config.num_attention_heads={self.heads}", f"++model.config.num_key_value_heads={self.kv_heads}",
+                f"++model.config.num_attention_heads={self.heads}",
+                f"++model.config.num_key_value_heads={self.kv_heads}",
                 f"++model.config.intermediate_size={self.ffn}", "++model.config.max_position_embeddings=65536"]
 
     def json(self, vocab: int) -> str:
@@ -168,8 +169,8 @@ def calibrate(work: Path, shape_json: str, max_len: int, iters: int, rounds: int
     shape, threads and processes."""
     path, report = work / "calibration.json", work / "calibration_validate.json"
     if reuse and path.is_file() and report.is_file():
-        old = json.loads(path.read_text())
-        if (old.get("model_shape") == json.loads(shape_json) and old.get("threads") == THREADS
+        old, shape = json.loads(path.read_text()), json.loads(shape_json)
+        if ({k: old.get("model_shape", {}).get(k) for k in shape} == shape and old.get("threads") == THREADS
                 and old.get("procs") == NPROC):
             return path, json.loads(report.read_text())
     doc_lens = sorted({64, 256, 1024, max_len // 4, max_len // 2, max_len} - {0})

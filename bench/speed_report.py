@@ -5,11 +5,21 @@ Definitions (the table's columns):
 * measured tokens/s: the plan's tokens over the sum of the trainer's per-step wall times (``perf/step_time_s``:
   data, forward/backward of every micro-batch, the gradient collectives and the optimizer step; the held-out
   evaluation is outside it), over all seeds of a strategy;
+* drift-corrected ("*"): a shared machine's speed drifts by 10-20% over minutes (the same plan trained three times
+  took 51, 60 and 64 s), more than the differences being measured. Every strategy trains the same samples with the
+  same model, so its ranks compute the same work per token (back to back, isf's and hbp's ranks computed within 1%
+  of each other): a run's drift factor is its ranks' mean compute per token over the median of all runs', and its
+  step times are divided by it. What a strategy changes (the waiting for the slowest rank, the collectives, the
+  optimizer step, per-micro-batch costs outside compute) stays in the corrected time; a strategy whose packs cost
+  more compute per token would be credited with it. The speed-ups, per-step errors and times to quality below use
+  the corrected times; the raw ones are shown beside;
 * predicted: the simulator (hbp_train/planning/simulator.py) on the same plan with the CPU calibration, compute
   only; its per-step times are compared with the measured ones step by step (one epoch: global step s runs the
   plan's optimizer step s);
 * compute and wait of a rank: the trainer's ``time/compute_s/rank<r>`` (its own forward/backward, without the
   time spent inside the gradient collectives) and the rest of the step's wall time;
+* balance bound: a strategy's step time over its ranks' mean compute: the most a better balance of the same work
+  could gain;
 * time to quality: training wall time (cumulative step time) at the first held-out evaluation whose loss is at or
   below isf's final held-out loss (mean over seeds).
 """
@@ -37,6 +47,7 @@ def run_figures(plan, rows: list, model) -> dict:
     elapsed = np.cumsum(measured)
     evals = [(float(elapsed[i]), i + 1, r["loss/eval"]) for i, r in enumerate(train_rows) if "loss/eval" in r]
     return {
+        "drift": 1.0,
         "tokens": int(plan.lengths[plan.pack_samples].sum()), "steps": len(measured),
         "micro_batches": int(plan.step_micro_batches().sum()),
         "measured_step_s": measured.tolist(), "predicted_step_s": predicted.tolist(),
@@ -48,18 +59,34 @@ def run_figures(plan, rows: list, model) -> dict:
     }
 
 
+def set_drift(runs: list) -> float:
+    """Every run's drift factor (module docstring): its ranks' mean compute per token over the median of all runs'.
+    Returns that median (seconds per token)."""
+    per_token = [r["mean_compute_s"] / r["tokens"] for r in runs]
+    ref = float(np.median(per_token))
+    for r, value in zip(runs, per_token):
+        r["drift"] = value / ref
+    return ref
+
+
+def _corrected(run: dict) -> np.ndarray:
+    return np.array(run["measured_step_s"]) / run["drift"]
+
+
 def strategy_figures(runs: dict) -> dict:
-    """Per strategy, over its seeds: measured and predicted tokens/s, per-step error, compute/wait, held-out loss."""
+    """Per strategy, over its seeds: measured (raw and drift-corrected) and predicted tokens/s, per-step error,
+    compute/wait, balance bound, held-out loss and time to quality."""
     out = {}
     for name, seeds in runs.items():
         tokens = sum(r["tokens"] for r in seeds)
-        measured = sum(sum(r["measured_step_s"]) for r in seeds)
+        raw = sum(sum(r["measured_step_s"]) for r in seeds)
+        measured = float(sum(_corrected(r).sum() for r in seeds))
         predicted = sum(sum(r["predicted_step_s"]) for r in seeds)
-        step_err = np.concatenate([np.array(r["predicted_step_s"]) / np.array(r["measured_step_s"]) - 1
-                                   for r in seeds])
+        step_err = np.concatenate([np.array(r["predicted_step_s"]) / _corrected(r) - 1 for r in seeds])
         finals = [r["evals"][-1][2] for r in seeds if r["evals"]]
         out[name] = {
-            "measured_tokens_per_s": tokens / measured, "predicted_tokens_per_s": tokens / predicted,
+            "raw_tokens_per_s": tokens / raw, "measured_tokens_per_s": tokens / measured,
+            "predicted_tokens_per_s": tokens / predicted, "drift": [r["drift"] for r in seeds],
             "train_s": measured / len(seeds), "steps": seeds[0]["steps"],
             "median_abs_step_error": float(np.median(np.abs(step_err))),
             "compute_s": np.mean([r["compute_s"] for r in seeds], axis=0).tolist(),
@@ -69,18 +96,19 @@ def strategy_figures(runs: dict) -> dict:
             "pad_ratio": float(np.mean([r["pad_ratio"] for r in seeds])),
             # The step time a plan of the same compute, perfectly balanced and with nothing else in the step, would
             # take: this plan's step time over it bounds what any better balance of its work can gain.
-            "balance_bound": measured / sum(r["mean_compute_s"] for r in seeds),
+            "balance_bound": raw / sum(r["mean_compute_s"] for r in seeds),
             "heldout_final": finals, "heldout_mean": float(np.mean(finals)) if finals else None,
             "heldout_std": float(np.std(finals)) if finals else None,
         }
     isf = out.get("isf")
     for name, f in out.items():
         if isf is not None:
+            f["raw_speedup"] = f["raw_tokens_per_s"] / isf["raw_tokens_per_s"]
             f["measured_speedup"] = f["measured_tokens_per_s"] / isf["measured_tokens_per_s"]
             f["predicted_speedup"] = f["predicted_tokens_per_s"] / isf["predicted_tokens_per_s"]
             f["speedup_error"] = f["predicted_speedup"] / f["measured_speedup"] - 1
         if isf is not None and isf["heldout_mean"] is not None:
-            times = [_first_at_or_below(r["evals"], isf["heldout_mean"]) for r in runs[name]]
+            times = [_first_at_or_below(r["evals"], isf["heldout_mean"], r["drift"]) for r in runs[name]]
             reached = [t for t in times if t is not None]
             f["time_to_isf_loss_s"] = float(np.mean(reached)) if len(reached) == len(times) else None
             f["seeds_reaching_isf_loss"] = len(reached)
@@ -95,16 +123,16 @@ def strategy_figures(runs: dict) -> dict:
     return out
 
 
-def _first_at_or_below(evals: list, target: float):
+def _first_at_or_below(evals: list, target: float, drift: float):
     for elapsed, _step, loss in evals:
         if loss <= target:
-            return elapsed
+            return elapsed / drift
     return None
 
 
 def group_figures(configs: dict) -> dict:
     """Measured tokens/s of hbp under each group configuration, and how far the profiler's choice is from the best."""
-    speed = {name: r["tokens"] / sum(r["measured_step_s"]) for name, r in configs.items()}
+    speed = {name: float(r["tokens"] / _corrected(r).sum()) for name, r in configs.items()}
     best = max(speed, key=speed.get)
     chosen = next(iter(configs))  # the profiler's groups come first
     return {"tokens_per_s": speed, "fastest": best, "chosen": chosen,
@@ -137,23 +165,25 @@ def targets(figs: dict, groups: dict | None) -> list:
     if groups is not None:
         rows.append((f"profiler's groups within 5% of the fastest of {len(groups['tokens_per_s'])}",
                      groups["chosen_over_fastest"], groups["chosen_over_fastest"] >= 0.95))
-    return rows
+    return [(what, None if value is None else float(value), bool(met)) for what, value, met in rows]
 
 
 def table(figs: dict) -> str:
-    lines = [f"{'strategy':<8}{'steps':>6}{'meas tok/s':>11}{'x isf':>7}{'x best':>7}{'pred tok/s':>11}"
-             f"{'pred x isf':>11}{'err':>7}{'step err':>9}{'imb':>6}{'ABR':>7}{'PR':>6}  {'compute s / wait s per rank':<28}"
-             f"{'held-out loss':>18}{'t to isf loss':>14}"]
+    """One line per strategy; "*": drift-corrected (module docstring)."""
+    lines = [f"{'strategy':<8}{'steps':>6}{'raw tok/s':>10}{'x isf':>7}{'tok/s*':>8}{'x isf*':>8}{'x best*':>8}"
+             f"{'pred tok/s':>11}{'pred x isf':>11}{'err':>7}{'step err':>9}{'imb':>6}{'bound':>7}{'ABR':>7}"
+             f"{'PR':>6}  {'compute/wait s per rank':<24}{'held-out loss':>18}{'t to isf loss':>14}"]
     for name, f in figs.items():
         rank = " ".join(f"{c:.0f}/{w:.0f}" for c, w in zip(f["compute_s"], f["wait_s"]))
         loss = f"{f['heldout_mean']:.4f} ± {f['heldout_std']:.4f}" if f["heldout_mean"] is not None else "n/a"
         ttq = f.get("time_to_isf_loss_over_isf_time")
         ttq = "never" if f.get("time_to_isf_loss_s", 0) is None else ("n/a" if ttq is None else f"{ttq:.2f}x")
-        lines.append(f"{name:<8}{f['steps']:>6}{f['measured_tokens_per_s']:>11.0f}{f.get('measured_speedup', 1):>6.3f}x"
-                     f"{f.get('speedup_over_best_baseline', 1):>6.3f}x{f['predicted_tokens_per_s']:>11.0f}"
+        lines.append(f"{name:<8}{f['steps']:>6}{f['raw_tokens_per_s']:>10.0f}{f.get('raw_speedup', 1):>6.3f}x"
+                     f"{f['measured_tokens_per_s']:>8.0f}{f.get('measured_speedup', 1):>7.3f}x"
+                     f"{f.get('speedup_over_best_baseline', 1):>7.3f}x{f['predicted_tokens_per_s']:>11.0f}"
                      f"{f.get('predicted_speedup', 1):>10.3f}x{100 * f.get('speedup_error', 0):>+6.1f}%"
-                     f"{100 * f['median_abs_step_error']:>8.1f}%{f['imbalance']:>6.3f}{f['plan_ABR']:>7.3f}"
-                     f"{f['pad_ratio']:>6.3f}  {rank:<28}{loss:>18}{ttq:>14}")
+                     f"{100 * f['median_abs_step_error']:>8.1f}%{f['imbalance']:>6.3f}{f['balance_bound']:>6.3f}x"
+                     f"{f['plan_ABR']:>7.3f}{f['pad_ratio']:>6.3f}  {rank:<24}{loss:>18}{ttq:>14}")
     return "\n".join(lines)
 
 
@@ -167,7 +197,8 @@ def plot(figs: dict, runs: dict, groups: dict | None, path) -> None:
     names = list(figs)
     fig, axes = plt.subplots(1, 4 if groups else 3, figsize=(22 if groups else 17, 4.8))
     x = np.arange(len(names))
-    axes[0].bar(x - 0.2, [figs[n]["measured_tokens_per_s"] for n in names], 0.4, label="measured (CPU, 2 ranks)")
+    axes[0].bar(x - 0.2, [figs[n]["measured_tokens_per_s"] for n in names], 0.4,
+                label="measured (CPU, 2 ranks, drift-corrected)")
     axes[0].bar(x + 0.2, [figs[n]["predicted_tokens_per_s"] for n in names], 0.4,
                 label="predicted (simulator, CPU calibration)")
     for i, n in enumerate(names):
@@ -179,12 +210,12 @@ def plot(figs: dict, runs: dict, groups: dict | None, path) -> None:
     axes[0].legend(fontsize=8)
     top = 0.0
     for i, n in enumerate(names):
-        meas = np.concatenate([r["measured_step_s"] for r in runs[n]])
+        meas = np.concatenate([_corrected(r) for r in runs[n]])
         pred = np.concatenate([r["predicted_step_s"] for r in runs[n]])
         axes[1].scatter(meas, pred, s=8, label=n, color=f"C{i}")
         top = max(top, meas.max(), pred.max())
     axes[1].plot([0, top], [0, top], color="0.5", lw=0.8)
-    axes[1].set_xlabel("measured step time (s)")
+    axes[1].set_xlabel("measured step time (s, drift-corrected)")
     axes[1].set_ylabel("predicted step time (s)")
     axes[1].set_title("per optimizer step: predicted vs measured")
     axes[1].legend(fontsize=8)
@@ -192,10 +223,11 @@ def plot(figs: dict, runs: dict, groups: dict | None, path) -> None:
         for j, r in enumerate(runs[n]):
             if r["evals"]:
                 t, _, loss = zip(*r["evals"])
-                axes[2].plot(t, loss, color=f"C{i}", lw=1, alpha=0.8, label=n if j == 0 else None)
+                axes[2].plot(np.array(t) / r["drift"], loss, color=f"C{i}", lw=1, alpha=0.8,
+                             label=n if j == 0 else None)
     if figs.get("isf", {}).get("heldout_mean") is not None:
         axes[2].axhline(figs["isf"]["heldout_mean"], color="0.4", ls="--", lw=0.8, label="isf final (mean)")
-    axes[2].set_xlabel("training wall time (s, evaluation excluded)")
+    axes[2].set_xlabel("training wall time (s, drift-corrected, evaluation excluded)")
     axes[2].set_ylabel("held-out loss")
     axes[2].set_title("held-out loss over time (every seed)")
     axes[2].legend(fontsize=8)

@@ -39,7 +39,7 @@ def _run(tokens, measured, predicted, evals=(), compute=None):
             "compute_s": np.sum(compute, axis=0).tolist(),
             "wait_s": (np.array(measured)[:, None] - np.array(compute)).sum(axis=0).tolist(),
             "mean_compute_s": float(np.mean(compute, axis=1).sum()),
-            "imbalance": 1.1, "plan_ABR": 0.1, "pad_ratio": 0.0, "evals": list(evals)}
+            "imbalance": 1.1, "plan_ABR": 0.1, "pad_ratio": 0.0, "evals": list(evals), "drift": 1.0}
 
 
 def test_speedups_errors_and_time_to_quality_follow_their_definitions():
@@ -71,6 +71,20 @@ def test_speedups_errors_and_time_to_quality_follow_their_definitions():
     assert rows["hbp held-out loss <= isf mean + std"][1] is True  # 4.95 <= 5.2
     text = report.table(figs)
     assert "never" in text and all(name in text for name in runs)
+
+
+def test_drift_correction_scales_each_run_by_its_compute_per_token():
+    """The same plan measured while the machine ran at 0.8x and 1.2x its median speed: its ranks' compute per token
+    says so, and the corrected step times agree; what the plan itself adds to its steps (waiting) stays."""
+    base = _run(1000, [4, 4], [4, 4], compute=[[3, 3], [3, 3]])
+    slow = _run(1000, [4.8, 4.8], [4, 4], compute=[[3.6, 3.6], [3.6, 3.6]])
+    fast = _run(1000, [3.2, 3.2], [4, 4], compute=[[2.4, 2.4], [2.4, 2.4]])
+    assert report.set_drift([base, slow, fast]) == pytest.approx(6 / 1000)
+    assert [r["drift"] for r in (base, slow, fast)] == pytest.approx([1.0, 1.2, 0.8])
+    figs = report.strategy_figures({"isf": [base], "hbp": [slow, fast]})
+    assert figs["hbp"]["measured_speedup"] == pytest.approx(1.0) and figs["hbp"]["drift"] == pytest.approx([1.2, 0.8])
+    assert figs["hbp"]["raw_tokens_per_s"] == pytest.approx(2000 / 16) and figs["hbp"]["balance_bound"] == \
+        pytest.approx(16 / 12)
 
 
 def test_the_profilers_groups_are_judged_against_the_fastest_configuration():

@@ -240,9 +240,10 @@ class GpuBackend:
     states, so `model_state_bytes(...) - 4 x params` is added to both memory readings (no optimizer is built:
     its step costs the same per token for every configuration).
 
-    On the CPU (device="cpu", profile.device=cpu: groups for training on this CPU, and the tests) there is no allocator
-    peak: memory is the model states plus the bytes autograd saves for backward in the first iteration (counted
-    with saved-tensor hooks), which leaves out transient buffers (a recomputed layer, a loss chunk's logits).
+    On the CPU (device="cpu", profile.device=cpu: groups for training on this CPU, and the tests) there is no
+    allocator peak: memory is the model states plus the bytes autograd saves for backward in the first iteration
+    (counted with saved-tensor hooks), which leaves out transient buffers (a recomputed layer, a loss chunk's
+    logits).
     """
 
     def __init__(self, model_cfg, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings,

@@ -251,18 +251,15 @@ def _sdpa_block(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale):
 
     Not one call with a block-diagonal T x T mask: that mask costs O(T^2) memory and compute over pairs that are
     masked anyway, and with a mask (and GQA) SDPA leaves its flash/efficient kernels for the math kernel on GPUs.
-    bench/bench_sdpa_block.py times both."""
+    bench/bench_sdpa_block.py times both. The samples are cut out with one ``split``, not a slice each: the
+    backward of a slice writes a zero tensor of the whole pack, so n slices cost O(n·T) (4x slower fwd+bwd for an
+    8K-token CPU pack of 64-token samples), where the split's backward is one concatenation."""
     gqa = k_TKD.shape[1] != q_THD.shape[1]
-    q_1HTD, k_1KTD, v_1KTD = (x.transpose(0, 1)[None] for x in (q_THD, k_TKD, v_TKD))
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        out_1HLD = F.scaled_dot_product_attention(
-            q_1HTD[:, :, start:end], k_1KTD[:, :, start:end], v_1KTD[:, :, start:end],
-            is_causal=True, scale=scale, enable_gqa=gqa,
-        )
-        outs.append(out_1HLD[0].transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    lengths = torch.diff(cu_seqlens).tolist()
+    q_HLD, k_KLD, v_KLD = (x.transpose(0, 1).split(lengths, dim=1) for x in (q_THD, k_TKD, v_TKD))
+    outs = [F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)[0] for q, k, v in zip(q_HLD, k_KLD, v_KLD)]
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 _BACKEND_FNS = {"flash_varlen": _flash_varlen, "torch_varlen": _torch_varlen, "flex": _flex, "sdpa_block": _sdpa_block}

@@ -180,7 +180,7 @@ BASE_ARGV = {
                         "--quiet", "--no-baseline"],
     "data_tools.compare": ["--lengths", "{lengths}", "--world-size", "2", "--groups", "256:1", "--strategies", "isf",
                            "--quiet"],
-    # Without --allow-cpu: a check that let the value through would end in "no CUDA GPU", which names no flag.
+    # Without --device cpu: a check that let the value through would end in "no CUDA GPU", which names no flag.
     "hbp_train.perf.calibrate": ["--tokens", "128", "--doc-lens", "16", "--out", "{out}/calibration.json"],
     "data_tools.simulate": ["--plan", "{out}/plan.json"],
 }

@@ -175,30 +175,78 @@ def test_calibrate_without_gpu_exits_2(capsys):
     from hbp_train.perf import calibrate
 
     assert exit_code(calibrate.main, ["--out", "unused.json"]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    assert "no CUDA GPU here" in capsys.readouterr().err
 
 
-def test_calibrate_cpu_smoke_writes_loadable_calibration_and_validates(tmp_path):
+def test_cpu_calibration_says_where_it_was_measured_and_validates(tmp_path):
+    """--device cpu: fp32, the threads asked for (and this process's own count left as it was), the CPU named in
+    the file and in the cost model's note; the model reads it as measured fp32 (4-byte all-to-alls) and --validate
+    compares whole packs with it."""
+    import torch
+
     from hbp_train.perf import calibrate
 
     out = tmp_path / "tiny.json"
-    common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128", "--iters", "1", "--warmup", "0"]
+    common = ["--device", "cpu", "--threads", "1", "--model-shape", TINY, "--tokens", "128", "--iters", "1",
+              "--warmup", "0"]
+    threads = torch.get_num_threads()
     assert calibrate.main(common + ["--doc-lens", "16,64,128", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
     data = json.loads(out.read_text())
     assert set(data["attention_fwdbwd_ms_32768_tokens_by_doc_len"]) == {"16", "64", "128"}
     assert data["linear_fwdbwd_ms_per_32768_tokens"] > 0 and data["model_shape"]["hidden"] == 32
+    assert (data["device"], data["dtype"], data["threads"], data["procs"], data["gpu"]) == \
+        ("cpu", "float32", 1, 1, None)
+    assert data["cpu"].startswith("CPU ") and data["cpu"].endswith(", 1 thread(s)") and "float32" in data["what"]
     model = CostModel.from_calibration(out)
-    assert model.source == "measured" and model.shape.name == "tiny"
+    assert model.source == "measured" and model.shape.name == "tiny" and data["cpu"] in model.note
+    assert model.dtype_bytes == 4 and CostModel.from_calibration().dtype_bytes == 2  # fp32 here, bf16 on the H100
+    assert model.a2a_seconds(1024, 2)[()] == pytest.approx(2 * CostModel(
+        model.shape, [16, 128], [1, 2], [1, 2], 1.0, "measured").a2a_seconds(1024, 2)[()])
     report_path = tmp_path / "val.json"
     assert calibrate.main(common + ["--validate", "--calibration", str(out), "--max-samples", "8", "--num-packs", "3",
                                     "--validate-out", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert [p["num_samples"] for p in report["packs"]] == [1, 3, 8]
+    assert [p["num_samples"] for p in report["packs"]] == [1, 3, 8] and report["device"].startswith("CPU ")
     for p in report["packs"]:
         assert sum(p["lengths"]) == 128 and len(p["lengths"]) == p["num_samples"]
         assert p["predicted_s"] == pytest.approx(model.pack_time(p["lengths"]))
         assert p["error"] == pytest.approx(p["predicted_s"] / p["measured_s"] - 1)
     assert exit_code(calibrate.main, common + ["--doc-lens", "256", "--out", str(out)]) == 2  # longer than --tokens
+
+
+def test_cpu_calibration_with_procs_measures_in_step_with_its_companions(tmp_path, monkeypatch):
+    """--procs 2: a spawned process runs the same measurements, both waiting at a barrier before every point (a
+    training rank computes beside another); the file says so. The barrier is gone afterwards."""
+    from hbp_train.perf import calibrate
+
+    waits = []
+    real_timer = calibrate._timer
+
+    def counting_timer(device):  # this process's waits: two per timed point (before the warm-ups, before timing)
+        run = real_timer(device)
+
+        def timed(fn, iters, warmup):
+            waits.append(calibrate._BARRIER is not None)
+            return run(fn, iters, warmup)
+        return timed
+
+    monkeypatch.setattr(calibrate, "_timer", counting_timer)
+    out = tmp_path / "two.json"
+    assert calibrate.main(["--device", "cpu", "--threads", "1", "--procs", "2", "--model-shape", TINY, "--tokens",
+                           "64", "--iters", "1", "--warmup", "0", "--doc-lens", "16,64", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["procs"] == 2 and data["threads"] == 1
+    assert waits == [True] * 6 and calibrate._BARRIER is None  # fwd, fwd+bwd per doc length, the layer, the head
+
+
+def test_cpu_calibration_flags_are_refused_for_a_gpu(capsys):
+    from hbp_train.perf import calibrate
+
+    for flags in (["--threads", "2"], ["--procs", "2"]):
+        assert exit_code(calibrate.main, flags + ["--out", "unused.json"]) == 2
+        err = capsys.readouterr().err
+        assert "--threads and --procs are for --device cpu" in err and len(err.strip().splitlines()) == 1
 
 
 def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
@@ -227,7 +275,7 @@ def test_pack_cost_fn_uses_the_group_and_balances_predicted_time(model):
 def test_calibrate_bad_flags_fail_before_measuring(tmp_path, capsys):
     from hbp_train.perf import calibrate
 
-    common = ["--allow-cpu", "--model-shape", TINY, "--tokens", "128"]
+    common = ["--device", "cpu", "--model-shape", TINY, "--tokens", "128"]
     assert exit_code(calibrate.main, common + ["--doc-lens", "16,abc", "--out", str(tmp_path / "c.json")]) == 2
     assert "--doc-lens" in capsys.readouterr().err
     blocker = tmp_path / "file"
@@ -343,7 +391,7 @@ def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkey
     seen = []
     monkeypatch.setattr(calibrate, "validate", lambda shape, model, args, device, dtype: seen.append(
         args.max_samples) or {"mean_abs_error": 0.0, "max_abs_error": 0.0})
-    common = ["--allow-cpu", "--validate", "--model-shape", TINY, "--tokens", "16"]
+    common = ["--device", "cpu", "--validate", "--model-shape", TINY, "--tokens", "16"]
     assert exit_code(calibrate.main, common + ["--max-samples", "16"]) == 0 and seen == [16]
     assert exit_code(calibrate.main, common + ["--max-samples", "17"]) == 2 and seen == [16]
     assert "--max-samples (17) cannot exceed --tokens (16)" in capsys.readouterr().err
@@ -397,8 +445,9 @@ def test_validate_default_pack_fits_the_gpu():
 
 
 def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memory(tmp_path, monkeypatch, capsys):
-    """The default validation pack fits the GPU's free memory (not its total); a pack that still runs out of memory
-    is retried at half the tokens, and calibrating out of memory is one line naming --tokens."""
+    """The default validation pack fits the GPU's free memory (not its total; no GPU: 32768 tokens); a pack that
+    still runs out of memory is retried at half the tokens, and calibrating out of memory is one line naming
+    --tokens."""
     from hbp_train.perf import calibrate
 
     shape = parse_model_shape("llama3-8b")
@@ -414,7 +463,8 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
 
     monkeypatch.setattr(calibrate, "validate", validate)
     assert calibrate.main(["--allow-cpu", "--validate", "--model-shape", "llama3-8b", "--max-samples", "4"]) == 0
-    assert tried[0] == calibrate.validate_tokens(shape, free) < calibrate.validate_tokens(shape, 140 * 2**30)
+    assert calibrate.validate_tokens(shape, free) < calibrate.validate_tokens(shape, 140 * 2**30) < 32768
+    assert tried[0] == 32768  # measured on the CPU: no GPU memory to size from
     assert len(tried) > 1 and tried[1:] == [t // 2 for t in tried[:-1]] and tried[-1] == 1024
     assert "out of memory: validating with packs of 1024 tokens" in capsys.readouterr().out
     free = 40 * 2**30
@@ -429,3 +479,30 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
     monkeypatch.setattr(calibrate, "validate", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
     with pytest.raises(RuntimeError, match="a real bug"):  # anything else keeps its traceback
         calibrate.main(["--allow-cpu", "--validate", "--model-shape", TINY, "--max-samples", "4"])
+
+
+def test_rounds_keep_each_points_median_and_report_the_spread():
+    """--rounds: a calibration's every time and a validation's every pack is the median over the rounds (the
+    errors and their summary computed from it); the spread is the largest max/min ratio of one point."""
+    from hbp_train.perf.calibrate import median_of_rounds
+
+    def cal(linear, fb, f):
+        return {"measured": "m", "linear_fwdbwd_ms_per_32768_tokens": linear, "head_fwdbwd_ms_per_32768_tokens": f,
+                "attention_fwdbwd_ms_32768_tokens_by_doc_len": {"16": fb, "64": 2 * fb},
+                "attention_fwd_ms_32768_tokens_by_doc_len": {"16": f, "64": 2 * f}}
+
+    out = median_of_rounds([cal(10.0, 4.0, 1.0), cal(12.0, 5.0, 1.5), cal(30.0, 4.5, 1.2)])
+    assert out["linear_fwdbwd_ms_per_32768_tokens"] == 12.0 and out["head_fwdbwd_ms_per_32768_tokens"] == 1.2
+    assert out["attention_fwdbwd_ms_32768_tokens_by_doc_len"] == {"16": 4.5, "64": 9.0}
+    assert out["attention_fwd_ms_32768_tokens_by_doc_len"] == {"16": 1.2, "64": 2.4}
+    assert out["rounds"] == {"count": 3, "max_spread": 3.0} and out["measured"].endswith("median of 3 rounds")
+
+    def val(*measured):
+        return {"packs": [{"predicted_s": 1.0, "measured_s": m, "error": 1.0 / m - 1} for m in measured],
+                "mean_abs_error": 0.0, "max_abs_error": 0.0, "within_10_percent": True}
+
+    report = median_of_rounds([val(1.0, 2.0), val(0.8, 2.2), val(1.25, 1.0)])
+    assert [p["measured_s"] for p in report["packs"]] == [1.0, 2.0]
+    assert [p["error"] for p in report["packs"]] == pytest.approx([0.0, -0.5])
+    assert report["mean_abs_error"] == pytest.approx(0.25) and report["max_abs_error"] == pytest.approx(0.5)
+    assert report["within_10_percent"] is False and report["rounds"]["max_spread"] == pytest.approx(2.2)

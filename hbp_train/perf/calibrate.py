@@ -1,33 +1,45 @@
-"""Cost-model calibration on a GPU: time one decoder layer's attention by document length and its linear part.
+"""Cost-model calibration: time one decoder layer's attention by document length and its linear part.
 
     python -m hbp_train.perf.calibrate --model-shape llama3.2-1b --out calib_1b.json
     python -m hbp_train.perf.calibrate --model-shape llama3.2-1b --calibration calib_1b.json --validate \\
         --validate-out validate_1b.json
+    OMP_NUM_THREADS=1 python -m hbp_train.perf.calibrate --device cpu --threads 1 --procs 2 --model-shape S.json \\
+        --tokens 8192 --doc-lens 64,256,1024,4096,8192 --out calib_cpu.json        # for training on this CPU
 
 Calibrate (default): one decoder layer built with transformers from the shape's config (Llama architecture,
-random weights, bf16). Attention: packs of ``--tokens`` tokens made of documents of one length each, packed
-varlen causal attention from hbp_train.attention (best backend available), timed forward and forward+backward.
-Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the attention core
-replaced by a cheap elementwise stand-in. LM head: the trainer's chunked LM-head loss fwd+bwd over the shape's
-vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and are written
-per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus "model_shape").
+random weights, bf16 on a GPU, fp32 on the CPU). Attention: packs of ``--tokens`` tokens made of documents of one
+length each, packed varlen causal attention from hbp_train.attention (best backend available), timed forward and
+forward+backward. Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the
+attention core replaced by a cheap elementwise stand-in. LM head: the trainer's chunked LM-head loss fwd+bwd
+over the shape's vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and
+are written per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus
+"model_shape", and "device", "dtype", "threads", "procs").
 
-Validate (``--validate``): builds the whole model (all layers + LM head, bf16), times fwd+bwd of packs holding
+On the CPU (``--device cpu``) the numbers are a calibration of this machine for CPU training (the trainer's fp32
+and ``sdpa_block`` backend): measure with the torch threads one training rank gets (``--threads``: cores //
+processes, what launch.sh sets as OMP_NUM_THREADS) and with ``--procs`` = the training processes, which measure the
+same points at the same moment (a barrier before each), because ranks running side by side share caches and
+memory bandwidth: a lone process on an idle machine runs faster than a training rank does.
+
+Validate (``--validate``): builds the whole model (all layers + LM head), times fwd+bwd of packs holding
 1 to ``--max-samples`` samples (random split of ``--tokens``) through the trainer's own program (the decoder, then
 the chunked LM-head loss of hbp_train/loss.py, never T x vocab logits), compares with CostModel.pack_time from the
 calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%). Its default
 pack is the largest that fits the GPU (``validate_tokens``): 32768 tokens of an 8B shape do not fit 80 GB.
 
-Without a GPU this prints one line and exits 2; ``--allow-cpu`` runs either mode on the CPU in float32 for a
-smoke test with a tiny shape (the numbers mean nothing).
+Without a GPU and without ``--device cpu`` this prints one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import platform
 import statistics
 import sys
+import threading
 import time
 from datetime import date
 
@@ -61,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=positive_int, default=10,
                    help="timed iterations per point; the median is kept (default 10)")
     p.add_argument("--warmup", type=nonneg_int, default=3, help="untimed warm-up iterations per point (default 3)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="measure every point this many times, one round through all of them after the other, and "
+                        "keep each point's median: a machine whose speed drifts (a shared CPU) then slows every "
+                        "point alike (default 1)")
     p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
                    help="attention backend (hbp_train.attention); auto picks the best one available here (default "
                         "auto)")
@@ -77,9 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-out", default=None, metavar="JSON", type=output_file,
                    help="validate: where to write the report (default: printed only)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="seed for weights and pack splits (default 0)")
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="run on the CPU (float32) as a smoke test; the timings are not a calibration")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where to measure: cuda (bf16, the GPU a training rank uses) or cpu (fp32: a calibration "
+                        "of this machine for training on its CPU) (default cuda)")
+    p.add_argument("--allow-cpu", dest="device", action="store_const", const="cpu", help="the same as --device cpu")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="cpu: torch threads of each measuring process, the threads one training rank gets (default: "
+                        "cores // --procs, as launch.sh sets OMP_NUM_THREADS)")
+    p.add_argument("--procs", type=positive_int, default=1,
+                   help="cpu: processes measuring the same points at once, as many as the training's ranks on this "
+                        "machine (they share its caches and memory bandwidth); the first one's times are written "
+                        "(default 1)")
     return p
+
+
+# Set in every process of a --procs measurement: all of them wait here before each point, so they time together.
+_BARRIER = None
 
 
 def _timer(device):
@@ -87,8 +116,12 @@ def _timer(device):
     import torch
 
     def run(fn, iters: int, warmup: int) -> float:
+        if _BARRIER is not None:
+            _BARRIER.wait()
         for _ in range(warmup):
             fn()
+        if _BARRIER is not None:  # the warm-ups can differ in length between the processes
+            _BARRIER.wait()
         times = []
         for _ in range(iters):
             if device.type == "cuda":
@@ -105,6 +138,36 @@ def _timer(device):
         return statistics.median(times)
 
     return run
+
+
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's model and the threads this process computes with."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {_cpu_model()}, {torch.get_num_threads()} thread(s)"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_fields(device, dtype, procs: int = 1) -> dict:
+    """What a calibration file says about where it was measured ("gpu" is the field older files have)."""
+    import torch
+
+    fields = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "gpu": device_name(device)}
+    if device.type == "cpu":
+        fields.update(gpu=None, cpu=device_name(device), threads=torch.get_num_threads(), procs=procs)
+    return fields
 
 
 def llama_config(shape: ModelShape, attn_implementation: str = "sdpa"):
@@ -202,17 +265,14 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
     del layer, hidden, pos_emb
     head = round(time_head(shape, args, device, dtype, timed, gen) * TABLE_TOKENS / args.tokens, 3)
     print(f"LM head + chunked loss: {head:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
-    import torch as _t
-
-    gpu = _t.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test, not a calibration)"
     return {
         "what": f"One transformer layer shaped like {shape.name} (hidden {shape.hidden}, {shape.num_heads} q heads, "
                 f"{shape.num_kv_heads} kv heads, head dim {shape.head_dim}, ffn {shape.ffn}), {str(dtype)[6:]}, "
                 f"fwd+bwd, attention backend {backend} (causal, packed). T = tokens in the pack.",
         "measured": f"{date.today().isoformat()}, median of {args.iters} timed iterations after {args.warmup} "
                     f"warm-ups, {args.tokens} tokens per timed pack",
-        "gpu": gpu,
-        "torch": _t.__version__,
+        **device_fields(device, dtype, args.procs),
+        "torch": torch.__version__,
         "model_shape": {k: getattr(shape, k) for k in ("name", "hidden", "num_layers", "num_heads",
                                                         "num_kv_heads", "ffn", "vocab", "head_dim")},
         "linear_fwdbwd_ms_per_32768_tokens": linear,
@@ -364,7 +424,7 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
               f"predicted {predicted * 1e3:9.2f} ms, error {100 * rows[-1]['error']:+6.1f}%", flush=True)
     errors = np.abs([r["error"] for r in rows])
     return {"model_shape": shape.name, "cost_model": model.describe(), "backend": backend, "tokens": args.tokens,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke test)",
+            "device": device_name(device),
             "mean_abs_error": float(errors.mean()), "max_abs_error": float(errors.max()),
             "within_10_percent": bool(errors.max() <= 0.10), "packs": rows}
 
@@ -375,8 +435,11 @@ def main(argv=None) -> int:
 
     try:
         shape = parse_model_shape(args.model_shape)
+        if args.device == "cuda" and (args.threads is not None or args.procs > 1):
+            raise UserError("--threads and --procs are for --device cpu (a GPU rank computes on its GPU)")
         if args.tokens is None:
-            args.tokens = validate_tokens(shape, free_gpu_bytes()) if args.validate else TABLE_TOKENS
+            args.tokens = (validate_tokens(shape, free_gpu_bytes() if args.device == "cuda" else None)
+                           if args.validate else TABLE_TOKENS)
         if args.validate and args.max_samples > args.tokens:
             raise UserError(f"--max-samples ({args.max_samples}) cannot exceed --tokens ({args.tokens})")
         if not args.validate and not args.out:
@@ -387,26 +450,114 @@ def main(argv=None) -> int:
         report_path = args.validate_out if args.validate and args.validate_out else None
         check_output_file("--out", out_path)  # before the measurements, which take minutes
         check_output_file("--validate-out", report_path)
-        if not torch.cuda.is_available() and not args.allow_cpu:  # after the flags: fix those on a CPU node first
-            raise UserError("no CUDA GPU here; calibration needs one (use --allow-cpu for a smoke test)")
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if args.device == "cuda" and not torch.cuda.is_available():  # after the flags: fix those on a CPU node first
+            raise UserError("no CUDA GPU here; calibrate a GPU on a GPU node, or this machine's CPU with --device cpu")
+        model = CostModel.from_calibration(args.calibration, shape) if args.validate else None
+        if args.device == "cpu":
+            args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.procs)
+        result = measure_together(shape, model, args) if args.procs > 1 else measure(shape, model, args)
         if args.validate:
-            model = CostModel.from_calibration(args.calibration, shape)
-            report = validate_fitting(shape, model, args, device, dtype)
-            print(f"cost model ({model.source}) vs measured: mean |error| {100 * report['mean_abs_error']:.1f}%, "
-                  f"max {100 * report['max_abs_error']:.1f}% (target within 10%)")
+            print(f"cost model ({model.source}) vs measured: mean |error| {100 * result['mean_abs_error']:.1f}%, "
+                  f"max {100 * result['max_abs_error']:.1f}% (target within 10%)")
             if report_path:
-                write_output("--validate-out", report_path, lambda p: p.write_text(json.dumps(report, indent=1)))
+                write_output("--validate-out", report_path, lambda p: p.write_text(json.dumps(result, indent=1)))
                 print(f"wrote {report_path}")
         else:
-            result = calibrate_or_explain(shape, args, device, dtype)
             write_output("--out", out_path, lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"wrote {out_path}")
     except UserError as exc:
         print(f"calibrate: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0
+
+
+def measure(shape: ModelShape, model, args, quiet: bool = False) -> dict:
+    """This process's calibration (``model`` None) or validation report, on the device ``args.device`` names."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    if quiet:  # a companion of --procs: the first process prints
+        sys.stdout = open(os.devnull, "w")
+    try:
+        if model is not None:
+            return median_of_rounds([validate_fitting(shape, model, args, device, dtype) for _ in range(args.rounds)])
+        return median_of_rounds([calibrate_or_explain(shape, args, device, dtype) for _ in range(args.rounds)])
+    finally:
+        torch.set_num_threads(threads)  # called in a process with other work (tests): leave it as it was
+
+
+CALIBRATION_TIMES = ("attention_fwdbwd_ms_32768_tokens_by_doc_len", "attention_fwd_ms_32768_tokens_by_doc_len")
+
+
+def median_of_rounds(rounds: list) -> dict:
+    """One result from --rounds measurements of the same points: every time is the median over the rounds, and
+    "rounds" records how many there were and how far apart the rounds of a point lay (the largest max/min ratio:
+    the timing noise of this machine). A calibration's tables and linear part; a validation's whole packs, with
+    their errors and the summary computed anew."""
+    out = rounds[0]
+    if len(rounds) == 1:
+        return out
+    if "packs" in out:  # a validation report: the same packs (seeded) in every round
+        times = np.array([[p["measured_s"] for p in r["packs"]] for r in rounds])
+        for pack, measured in zip(out["packs"], np.median(times, axis=0)):
+            pack.update(measured_s=float(measured), error=pack["predicted_s"] / float(measured) - 1.0)
+        errors = np.abs([p["error"] for p in out["packs"]])
+        out.update(mean_abs_error=float(errors.mean()), max_abs_error=float(errors.max()),
+                   within_10_percent=bool(errors.max() <= 0.10))
+    else:
+        keys = ("linear_fwdbwd_ms_per_32768_tokens", "head_fwdbwd_ms_per_32768_tokens")
+        times = np.array([[r[k] for k in keys] + [v for t in CALIBRATION_TIMES for v in r[t].values()]
+                          for r in rounds])
+        medians = np.round(np.median(times, axis=0), 3).tolist()
+        for k in keys:
+            out[k] = medians.pop(0)
+        for table in CALIBRATION_TIMES:
+            for length in out[table]:
+                out[table][length] = medians.pop(0)
+        out["measured"] += f", median of {len(rounds)} rounds"
+    out["rounds"] = {"count": len(rounds), "max_spread": float((times.max(axis=0) / times.min(axis=0)).max())}
+    return out
+
+
+def measure_together(shape: ModelShape, model, args) -> dict:
+    """--procs N on the CPU: N processes (this one and N-1 spawned) measure the same points at the same moments,
+    as N training ranks compute side by side; this process's times are the result."""
+    global _BARRIER
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that has torch's thread pools
+    _BARRIER = ctx.Barrier(args.procs)
+    others = [ctx.Process(target=_companion, args=(shape, model, args, _BARRIER), daemon=True)
+              for _ in range(args.procs - 1)]
+    for proc in others:
+        proc.start()
+    try:
+        return measure(shape, model, args)
+    except threading.BrokenBarrierError:  # a companion failed and broke the barrier; its traceback is above
+        raise RuntimeError("a --procs process stopped; its traceback is above") from None
+    except BaseException:
+        _BARRIER.abort()  # the companions stop at their next wait instead of waiting for this process forever
+        raise
+    finally:
+        for proc in others:
+            proc.join(timeout=60)
+        _BARRIER = None
+
+
+def _companion(shape, model, args, barrier) -> None:
+    """A spawned --procs process: the same measurements, in step with the first process; its times are dropped."""
+    global _BARRIER
+    _BARRIER = barrier
+    try:
+        measure(shape, model, args, quiet=True)
+    except threading.BrokenBarrierError:  # the first process stopped: nothing left to keep in step with
+        return
+    except BaseException:
+        barrier.abort()
+        raise
 
 
 if __name__ == "__main__":

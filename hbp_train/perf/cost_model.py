@@ -117,7 +117,9 @@ class CostModel:
         head = data.get("head_fwdbwd_ms_per_32768_tokens")
         if head is not None and not (isinstance(head, (int, float)) and head > 0):
             raise UserError(f"calibration {path}: head_fwdbwd_ms_per_32768_tokens must be > 0 (or absent)")
-        source, note = "measured", f"{path.name} ({data.get('gpu', 'unknown GPU')})"
+        # A CPU calibration (hbp_train.perf.calibrate --device cpu) names its CPU and threads, and is fp32.
+        source, note = "measured", f"{path.name} ({data.get('gpu') or data.get('cpu') or 'unknown GPU'})"
+        dtype_bytes = 4 if data.get("dtype") == "float32" else 2
         if head is None:
             note += ", LM head from FLOPs"
         shape = measured_shape
@@ -132,7 +134,7 @@ class CostModel:
                 linear = linear * linear_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(measured_shape)
                 source = "scaled"
                 note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
-        return cls(shape, lens, fb, f, linear, source, note, head_fb_ms_per_table=head)
+        return cls(shape, lens, fb, f, linear, source, note, dtype_bytes, head_fb_ms_per_table=head)
 
     @classmethod
     def analytic(cls, model_shape, peak_tflops: float = 989.0, efficiency: float = 0.5) -> "CostModel":

@@ -240,9 +240,10 @@ class GpuBackend:
     states, so `model_state_bytes(...) - 4 x params` is added to both memory readings (no optimizer is built:
     its step costs the same per token for every configuration).
 
-    On the CPU (device="cpu", profile.device=cpu: tests and checks of the measuring path) there is no allocator
-    peak: memory is the model states plus the bytes autograd saves for backward in the first iteration (counted
-    with saved-tensor hooks), which leaves out transient buffers (a recomputed layer, a loss chunk's logits).
+    On the CPU (device="cpu", profile.device=cpu: groups for training on this CPU, and the tests) there is no
+    allocator peak: memory is the model states plus the bytes autograd saves for backward in the first iteration
+    (counted with saved-tensor hooks), which leaves out transient buffers (a recomputed layer, a loss chunk's
+    logits).
     """
 
     def __init__(self, model_cfg, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings,
@@ -274,7 +275,7 @@ class GpuBackend:
         self.state_correction = model_state_bytes(self.params, cfg.world_size, job) - 2 * elem * self.params
         if self.on_gpu:
             self.device_memory_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
-        else:  # CPU: only for exercising this code path in tests; memory is not measured there
+        else:  # CPU: no device memory to read; the budget is the one profile.device_memory_gb states (GiB)
             self.device_memory_bytes = int(cfg.device_memory_gb * 2**30)
         self.num_gpus = 1
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
@@ -283,8 +284,8 @@ class GpuBackend:
     def hardware(self) -> dict:
         torch = self.torch
         if not self.on_gpu:
-            return {"backend": "cpu", "device": str(self.device),
-                    "note": "CPU run: times and autograd-saved activation memory, not a GPU's"}
+            return {"backend": "cpu", "device": str(self.device), "threads": torch.get_num_threads(),
+                    "note": "CPU run: this CPU's times and autograd-saved activation memory, not a GPU's"}
         props = torch.cuda.get_device_properties(self.device)
         info = {"backend": "gpu", "gpu_name": props.name, "device_memory_bytes": int(props.total_memory),
                 "gpus_measured": 1, "torch": torch.__version__, "cuda": torch.version.cuda}

@@ -53,7 +53,7 @@ profile.* options (defaults in brackets):
   dry_run [false]           no GPU: analytic estimate (cost model + memory model), labelled "analytic"
   calibration ['']          cost-model calibration JSON (default: the shipped H100 one, scaled to the model)
   device_memory_gb [80]     device memory assumed by dry_run and device=cpu: the card's size (80GB H100: 80), GiB
-  device [cuda]             cuda, or cpu (the real model on the CPU, gloo: checks the measuring path)
+  device [cuda]             cuda, or cpu (the real model on this CPU, gloo: groups for training on it)
   measure_devices [null]    devices that measure SP > 1 together, one torchrun per degree (null = the CUDA
                             devices present; device=cpu: 1); larger degrees are estimated
   worker_timeout_s [600]    a measuring torchrun is stopped this long after the time budget; its rest estimated
@@ -153,8 +153,10 @@ def profile(argv: list) -> int:
             raise UserError(f"model.name_or_path: cannot load the model ({reason}); a GPU profile needs the "
                             "weights, a dry run (profile.dry_run=true) only config.json") from None
     if pcfg.device == "cpu" and not pcfg.dry_run:
-        log.warning("profile.device=cpu: times and memory of the CPU, for checking the measuring path; profile on "
-                    "the GPUs to plan a GPU job")
+        log.warning("profile.device=cpu: times and memory of this CPU, groups for training on it (profile on the "
+                    "GPUs to plan a GPU job)%s", "" if pcfg.calibration else "; profile.calibration is the shipped "
+                    "GPU one: SP degrees estimated from it are a GPU's (calibrate this CPU with python -m "
+                    "hbp_train.perf.calibrate --device cpu)")
     sp_degrees = usable_sp_degrees(pcfg.sp_candidates(), shape)
     devices = measuring_devices(pcfg)
     launcher = SpLauncher(overrides, pcfg, launched_degrees(sp_degrees, devices, pcfg.gpus_per_node), vocab,

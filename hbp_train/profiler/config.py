@@ -57,8 +57,9 @@ class ProfileConfig:
     """Device memory assumed by --dry-run and by device=cpu (the GPU backend reads the real one): the size a GPU is
     sold as, "80" for an H100 80GB, which is 80 GiB (2^30 bytes; nvidia-smi shows 81559 MiB), so read as GiB."""
     device: str = "cuda"
-    """Where measurements run: "cuda" (the GPUs) or "cpu" (the real model on the CPU, gloo between processes;
-    times and autograd-saved activation memory: for checking the measuring path, not for planning a GPU job)."""
+    """Where measurements run: "cuda" (the GPUs) or "cpu" (the real model on this CPU, gloo between processes, as
+    many torch threads as OMP_NUM_THREADS: the groups for training on this CPU; give it a CPU calibration, from
+    `hbp_train.perf.calibrate --device cpu`, as profile.calibration for the SP estimates)."""
     measure_devices: Optional[int] = None
     """Devices this machine lends to measuring SP > 1: each SP degree up to it (and up to gpus_per_node) is measured
     by one torchrun of that many ranks; larger degrees are estimated. None = the CUDA devices present (device=cpu:

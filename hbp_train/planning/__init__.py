@@ -61,5 +61,5 @@ def make_plan(lengths, config: PlanConfig) -> Plan:
         plan = plan_bytescale(lengths, config)
     else:
         raise UserError(f"strategy must be one of {', '.join(map(repr, ALL_STRATEGIES))}, got {config.strategy!r}")
-    return plan.compute_metrics()
+    return plan if plan.metrics else plan.compute_metrics()  # hbp computes them with what it has at hand
 

@@ -254,11 +254,12 @@ class Plan:
     def pack(self, p: int) -> np.ndarray:
         return self.pack_samples[self.pack_ptr[p]:self.pack_ptr[p + 1]]
 
-    def compute_metrics(self) -> "Plan":
-        """Fill ``metrics`` and ``step_metrics`` (see hbp_train.planning.metrics). Returns self."""
+    def compute_metrics(self, sample_len: np.ndarray | None = None) -> "Plan":
+        """Fill ``metrics`` and ``step_metrics`` (see hbp_train.planning.metrics). Returns self. ``sample_len``:
+        ``lengths[pack_samples]`` when the planner has it (a gather of every sample saved)."""
         from hbp_train.planning.metrics import compute_metrics
 
-        self.metrics, self.step_metrics = compute_metrics(self)
+        self.metrics, self.step_metrics = compute_metrics(self, sample_len)
         return self
 
     # -- checks ------------------------------------------------------------------------------------------------

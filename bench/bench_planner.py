@@ -2,6 +2,13 @@
 
     .venv/bin/python bench/bench_planner.py [--samples 1000000] [--repeats 3] [--world-size 32]
     .venv/bin/python bench/bench_planner.py --samples 10000000 --repeats 1 --strategies isf --no-cost-model  # 10M
+    .venv/bin/python bench/bench_planner.py --samples 10000000 --cli  # the pack CLI on three mixes (MIXES)
+
+``--cli`` runs ``python -m data_tools.pack --lengths L.npy --out plan.npz`` (hbp, no isf baseline) in a child process
+for each mix of MIXES and prints, beside the targets (<= 1 s CPU, <= 1 GB peak RSS, plan.npz <= 40 MB at 10M
+samples), the CPU seconds the CLI reports for reading the lengths, planning (metrics included) and writing the
+plan, the child's whole CPU time (interpreter start and imports included), its peak RSS, the file size and the
+plan's ABR / DBR / PR.
 
 Mix: 95% chat-like samples (lognormal, median 600 tokens, sigma 1.2, clipped to [16, 32768]) and 5% long
 documents (log-uniform 8K..128K). max_len 131072, W = 32 (--world-size), groups 16384:1,131072:8, W x 128K global
@@ -41,6 +48,78 @@ def long_tailed_lengths(n: int, seed: int = 0) -> np.ndarray:
     lengths = np.concatenate([chat, docs]).astype(np.int64)
     rng.shuffle(lengths)
     return lengths
+
+
+def docs_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """95% chats (lognormal, median 300 tokens, sigma 1.0, clipped to [8, 16384]) and 5% documents of 8K..128K
+    tokens (uniform)."""
+    rng = np.random.default_rng(seed)
+    num_docs = int(n * 0.05)
+    chat = np.clip(np.round(rng.lognormal(np.log(300), 1.0, n - num_docs)), 8, 16384)
+    lengths = np.concatenate([chat, rng.integers(8192, 131073, num_docs)]).astype(np.int64)
+    rng.shuffle(lengths)
+    return lengths
+
+
+def pareto_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """One heavy tail, no separate documents: 64 x Pareto(alpha 1.1), clipped to 128K tokens."""
+    rng = np.random.default_rng(seed)
+    return np.minimum(np.round(64 * (1 + rng.pareto(1.1, n))), 131072).astype(np.int64)
+
+
+# name -> (lengths(n, seed), world size, --groups): three differently shaped long tails for --cli.
+MIXES = {
+    "chat": (long_tailed_lengths, 32, "16384:1,131072:8"),
+    "docs": (docs_lengths, 32, "16384:1,131072:8"),
+    "pareto": (pareto_lengths, 64, "8192:1,32768:4,131072:8"),
+}
+
+
+def run_cli(lengths_path: str, plan_path: str, world_size: int, groups: str, seed: int) -> dict:
+    """Run the pack CLI in a child process: its CPU line, whole CPU time (user + sys) and peak RSS (os.wait4)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "data_tools.pack", "--lengths", lengths_path, "--out", plan_path, "--world-size",
+           str(world_size), "--groups", groups, "--global-tokens", str(world_size * 131072), "--seed", str(seed),
+           "--no-baseline", "--quiet"]
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    child = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    if status:
+        raise SystemExit(f"bench_planner: the pack CLI failed:\n{out}")
+    line = next(x for x in out.splitlines() if x.startswith("CPU seconds"))
+    phases = dict((k, float(v)) for k, v in (part.split()[-2:] for part in line.split(": ", 1)[1].split(", ")))
+    return {"phases": phases, "process_cpu": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1e3,
+            "output": out}
+
+
+def cli_main(args) -> None:
+    """--cli: the pack CLI on every mix of MIXES (module docstring)."""
+    from hbp_train.planning.plan_npz import open_npz
+
+    print(f"python -m data_tools.pack --out plan.npz (hbp, --no-baseline), {args.samples} samples per mix, "
+          f"seed {args.seed}; CPU seconds as the CLI reports them (read = np.load + checks, plan = planning and "
+          "metrics, write = plan.npz)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (draw, world_size, groups) in MIXES.items():
+            lengths_path, plan_path = os.path.join(tmp, f"{name}.npy"), os.path.join(tmp, f"{name}.npz")
+            lengths = draw(args.samples, args.seed)
+            np.save(lengths_path, lengths)
+            del lengths
+            res = run_cli(lengths_path, plan_path, world_size, groups, args.seed)
+            header, _ = open_npz(plan_path)
+            m, size = header["metrics"], os.path.getsize(plan_path) / 1e6
+            cpu = res["phases"]["together"]
+            print(f"\n{name}: W={world_size}, groups {groups}, {m['tokens'] / 1e9:.2f}G tokens, {m['num_packs']} packs")
+            print(f"  CLI CPU: read {res['phases']['read']:.2f} s + plan {res['phases']['plan']:.2f} s + write "
+                  f"{res['phases']['write']:.2f} s = {cpu:.2f} s [target <= 1 s: {'ok' if cpu <= 1 else 'MISSED'}]; "
+                  f"whole process {res['process_cpu']:.2f} s CPU (interpreter and imports included)")
+            print(f"  peak RSS {res['peak_rss_mb']:.0f} MB [target <= 1000 MB: "
+                  f"{'ok' if res['peak_rss_mb'] <= 1000 else 'MISSED'}]; plan.npz {size:.1f} MB [target <= 40 MB: "
+                  f"{'ok' if size <= 40 else 'MISSED'}]")
+            print(f"  ABR {m['ABR']:.5f}  DBR {m['DBR']:.5f}  PR {m['PR']:.5f}  CR {m['CR']:.4f}  mix_TV "
+                  f"{m['mix_TV']:.4f}  steps {m['num_steps']}")
 
 
 def best_of(fn, repeats):
@@ -109,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the extra hbp plan balanced with the cost model (default: plan it)")
     ap.add_argument("--global-tokens", type=int, default=None,
                     help="tokens per optimizer step (default W x 131072: one 128K pack's worth per GPU)")
+    ap.add_argument("--cli", action="store_true",
+                    help="time the pack CLI (plan.npz) on the three MIXES instead (ignores --strategies, --repeats, "
+                    "--world-size, --global-tokens)")
     return ap
 
 
@@ -119,6 +201,9 @@ def main():
         ap.error("--world-size must be a multiple of 8 (the 131072:8 group needs W/8 replicas)")
     if args.samples < 1 or args.repeats < 1 or args.seed < 0:
         ap.error("--samples and --repeats must be >= 1, --seed >= 0")
+    if args.cli:
+        cli_main(args)
+        return
     global_tokens = args.global_tokens or args.world_size * 131072
     lengths = long_tailed_lengths(args.samples, args.seed)
     groups = [GroupSpec(16384, 1), GroupSpec(131072, 8)]

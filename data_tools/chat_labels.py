@@ -16,11 +16,19 @@ roles (Gemma's ``model``) need nothing special: they are the same in every rende
 
 A conversation the template cannot render raises ``FormatError`` with one of ``TEMPLATE_REASONS``; an unusable
 tokenizer directory raises ``TokenizerError``.
+
+``encode_batch`` does the same for many conversations at once. With generation markers it is transformers'
+``apply_chat_template(..., return_assistant_tokens_mask=True)`` made batch-wise: the same template rendering
+(``render_jinja_template``, which records the generation spans), the same Rust tokenizer call (one batch, no Python
+objects per token but the offsets), and the same mask rule (a token is trained on when it overlaps a generation
+span, in transformers' order of tests) computed with numpy over the whole batch instead of a Python loop per token
+(tests/test_chat_labels.py checks the result against apply_chat_template token for token).
 """
 
 from __future__ import annotations
 
 import re
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +98,13 @@ class ChatEncoder:
         self.template_source = "tokenizer" if template else "default"
         self.template = template or DEFAULT_CHAT_TEMPLATE
         self.label_mode = "generation" if _GENERATION_TAG.search(self.template) else "incremental"
+        # What apply_chat_template hands the template besides the messages, and its tokenizer settings for the call
+        # (no truncation, no padding, special tokens split or not as configured): encode_batch calls the backend.
+        self._template_kwargs = dict(self.tokenizer.special_tokens_map)
+        self._backend = self.tokenizer.backend_tokenizer
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self._backend.encode_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False))
 
     def render(self, turns: list[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as the text the template makes; ``encode`` tokenizes this text (no special tokens
@@ -110,10 +125,57 @@ class ChatEncoder:
         except FormatError:
             raise
         except Exception as e:  # noqa: BLE001 -- jinja raises arbitrary errors (e.g. "roles must alternate")
-            raise FormatError("template_error", f"chat template failed: {type(e).__name__}: {one_line(e, 200)}",
-                              "fix the conversation or use a tokenizer whose template accepts it") from None
+            raise _template_error(e) from None
         labels = np.where(mask, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
         return ids, labels
+
+    def encode_batch(self, conversations: list[list[dict]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+        """``(input_ids, labels, row_ptr, errors)`` of many conversations: ids and labels int32, all rows one after
+        the other (row i = ``[row_ptr[i]:row_ptr[i + 1]]``), and ``{i: FormatError}`` for the conversations the
+        template could not render (their rows are empty). Equal to ``encode`` row by row."""
+        if self.label_mode != "generation":
+            return self._encode_each(conversations)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        errors = {}
+        try:
+            texts, spans = render_jinja_template(conversations=conversations, chat_template=self.template,
+                                                 return_assistant_tokens_mask=True, **self._template_kwargs)
+        except Exception:  # noqa: BLE001 -- one conversation stopped the batch: render one by one to find it
+            texts, spans = [], []
+            for i, turns in enumerate(conversations):
+                try:
+                    text, span = render_jinja_template(conversations=[turns], chat_template=self.template,
+                                                       return_assistant_tokens_mask=True, **self._template_kwargs)
+                except Exception as e:  # noqa: BLE001 -- jinja raises arbitrary errors
+                    errors[i] = _template_error(e)
+                    text, span = [""], [[]]
+                texts.append(text[0])
+                spans.append(span[0])
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        sizes = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+        row_ptr = np.concatenate([[0], np.cumsum(sizes)])
+        total = int(row_ptr[-1])
+        ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int32, total)
+        offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)), np.int64,
+                              2 * total).reshape(-1, 2)
+        mask = _assistant_mask(offsets, sizes, texts, spans)
+        return ids, np.where(mask, ids, np.int32(IGNORE_INDEX)).astype(np.int32), row_ptr, errors
+
+    def _encode_each(self, conversations: list[list[dict]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+        """encode_batch one conversation at a time (templates without generation markers)."""
+        ids, labels, errors = [], [], {}
+        for i, turns in enumerate(conversations):
+            try:
+                row_ids, row_labels = self.encode(turns)
+            except FormatError as e:
+                errors[i] = e
+                row_ids = row_labels = np.zeros(0, np.int32)
+            ids.append(row_ids)
+            labels.append(row_labels)
+        row_ptr = np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int64)
+        flat = (lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32))
+        return flat(ids), flat(labels), row_ptr, errors
 
     def _encode_incremental(self, turns: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         full = self.render(turns)
@@ -169,3 +231,26 @@ class ChatEncoder:
             except Exception:  # noqa: BLE001 -- a template that cannot render the probe: label the content only
                 self._closing = ""
         return self._closing
+
+
+def _template_error(e: Exception) -> FormatError:
+    return FormatError("template_error", f"chat template failed: {type(e).__name__}: {one_line(e, 200)}",
+                       "fix the conversation or use a tokenizer whose template accepts it")
+
+
+def _assistant_mask(offsets: np.ndarray, sizes: np.ndarray, texts: list[str], spans: list) -> np.ndarray:
+    """transformers' assistant mask for a whole batch: for each token in order, skip the generation spans that end at
+    or before its start (never going back), stop at the last span, and mask the token if it ends after the current
+    span's start. Every row is moved past the previous rows' characters so that one pass over the batch stands for
+    a pass per row: the span index after a token is the number of spans ending at or before the largest token start
+    so far."""
+    base = np.concatenate([[0], np.cumsum([len(t) + 1 for t in texts])])
+    row = np.repeat(np.arange(len(sizes)), sizes)
+    span_rows = np.repeat(np.arange(len(spans)), [len(s) for s in spans])
+    flat = np.asarray(list(chain.from_iterable(spans)), np.int64).reshape(-1, 2) + base[span_rows, None]
+    span_ptr = np.concatenate([[0], np.cumsum([len(s) for s in spans])])
+    start = offsets[:, 0] + base[row]
+    end = offsets[:, 1] + base[row]
+    current = np.searchsorted(flat[:, 1], np.maximum.accumulate(start), side="right")
+    inside = current < span_ptr[row + 1]
+    return inside & (end > flat[np.minimum(current, max(len(flat) - 1, 0)), 0]) if len(flat) else inside

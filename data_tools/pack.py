@@ -133,7 +133,7 @@ def read_lengths(path: str) -> np.ndarray:
             raise CliError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise CliError(f"{path}: must hold a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-        arr = arr.astype(np.int64)
+        arr = arr.astype(np.int64, copy=False)
         bad = np.flatnonzero(arr <= 0)
         if len(bad):
             raise CliError(f"{path}[{int(bad[0])}]: length {int(arr[bad[0]])}; every sample needs >= 1 token")
@@ -348,7 +348,9 @@ def run(argv=None) -> int:
         from hbp_train.perf.cost_model import CostModel, pack_cost_fn
 
         pack_cost = pack_cost_fn(CostModel.from_calibration(args.calibration, args.model_shape))
+    read_start = time.process_time()
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
+    cpu = {"read": time.process_time() - read_start}
     if len(lengths) == 0:
         raise CliError(f"{args.lengths or args.dataset}: no samples")
     warn_if_longer_than_max_len(lengths, args.max_len)
@@ -360,23 +362,26 @@ def run(argv=None) -> int:
                          isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
                          step_tokens=args.step_tokens, progress=not args.quiet,
                          pack_cost=pack_cost)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = make_plan(lengths, cfg)
         plan.extra["wall_seconds"] = time.perf_counter() - t0
+        plan.extra["cpu_seconds"] = time.process_time() - c0  # planning and its metrics
         return plan
 
     plans = {args.strategy: plan_with(args.strategy)}
     if args.strategy == "hbp" and not args.no_baseline:
         plans["isf"] = plan_with("isf")
     plan = plans[args.strategy]
+    cpu["plan"] = plan.extra["cpu_seconds"]
     if args.out:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             save_plan(plan, args.out)
         except OSError as e:  # checked before the planning; a full disk or a folder that changed since
             raise CliError(f"--out {args.out}: cannot write ({e.strerror})") from None
-        print(f"wrote {args.out} ({plan.num_optimizer_steps} optimizer steps, {plan.num_packs} packs) in "
-              f"{time.perf_counter() - t0:.2f}s")
+        cpu["write"] = time.process_time() - c0
+        print(f"wrote {args.out} ({plan.num_optimizer_steps} optimizer steps, {plan.num_packs} packs, "
+              f"{Path(args.out).stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.2f}s")
     if args.shards:
         from hbp_train.planning.shards import write_shards
 
@@ -385,6 +390,7 @@ def run(argv=None) -> int:
         silence = args.quiet and not datasets.utils.are_progress_bars_disabled()
         if silence:  # datasets' own "Saving the dataset" bars
             datasets.disable_progress_bars()
+        c0 = time.process_time()
         try:
             rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet,
                                 plan_format=args.plan_format)
@@ -394,9 +400,12 @@ def run(argv=None) -> int:
         finally:
             if silence:
                 datasets.enable_progress_bars()
+        cpu["shards"] = time.process_time() - c0
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
     print(step_line(plan, args.global_tokens, args.step_tokens))
+    print(f"CPU seconds ({args.strategy}): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+          + f", together {sum(cpu.values()):.2f}")
     from hbp_train.planning.metrics import mix_report
 
     # The steps' length mix beside the data's: far above isf's mix_TV means length-skewed steps (docs/planning.md).

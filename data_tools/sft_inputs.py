@@ -5,6 +5,10 @@ HF datasets (``ds[N]``); a whole-file problem is reported as ``path`` (or ``path
 ``.json`` file holding JSON lines is read as JSONL. Nothing here raises for bad input: a bad line, file or
 directory is yielded as a ``FormatError`` in place of the record, with one of ``FILE_REASONS`` as its reason, so
 ``data_tools.preprocess`` can stop at it or count it (``--on-error``).
+
+JSONL is streamed: ``jsonl_blocks`` reads a file in blocks of whole lines (``BLOCK_BYTES`` each), which
+``parse_jsonl_block`` turns into records; memory stays bounded however large the file. (A ``.json`` array is one
+JSON value and is read whole: use JSONL for large corpora.) Parquet and HF datasets are read in row batches.
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ FILE_REASONS = {
 }
 
 
-def _iter_jsonl_bytes(path: str, data: bytes) -> Iterator[tuple[str, object]]:
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
+# Bytes of JSONL read at a time: a few thousand typical chats, a unit of work for a preprocessing worker.
+BLOCK_BYTES = 1 << 20
+
+
+def parse_jsonl_block(path: str, data: bytes, first_line: int = 1) -> Iterator[tuple[str, object]]:
+    """``(source, record or FormatError)`` of every non-blank line of ``data``, whose first line is ``first_line``
+    of ``path`` (1-based)."""
+    for line_no, raw in enumerate(data.split(b"\n"), start=first_line):
         if not raw.strip():
             continue  # blank lines (and the final newline) are not records
         source = f"{path}:{line_no}"
@@ -57,7 +67,7 @@ def _iter_json(path: str, data: bytes) -> Iterator[tuple[str, object]]:
         records = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several JSON values: a JSON-lines file named .json
-            yield from _iter_jsonl_bytes(path, data)
+            yield from parse_jsonl_block(path, data)
             return
         yield f"{path}:{e.lineno}", FormatError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})",
                                                 "fix the file so it is one JSON array of records (or use JSONL)")
@@ -129,25 +139,42 @@ def iter_records(path: str) -> Iterator[tuple[str, object]]:
         yield path, FormatError("unsupported_file_type", f"unsupported file type '{suffix or p.name}'",
                                 "convert it to .jsonl, .json or .parquet (or a saved HF dataset directory)")
         return
+    if suffix == ".jsonl":
+        for item in jsonl_blocks(path):
+            yield from ([item] if isinstance(item[1], FormatError) else parse_jsonl_block(path, item[1], item[0]))
+        return
     try:
         data = p.read_bytes()
     except OSError as e:
         yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions")
         return
-    yield from (_iter_jsonl_bytes(path, data) if suffix == ".jsonl" else _iter_json(path, data))
+    yield from _iter_json(path, data)
 
 
-def count_records(path: str) -> int | None:
-    """Cheap record count for the progress bar (None when unknown without parsing)."""
-    p = Path(path)
+def jsonl_blocks(path: str) -> Iterator[tuple[int, bytes] | tuple[str, FormatError]]:
+    """``(first line number, bytes of whole lines)`` of a JSONL file, BLOCK_BYTES at a time, or one
+    ``(path, FormatError)`` if it cannot be read."""
     try:
-        if p.suffix.lower() == ".jsonl" and p.is_file():
-            with open(p, "rb") as f:
-                return sum(1 for line in f if line.strip())
-        if p.suffix.lower() == ".parquet" and p.is_file():
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(p).metadata.num_rows
-    except (OSError, ValueError):
-        return None
-    return None
+        f = open(path, "rb")
+    except OSError as e:
+        yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions")
+        return
+    with f:
+        line, rest = 1, b""
+        while True:
+            try:
+                chunk = f.read(BLOCK_BYTES)
+            except OSError as e:
+                yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file")
+                return
+            if not chunk:
+                break
+            cut = chunk.rfind(b"\n") + 1
+            if not cut:  # no line ends in this chunk: a very long line, keep reading
+                rest += chunk
+                continue
+            block, rest = rest + chunk[:cut], chunk[cut:]
+            yield line, block
+            line += block.count(b"\n")
+        if rest:
+            yield line, rest

@@ -305,9 +305,11 @@ class PackedData:
         return range(int(self._opt_ptr[opt_step]), int(self._opt_ptr[opt_step + 1]))
 
     def sample_lengths(self) -> Optional[np.ndarray]:
-        """Every sample's token length as the plan lists it ("lengths"), or None for a plan without them."""
+        """Every sample's token length as the plan lists it ("lengths"), or None for a plan without them. From a
+        binary plan this is its memory-mapped array (or a view decoding its compact layout; planning/plan_npz.py):
+        index it with the samples you need rather than reading it whole (10M samples would be 80 MB a rank)."""
         if self._npz is not None:
-            return np.asarray(self._npz["lengths"], np.int64)
+            return self._npz["lengths"]
         lengths = self.plan.get("lengths")
         return None if lengths is None else np.asarray(lengths, np.int64)
 

@@ -105,3 +105,46 @@ def test_a_template_that_hides_the_assistant_text_is_a_counted_drop_saying_what_
 
     with pytest.raises(PreprocessError, match=r"no sample kept out of 2 read \(template_not_incremental: 2\)"):
         run(tmp_path, [data], tokenizer=tokenizer_with_template(tmp_path / "t", SUMMARY), on_error="skip")
+
+
+# Templates with generation markers, in the same styles: the batch encoder must equal transformers' own
+# apply_chat_template(..., return_assistant_tokens_mask=True) token for token.
+GENERATION_TEMPLATES = {
+    "chatml": None,  # the shipped tokenizer's template
+    "llama3": ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+               "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}"
+               "{% endgeneration %}{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"),
+    # a space before the answer that BPE merges into its first token; an empty generation block per turn
+    "spaced": ("{% for m in messages %}{{ m['role'] + ':' }}{% if m['role'] == 'assistant' %}{% generation %}"
+               "{{ ' ' + m['content'] }}{% endgeneration %}{% generation %}{% endgeneration %}{% else %}"
+               "{{ ' ' + m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"),
+    "rejecting": ("{% for m in messages %}{% if m['content'] == 'reject me' %}{{ raise_exception('no') }}{% endif %}"
+                  "{{ m['role'] + ': ' }}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                  "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("style", sorted(GENERATION_TEMPLATES))
+def test_batch_encoding_equals_apply_chat_template_with_assistant_masks(tmp_path, style):
+    from data_tools.make_demo_data import generate
+    from tests.test_preprocess import TOKENIZER
+
+    template = GENERATION_TEMPLATES[style]
+    encoder = ChatEncoder(TOKENIZER if template is None else tokenizer_with_template(tmp_path, template))
+    assert encoder.label_mode == "generation"
+    unicode = [{"role": "user", "content": "Ünïcode ✓ 日本語 🙂?"}, {"role": "assistant", "content": "🙂 ✓ 日本"}]
+    empty = [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]
+    rejected = [{"role": "user", "content": "reject me"}, {"role": "assistant", "content": "x"}]
+    batch = [r["messages"] for r in generate(40, 512, seed=5)] + CONVERSATIONS + [unicode, empty, rejected]
+    ids, labels, row_ptr, errors = encoder.encode_batch(batch)
+    for i, turns in enumerate(batch):
+        try:
+            out = encoder.tokenizer.apply_chat_template(turns, chat_template=encoder.template, tokenize=True,
+                                                        return_dict=True, return_assistant_tokens_mask=True)
+        except Exception:  # noqa: BLE001 -- the rejecting template: a counted template_error, an empty row
+            assert errors[i].reason == "template_error" and row_ptr[i] == row_ptr[i + 1]
+            continue
+        expected = np.where(np.asarray(out["assistant_masks"], bool), out["input_ids"], IGNORE_INDEX)
+        assert ids[row_ptr[i]:row_ptr[i + 1]].tolist() == out["input_ids"], (style, i)
+        assert labels[row_ptr[i]:row_ptr[i + 1]].tolist() == expected.tolist(), (style, i)
+    assert set(errors) == ({len(batch) - 1} if style == "rejecting" else set())

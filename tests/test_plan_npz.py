@@ -70,3 +70,29 @@ def test_bad_binary_plans_are_one_line_errors(tmp_path):
     np.savez(other, a=np.arange(3))
     with pytest.raises(UserError, match="not a binary plan"):
         load_plan(other)
+
+
+def test_large_plans_store_three_byte_indices_and_split_lengths(tmp_path):
+    """From 2^16 values on, sample indices take 3 bytes and lengths 2 (plus the few long ones apart) instead of the 4
+    of int32; every member reads back exactly, whole, sliced or one value at a time."""
+    from hbp_train.planning.plan_npz import High16Array, Int24Array, open_npz
+
+    rng = np.random.default_rng(0)
+    lengths = rng.permutation(np.r_[rng.integers(1, 2000, 100000), rng.integers(65536, 131073, 300)])
+    plan = make_plan(lengths, PlanConfig(world_size=4, groups=[GroupSpec(4096, 1), GroupSpec(131072, 4)],
+                                         global_tokens=1 << 20))
+    save_plan(plan, tmp_path / "p.npz")
+    header, arrays = open_npz(tmp_path / "p.npz")
+    assert header["encodings"]["lengths"] == "hi16" and header["encodings"]["pack_samples"] == "u24"
+    assert isinstance(arrays["lengths"], High16Array) and isinstance(arrays["pack_samples"], Int24Array)
+    for name in ("lengths", "pack_samples", "pack_ptr"):
+        stored, planned = arrays[name], getattr(plan, name)
+        assert np.array_equal(np.asarray(stored, np.int64), planned), name
+        assert np.array_equal(stored[1234:90111], planned[1234:90111]) and stored[4321] == planned[4321], name
+    back = read_npz(tmp_path / "p.npz")
+    assert layout(back) == layout(plan) and np.array_equal(back.lengths, plan.lengths)
+    import zipfile
+
+    stored = {i.filename: i.file_size for i in zipfile.ZipFile(tmp_path / "p.npz").infolist()}
+    n = len(lengths)
+    assert stored["lengths.npy"] < 2 * n + 200 and stored["pack_samples.npy"] < 3 * n + 200  # + the .npy header

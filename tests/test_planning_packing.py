@@ -6,7 +6,7 @@ import numpy as np
 
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan
 from hbp_train.planning.balance import refine_slot
-from hbp_train.planning.hbp import fill_bins, group_data, size_classes
+from hbp_train.planning.hbp import GroupPacks, fill_order, group_data, size_classes
 
 
 def test_group_data_boundaries():
@@ -15,19 +15,20 @@ def test_group_data_boundaries():
     assert [g.tolist() for g in groups] == [[0, 1], [2, 3], [4, 5]]
 
 
-def _fill(lengths, cap, gaps=None, allow_new=True, seed=0):
-    items = np.arange(len(lengths))
-    cls = size_classes(lengths)
-    order = np.random.default_rng(seed).permutation(len(items))
-    order = order[np.argsort(-cls[order], kind="stable")]
-    gaps = np.zeros(0, np.int64) if gaps is None else np.asarray(gaps, np.int64)
-    item_bin, new_gaps = fill_bins(items[order], cls[order], lengths, gaps, cap, allow_new)
+def _fill(lengths, cap, gaps=(), allow_new=True, seed=0):
+    """Place every sample of at most ``cap`` tokens in fill order; (pack of every sample or -1, gaps after)."""
+    order, _ = fill_order(np.asarray(lengths), [cap], np.random.default_rng(seed))
+    packs = GroupPacks(cap, gaps)
+    for s in range(len(order.seg_ptr) - 1):
+        packs.place(order.sizes, int(order.seg_ptr[s]), int(order.seg_ptr[s + 1]), allow_new)
+    ptr, samples, sizes = packs.csr(order)
+    assert np.array_equal(sizes, np.asarray(lengths)[samples])
     out = np.full(len(lengths), -1)
-    out[order] = item_bin
-    return out, new_gaps
+    out[samples] = np.repeat(np.arange(packs.num), np.diff(ptr))
+    return out, packs.gaps[:packs.num]
 
 
-def test_fill_bins_respects_capacity_and_fills_tightly():
+def test_fill_respects_capacity_and_fills_tightly():
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5, 1.2, 5000), 1, 1024).astype(np.int64)
     item_bin, gaps = _fill(lengths, 1024)
@@ -49,6 +50,26 @@ def test_greedy_fill_only_tops_up_existing_packs():
     assert item_bin[4] == -1  # too big for any gap, stays in its own group
     placed = item_bin >= 0
     assert np.bincount(item_bin[placed], weights=lengths[placed], minlength=2).tolist() == [40 - gaps[0], 12 - gaps[1]]
+
+
+def test_fill_order_groups_classes_and_spreads_every_run_over_the_dataset():
+    """Segments of one group and size class, largest first, every sample once, dropped ones apart; within a
+    segment a run of consecutive samples comes from across the dataset (not from one stretch of it), and the
+    order depends on the seed."""
+    rng = np.random.default_rng(1)
+    lengths = np.r_[rng.integers(100, 128, 40000), rng.integers(200, 256, 200), [3000, 9000]]
+    order, dropped = fill_order(lengths, [256, 4096], np.random.default_rng(0))
+    assert dropped.tolist() == [len(lengths) - 1]  # 9000 > the largest pack_len
+    assert np.array_equal(np.sort(order.samples), np.arange(len(lengths) - 1))
+    assert np.array_equal(order.sizes, lengths[order.samples])
+    assert order.seg_level.tolist() == [1, 0, 0]  # 3000; then 200..255; then 100..127
+    big = order.samples[order.seg_ptr[2]:order.seg_ptr[3]]
+    for start in range(0, len(big) - 50, 5000):  # 50 consecutive samples of the 40000 span most of them
+        run = big[start:start + 50]
+        assert run.max() - run.min() > 30000
+    again, _ = fill_order(lengths, [256, 4096], np.random.default_rng(0))
+    other, _ = fill_order(lengths, [256, 4096], np.random.default_rng(1))
+    assert np.array_equal(again.samples, order.samples) and not np.array_equal(other.samples, order.samples)
 
 
 def test_refine_slot_lowers_max_keeps_samples_and_capacity():

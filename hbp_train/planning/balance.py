@@ -105,18 +105,10 @@ def refine_slot(packs: list[np.ndarray], lengths: np.ndarray, config: PlanConfig
         h = int(np.argmax(cost))
         cand = np.argsort(cost, kind="stable")[:partners + 1]
         cand = cand[cand != h][:partners]
-        x = lens[h][:, None, None]  # [width, 1, 1]; empty cells have x = 0 and are masked by gain > 0
-        y = lens[cand][None, :, :]  # [1, partners, width]; y = 0 cells are plain moves
-        gain = x * x - y * y
-        new_h, new_j = att[h] - gain, att[cand][None, :, None] + gain
-        ok = (gain > 0) & (tok[cand][None, :, None] - y + x <= cap) & (tok[h] - x + y <= cap)
-        if np.count_nonzero(ids[h] >= 0) == 1:
-            ok &= y > 0  # never empty a pack
-        score = np.where(ok, np.maximum(new_h, new_j), np.inf)
-        best = int(np.argmin(score))
-        if not np.isfinite(score.flat[best]) or score.flat[best] >= att[h] * (1 - 1e-9):
+        move = _best_move(lens, att, tok, h, cand, cap, np.count_nonzero(ids[h] >= 0) == 1)
+        if move is None or move[0] >= att[h] * (1 - 1e-9):
             break
-        xi, ji, yi = np.unravel_index(best, score.shape)
+        _, xi, ji, yi = move
         j = int(cand[ji])
         new_ids = ids.copy()
         new_ids[h, xi], new_ids[j, yi] = ids[j, yi], ids[h, xi]
@@ -141,6 +133,43 @@ def refine_slot(packs: list[np.ndarray], lengths: np.ndarray, config: PlanConfig
     return [row[row >= 0] for row in ids]
 
 
+def _best_move(lens: np.ndarray, att: np.ndarray, tok: np.ndarray, h: int, cand: np.ndarray, cap: int,
+               single: bool) -> tuple[float, int, int, int] | None:
+    """The move or swap of refine_slot: (score, cell of x in pack h, index of the partner in ``cand``, cell of y in
+    it; y = 0 is an empty cell, a move) minimising max(att_h - g, att_j + g), g = x^2 - y^2 > 0, with the partner's
+    tokens staying within ``cap`` (y >= x - room_j); ``single``: h keeps a sample (y > 0). None if nothing fits.
+
+    For a partner j the score falls until g = (att_h - att_j) / 2 and rises after it, so for every x the best y is
+    one of the two feasible values around the y that would hit it (or the smallest feasible y): three candidates
+    per (x, partner) found by binary search in the partners' sorted lengths, instead of every (x, y) pair (packs of
+    hundreds of short samples made that a tensor of millions of cells per move)."""
+    cells = np.flatnonzero(lens[h] > 0)
+    if len(cells) == 0:
+        return None
+    x = lens[h, cells][:, None]  # [X, 1]
+    order = np.argsort(lens[cand], axis=1, kind="stable")
+    ys = np.take_along_axis(lens[cand], order, axis=1)  # [P, W] each row ascending, empty cells (0) first
+    num, width = ys.shape
+    band = (np.arange(num) * (2.0 * cap + 4))[None, :]  # row p's values moved to [p * band, p * band + cap]
+    flat = (ys + band.T).ravel()  # ascending over all rows: one binary search serves every partner
+    low = np.maximum(x - (cap - tok[cand])[None, :], 0.5 if single else 0.0)  # [X, P]
+    aim = np.sqrt(np.maximum(x * x - (att[h] - att[cand])[None, :] / 2, 0.0))
+    lo, hi, at = (np.searchsorted(flat, (v + band).ravel(), side).reshape(v.shape)
+                  for v, side in ((low, "left"), (x + 0 * band, "left"), (aim, "right")))
+    valid = hi > lo
+    last = np.maximum(hi - 1, lo)
+    pick = np.stack([lo, np.clip(at - 1, lo, last), np.clip(at, lo, last)])  # [3, X, P] indices into flat
+    pick = np.where(valid, pick, 0)
+    y = flat[pick] - band
+    gain = x * x - y * y
+    score = np.where(valid, np.maximum(att[h] - gain, att[cand][None, :] + gain), np.inf)
+    best = np.unravel_index(int(np.argmin(score)), score.shape)
+    if not np.isfinite(score[best]):
+        return None
+    ji = int(best[2])
+    return float(score[best]), int(cells[best[1]]), ji, int(order[ji, pick[best] - ji * width])
+
+
 # Slots whose imbalance (1 - mean/max of the balanced cost) is above this get the refine pass: most sorted
 # slots are already within 1e-4 and touching them would only cost time.
 REFINE_ABOVE = 1e-3
@@ -159,6 +188,7 @@ def build_steps(
     refine: bool | None = None,
     mix_steps: bool = False,
     rng: np.random.Generator | None = None,
+    pack_lengths: np.ndarray | None = None,
 ):
     """Turn packs into steps, group by group.
 
@@ -168,13 +198,14 @@ def build_steps(
     the tail). Step order is decided later (curriculum.order_steps). ``refine`` defaults to
     ``config.balance == "refine"`` (only used with ``balance``). ``mix_steps`` (with ``balance``): full steps take
     one slot of each of m cost strata (``stratify_slots``, seeded by ``rng``, which it needs) instead of m
-    consecutive slots. Deterministic given the packs (and ``rng``).
+    consecutive slots. Deterministic given the packs (and ``rng``). ``pack_lengths``: ``lengths[pack_samples]`` when
+    the caller has it (a gather of every sample saved); the returned tuple then ends with that of the returned packs.
     """
     if refine is None:
         refine = config.balance == "refine"
     if mix_steps and rng is None:
         raise ValueError("build_steps(mix_steps=True) needs the rng that seeds the dealing")
-    flat = lengths[pack_samples]  # one gather for both (10M samples: 0.1 s each)
+    flat = lengths[pack_samples] if pack_lengths is None else pack_lengths  # one gather for both
     tokens = pack_tokens(lengths, pack_ptr, pack_samples, flat)
     cost = pack_costs(lengths, pack_ptr, pack_samples, pack_group, config, flat) if balance else None
     del flat
@@ -245,22 +276,24 @@ def build_steps(
             step_groups.append(g)
     step_packs = np.concatenate(step_chunks).astype(np.int64) if step_chunks else np.zeros(0, np.int64)
     if extra_packs:
-        # Rebuild the CSR with only the packs the steps use (replaced packs drop out), renumbered in order.
-        all_sizes = np.concatenate([np.diff(pack_ptr), [len(s) for s in extra_packs]]).astype(np.int64)
-        all_flat = np.concatenate([pack_samples] + extra_packs)
-        all_group = np.concatenate([pack_group, np.asarray(extra_group, pack_group.dtype)])
-        all_ptr = np.concatenate([[0], np.cumsum(all_sizes)]).astype(np.int64)
-        keep = np.zeros(len(all_group), bool)
+        # Rebuild the CSR with only the packs the steps use (replaced packs drop out), renumbered in order. A few
+        # packs change among millions: a mask over the samples keeps the others where they are, no gather.
+        keep = np.zeros(n_packs + len(extra_packs), bool)
         keep[step_packs] = True
-        new_index = np.cumsum(keep) - 1
-        kept = np.flatnonzero(keep)
-        k_sizes = all_sizes[kept]
-        pack_samples = all_flat[gather_ranges(all_ptr[kept], k_sizes)]
-        pack_ptr = np.concatenate([[0], np.cumsum(k_sizes)]).astype(np.int64)
-        pack_group = all_group[kept]
-        step_packs = new_index[step_packs]
+        old_sizes = np.diff(pack_ptr)
+        extra_sizes = np.array([len(p) for p in extra_packs], np.int64)
+        extra_flat = np.concatenate(extra_packs)[np.repeat(keep[n_packs:], extra_sizes)]
+        kept_samples = np.repeat(keep[:n_packs], old_sizes)
+        pack_samples = np.concatenate([pack_samples[kept_samples], extra_flat])
+        if pack_lengths is not None:
+            pack_lengths = np.concatenate([pack_lengths[kept_samples], lengths[extra_flat]])
+        sizes = np.concatenate([old_sizes[keep[:n_packs]], extra_sizes[keep[n_packs:]]])
+        pack_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        pack_group = np.concatenate([pack_group, np.asarray(extra_group, pack_group.dtype)])[keep]
+        step_packs = (np.cumsum(keep) - 1)[step_packs]
     step_ptr = np.concatenate([[0], np.cumsum(step_sizes)]).astype(np.int64)
-    return pack_ptr, pack_samples, pack_group.astype(np.int32), step_ptr, step_packs, np.asarray(step_groups, np.int32)
+    out = pack_ptr, pack_samples, pack_group.astype(np.int32), step_ptr, step_packs, np.asarray(step_groups, np.int32)
+    return out if pack_lengths is None else (*out, pack_lengths)
 
 
 def stratify_slots(layout: np.ndarray, r: int, m: int, rng: np.random.Generator) -> np.ndarray:

@@ -93,19 +93,34 @@ def step_mix(plan: Plan, sample_len: np.ndarray | None = None) -> tuple[np.ndarr
 
     An optimizer step's mix is that of all samples its plan steps train on (one plan step per optimizer step
     unless the plan mixes groups, ``Plan.optimizer_step``). ``sample_len``: ``lengths[pack_samples]`` when the
-    caller has it already."""
+    caller has it already. The result is kept on the plan while its step and pack arrays are the same objects:
+    compute_metrics and the report (mix_report) then pass over the samples once."""
+    key = (id(plan.pack_samples), id(plan.step_packs), id(plan.optimizer_step))
+    cached = getattr(plan, "_step_mix", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     edges = mix_edges([g.pack_len for g in plan.config.groups])
     if sample_len is None:
         sample_len = plan.lengths[plan.pack_samples]
-    step_of_pack = np.zeros(plan.num_packs, np.int32)
+    step_of_pack = np.zeros(plan.num_packs, np.int64)
     step_of_pack[plan.step_packs] = np.repeat(plan.optimizer_steps(), np.diff(plan.step_ptr))
-    step_of_sample = np.repeat(step_of_pack, np.diff(plan.pack_ptr))
-    tokens = _bucket_tokens(sample_len, edges, step_of_sample, plan.num_optimizer_steps)
-    del step_of_sample
+    b, num_steps = len(edges), plan.num_optimizer_steps
+    tokens = np.zeros(num_steps * b)
+    sizes = np.diff(plan.pack_ptr)
+    # CHUNK samples at a time, whole packs: the per-sample keys stay in cache (one pass over the samples).
+    cut = np.searchsorted(plan.pack_ptr, np.arange(0, len(sample_len), CHUNK)[1:])
+    for lo, hi in zip(np.r_[0, cut], np.r_[cut, plan.num_packs]):
+        part = sample_len[plan.pack_ptr[lo]:plan.pack_ptr[hi]]
+        sample_key = length_buckets(part, edges).astype(np.int64)
+        sample_key += np.repeat(step_of_pack[lo:hi] * b, sizes[lo:hi])
+        tokens += np.bincount(sample_key, weights=part, minlength=num_steps * b)
+    tokens = tokens.reshape(num_steps, b)
     total = tokens.sum(axis=1, keepdims=True)
     data = tokens.sum(axis=0)
-    return (np.divide(tokens, total, out=np.zeros_like(tokens), where=total > 0),
-            data / data.sum() if data.sum() else data)
+    result = (np.divide(tokens, total, out=np.zeros_like(tokens), where=total > 0),
+              data / data.sum() if data.sum() else data)
+    plan._step_mix = (key, result)
+    return result
 
 
 def mix_report(plan: Plan, name: str = "") -> str:
@@ -143,17 +158,19 @@ def slot_imbalance(values: np.ndarray) -> np.ndarray:
     return np.where(mx > 0, out, 0.0)
 
 
-def with_metrics(plan: Plan) -> Plan:
-    """Fill ``plan.metrics`` and ``plan.step_metrics`` from its steps; returns the plan."""
-    plan.metrics, plan.step_metrics = compute_metrics(plan)
+def with_metrics(plan: Plan, sample_len: np.ndarray | None = None) -> Plan:
+    """Fill ``plan.metrics`` and ``plan.step_metrics`` from its steps; returns the plan. ``sample_len``:
+    ``lengths[pack_samples]`` when the caller has it (a gather of every sample saved)."""
+    plan.metrics, plan.step_metrics = compute_metrics(plan, sample_len)
     return plan
 
 
-def compute_metrics(plan: Plan) -> tuple[dict, dict]:
-    """(plan-wide metrics, per-step metric arrays) for ``plan``."""
+def compute_metrics(plan: Plan, sample_len: np.ndarray | None = None) -> tuple[dict, dict]:
+    """(plan-wide metrics, per-step metric arrays) for ``plan``; ``sample_len``: ``lengths[pack_samples]`` when the
+    caller has it."""
     cfg = plan.config
-    lengths = plan.lengths
-    sample_len = lengths[plan.pack_samples]
+    if sample_len is None:
+        sample_len = plan.lengths[plan.pack_samples]
     pack_t = segment_sums(sample_len, plan.pack_ptr, np.int64)
     pack_a = default_pack_cost(sample_len, plan.pack_ptr)  # sum of len^2
     num_steps = plan.num_steps

@@ -50,12 +50,14 @@ def plain_datasets(jsonl: str, out: str, num_proc: int, cache_dir: str) -> None:
     import datasets
     from transformers import AutoTokenizer
 
+    from hbp_train.labels import IGNORE_INDEX
+
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
 
     def encode(batch):
         out = tokenizer.apply_chat_template(batch["messages"], tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        labels = [[t if m else -100 for t, m in zip(ids, mask)]
+        labels = [[t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
                   for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
         return {"input_ids": out["input_ids"], "labels": labels}
 

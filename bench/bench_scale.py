@@ -63,6 +63,7 @@ def synthetic_tokenized(path: str, n: int, seed: int = 0) -> None:
     import pyarrow as pa
 
     from data_tools.preprocess import _features
+    from hbp_train.labels import IGNORE_INDEX
 
     rng = np.random.default_rng(seed)
     chunk = 1 << 21
@@ -73,7 +74,7 @@ def synthetic_tokenized(path: str, n: int, seed: int = 0) -> None:
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         ids = rng.integers(10, 4000, int(offsets[-1])).astype(np.int32)
         labels = ids.copy()
-        labels[offsets[:-1]] = -100  # a prompt token first, then the answer: lengths - 1 loss tokens each
+        labels[offsets[:-1]] = IGNORE_INDEX  # a prompt token first, then the answer: lengths - 1 loss tokens each
         tables.append(pa.table({
             "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
             "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),

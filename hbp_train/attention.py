@@ -363,7 +363,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         cu_seqlens, max_seqlen, get_backend(), scale=scaling,
     )
-    return out_THD[None], None
+    # Contiguous as HF's own attention functions return it: some models .view() the output (JetMoE).
+    return out_THD[None].contiguous(), None
 
 
 def _training_device(model) -> torch.device:

@@ -14,7 +14,7 @@ backward; then the optimizer step and the metrics (one all-gather of a few float
 stop and NaN flags every rank must agree on). A step that mixes packing groups (hbp step_mix="mixed": one plan step
 per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
 loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split
-the step's tokens and compute time by SP degree (telemetry.SPMixTimer).
+the step's tokens and compute time by SP degree (step_timing.SPMixTimer).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.telemetry import (MetricsLogger, SPMixTimer, StepLengthMix, all_gather_floats, comm_wait_mode,
-                                 comm_wait_timer, peak_memory_gib, reset_peak_memory, sp_mix_columns)
+from hbp_train.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
+from hbp_train.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 
@@ -141,7 +141,7 @@ STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "n
 
 def stat_columns(run: Run) -> list:
     """The all-gather's columns: STAT_COLUMNS, then this rank's tokens and compute seconds at each SP degree the run
-    built (telemetry.sp_mix_columns)."""
+    built (step_timing.sp_mix_columns)."""
     return STAT_COLUMNS + sp_mix_columns(run.sp.pstate.sp_degrees)
 
 

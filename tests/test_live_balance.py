@@ -1,7 +1,7 @@
 """The live per-rank imbalance (issue 19, defect 12) on 2 CPU processes (gloo, DeepSpeed ZeRO-2): a plan step that
 gives rank 0 twice rank 1's work must read a live BR near the planned 1 - mean/max = 0.25, a balanced one near 0.
 
-Each rank's compute time leaves out its wait inside DeepSpeed's gradient reduction (telemetry.comm_wait_timer).
+Each rank's compute time leaves out its wait inside DeepSpeed's gradient reduction (step_timing.comm_wait_timer).
 The same engine also runs the steps with ``logging.exclude_comm_wait=false``: there the fast rank's wait counts
 as compute and the live figure reads near 0 whatever the plan (what it did before the fix).
 """

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hbp_train.errors import UserError
-from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line, sp_mix_columns
+from hbp_train.step_timing import sp_mix_columns
+from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
 from hbp_train.trainer import STAT_COLUMNS
 from tests.cli_exit import exit_code
 
@@ -291,7 +292,7 @@ def test_comm_waits_are_timed_on_sampled_gpu_steps_only():
     """Timing a collective's wait costs a device sync around it (ZeRO's overlap of reduction and backward is lost):
     on a GPU only every comm_wait_every-th step is timed, the others run with nothing wrapped; a CPU, a single rank
     and exclude_comm_wait=false never pay for it."""
-    from hbp_train.telemetry import comm_wait_mode
+    from hbp_train.step_timing import comm_wait_mode
 
     cfg = LoggingConfig(comm_wait_every=4)
     assert [comm_wait_mode(cfg, s, on_gpu=True, world_size=8) for s in range(9)] == \
@@ -307,7 +308,7 @@ def test_comm_waits_are_timed_on_sampled_gpu_steps_only():
 def test_comm_wait_timer_wraps_deepspeeds_collectives_only_when_enabled():
     import deepspeed.comm as ds_comm
 
-    from hbp_train.telemetry import DS_COLLECTIVES, comm_wait_timer
+    from hbp_train.step_timing import DS_COLLECTIVES, comm_wait_timer
 
     originals = {name: getattr(ds_comm, name) for name in DS_COLLECTIVES if hasattr(ds_comm, name)}
     with comm_wait_timer(False) as waited:

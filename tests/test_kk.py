@@ -13,6 +13,7 @@ import pytest
 
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan
 from hbp_train.planning.baselines.kk import LINEAR_WORKLOAD, karmarkar_karp
+from tests.test_strategies import long_tailed
 
 
 def reference_kk(weights: list[float], k: int) -> list[int]:
@@ -88,14 +89,6 @@ def test_balance_against_brute_force_on_tiny_inputs():
         worst = max(worst, sums.max() / best)
         assert sums.max() - sums.min() <= w.max()
     assert worst <= 4 / 3, worst
-
-
-def long_tailed(n=3000, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = np.minimum(rng.lognormal(6.0, 1.1, n).astype(np.int64) + 1, 8192)
-    longs = rng.random(n) < 0.05
-    lengths[longs] = rng.integers(1024, 16384, longs.sum())
-    return lengths
 
 
 CFG = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 2)], global_tokens=1 << 18)

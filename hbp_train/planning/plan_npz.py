@@ -87,43 +87,44 @@ def _encode(name: str, a: np.ndarray, arrays: dict, encodings: dict, sizes: bool
         arrays[name] = _narrow(a, lo, hi)
 
 
-class Int24Array:
-    """A read-only view of integers stored in 3 bytes each (a [n, 3] uint8 array, memory-mapped or not): indexing
-    decodes only what it reads, ``np.asarray`` all of it (int64)."""
+class _DecodedView:
+    """A read-only 1-D int64 view over a compact encoding: subclasses set ``_length`` and decode in
+    ``__getitem__``; ``np.asarray`` decodes all of it."""
 
-    def __init__(self, raw: np.ndarray):
-        self.raw = raw
+    _length = 0
 
     def __len__(self) -> int:
-        return len(self.raw)
+        return self._length
 
     @property
     def shape(self) -> tuple:
-        return (len(self.raw),)
-
-    def __getitem__(self, key):
-        b = np.asarray(self.raw[key])
-        out = b[..., 0].astype(np.int64) | b[..., 1].astype(np.int64) << 8 | b[..., 2].astype(np.int64) << 16
-        return out if out.ndim else int(out)
+        return (self._length,)
 
     def __array__(self, dtype=None, copy=None):
         out = self[:]
         return out if dtype is None else out.astype(dtype)
 
 
-class High16Array:
-    """A read-only view of integers stored as their low 16 bits plus the positions and values of the few high
-    parts; decoded on access (int64)."""
+class Int24Array(_DecodedView):
+    """Integers stored in 3 bytes each (a [n, 3] uint8 array, memory-mapped or not): indexing decodes only what it
+    reads."""
+
+    def __init__(self, raw: np.ndarray):
+        self.raw, self._length = raw, len(raw)
+
+    def __getitem__(self, key):
+        b = np.asarray(self.raw[key])
+        out = b[..., 0].astype(np.int64) | b[..., 1].astype(np.int64) << 8 | b[..., 2].astype(np.int64) << 16
+        return out if out.ndim else int(out)
+
+
+class High16Array(_DecodedView):
+    """Integers stored as their low 16 bits plus the positions and values of the few high parts; decoded on
+    access."""
 
     def __init__(self, low: np.ndarray, at: np.ndarray, high: np.ndarray):
         self.low, self.at, self.high = low, np.asarray(at, np.int64), np.asarray(high, np.int64)
-
-    def __len__(self) -> int:
-        return len(self.low)
-
-    @property
-    def shape(self) -> tuple:
-        return (len(self.low),)
+        self._length = len(low)
 
     def __getitem__(self, key):
         if isinstance(key, slice) and key.step in (None, 1):
@@ -142,10 +143,6 @@ class High16Array:
             long = self.at[where] == index
             out[long] |= self.high[where[long]] << 16
         return out if out.ndim else int(out)
-
-    def __array__(self, dtype=None, copy=None):
-        out = self[:]
-        return out if dtype is None else out.astype(dtype)
 
 
 def _decode(arrays: dict, encodings: dict) -> None:

@@ -21,7 +21,7 @@ VOCAB = 4096
 DOC = 1024  # tokens per document: enough work per step that compute, not overhead, is what each rank times
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False}
-REPEATS = 4  # steps per (plan, setting) pair; the median is compared
+REPEATS = 8  # steps per (plan, setting) pair; the median is compared (4 let one noisy CI run read 0.109 balanced)
 
 
 def _steps() -> tuple[list, list]:
@@ -69,6 +69,8 @@ def test_live_imbalance_follows_the_plan_on_two_ranks(tmp_path):
     by_kind = {k: statistics.median(v for v, kk in zip(live, kinds) if kk == k) for k in set(kinds)}
     planned = 1.0 - 1.5 / 2.0  # rank 0 twice rank 1's work: 1 - mean/max
     assert abs(by_kind["unequal", True] - planned) <= 0.1, by_kind
-    assert by_kind["balanced", True] <= 0.1, by_kind
+    # each live figure reads closer to its own plan's figure (0.25 or 0) than to the other's: on this machine the
+    # balanced steps read 0.02-0.05, on a busier 2-core CI runner up to 0.11 with 4 repeats
+    assert by_kind["balanced", True] < planned / 2, by_kind
     # before the fix (the wait counted as compute) the same steps read near 0: the check above is what tells them apart
     assert by_kind["unequal", False] < planned - 0.1, by_kind

@@ -55,6 +55,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hbp_train.columns import int_column  # noqa: E402
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan  # noqa: E402
 from hbp_train.planning.metrics import with_metrics  # noqa: E402
 
@@ -252,8 +253,7 @@ def run_dataset(name: str, strategies: list[str], seeds: list[int], epochs: int,
 
     tok, held_packed = prepare_dataset(name, work)
     ds = datasets.load_from_disk(str(tok))
-    lengths = np.asarray(ds.data.column("length").to_numpy(), np.int64)
-    loss_tokens = np.asarray(ds.data.column("num_loss_tokens").to_numpy(), np.int64)
+    lengths, loss_tokens = int_column(ds, "length"), int_column(ds, "num_loss_tokens")
     out = {s: {"loss": [], "speedup": [], "stats": []} for s in strategies}
     for seed in seeds:
         plans = {s: VARIANTS[s][0](lengths, seed) for s in strategies}

@@ -5,7 +5,9 @@ memory with the plan memory-mapped.
     .venv/bin/python bench/bench_scale.py [--sizes 1000000,10000000] [--measured-max 1000000] [--work DIR]
 
 Every stage is the project's own command (those of hbp_train/demo.py) run as a child process, measured with
-os.wait4: wall time, CPU time of the process and the workers it waited for, and the peak RSS of the largest of them.
+os.wait4: wall time, CPU time of the process and the workers it waited for, and the peak RSS of the largest of them;
+beside it the peak anonymous RSS of the command's own process (sampled), since RSS also counts the pages of the
+memory-mapped files it reads, which the kernel drops when memory is short.
 
   raw          data_tools.make_demo_data --num-samples N: the input, not a stage of the pipeline (shown for scale)
   tokenize     data_tools.preprocess --num-proc 2 --max-len 2048 --overlong truncate
@@ -33,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -43,18 +46,40 @@ TOKENIZER = os.path.join(REPO, "data_tools", "assets", "tokenizer")
 GROUPS, WORLD, GLOBAL_TOKENS, MAX_LEN = "1024:1,2048:2", 2, 8192, 2048
 
 
+def _rss_anon_mb(pid: int) -> float:
+    """The anonymous resident memory of process ``pid`` now, MB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) / 1e3 for line in f if line.startswith("RssAnon:")), 0.0)
+    except OSError:
+        return 0.0
+
+
 def run_child(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd`` from the repository root; its wall time, CPU time (user + sys, with the workers it waited for) and
-    the peak RSS of its largest process (os.wait4). Exits with the child's output if it fails."""
+    """Run ``cmd`` from the repository root; its wall time, CPU time (user + sys, with the workers it waited for),
+    the peak RSS of its largest process (os.wait4) and the peak anonymous RSS of the command's own process, sampled
+    every 50 ms (RSS also counts the pages of memory-mapped files it has read, which the kernel can drop at will;
+    anonymous memory is what it allocated). Exits with the child's output if it fails."""
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, **(env or {})})
-    out = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.append(child.stdout.read()), daemon=True)
+    reader.start()
+    anon = 0.0
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        anon = max(anon, _rss_anon_mb(child.pid))
+        time.sleep(0.05)
+    reader.join()
     wall = time.perf_counter() - t0
+    out = "".join(output)
     if status:
         raise SystemExit(f"bench_scale: {' '.join(cmd[:4])} ... failed:\n{out[-3000:]}")
-    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": usage.ru_maxrss / 1e3, "output": out}
+    return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss_mb": usage.ru_maxrss / 1e3,
+            "anon_mb": anon, "output": out}
 
 
 def synthetic_tokenized(path: str, n: int, seed: int = 0) -> None:
@@ -161,10 +186,11 @@ def measure(n: int, measured_max: int, work: str, scaled_from: dict | None) -> d
         factor = n / scaled_from["n"]
         for name in ("raw", "tokenize"):
             stages[name] = {k: scaled_from[name][k] * factor for k in ("wall", "cpu")}
-            stages[name].update(rss_mb=scaled_from[name]["rss_mb"], scaled=factor)
-        t0 = time.perf_counter()
-        synthetic_tokenized(tok, n)
-        stages["synthetic tokenized"] = {"wall": time.perf_counter() - t0}
+            stages[name].update(rss_mb=scaled_from[name]["rss_mb"], anon_mb=scaled_from[name]["anon_mb"], scaled=factor)
+        # in a child: a process's peak RSS (ru_maxrss) survives fork and exec, so a parent that built 10M rows
+        # itself would pass its own peak on to every stage it starts after
+        stages["synthetic tokenized"] = run_child([py, os.path.abspath(__file__), "--synthetic", tok, str(n)])
+        stages["synthetic tokenized"]["input"] = True
     stages["plan+shards"] = run_child([py, "-m", "data_tools.pack", "--dataset", tok, "--shards", packed,
                                        "--plan-format", "npz", "--max-len", str(MAX_LEN), "--world-size", str(WORLD),
                                        "--groups", GROUPS, "--global-tokens", str(GLOBAL_TOKENS), "--seed", "0",
@@ -178,11 +204,12 @@ def measure(n: int, measured_max: int, work: str, scaled_from: dict | None) -> d
 def report(n: int, stages: dict) -> None:
     print(f"\n{n:,} samples")
     for name, s in stages.items():
-        if "cpu" not in s:
+        if s.get("input"):
             print(f"  {name:<20} {s['wall']:8.1f} s wall (input for the next stages)")
             continue
         note = f"  [scaled x{s['scaled']:.0f} from the measured size, not run]" if "scaled" in s else ""
-        print(f"  {name:<20} {s['wall']:8.1f} s wall {s['cpu']:8.1f} s CPU  peak RSS {s['rss_mb']:7.0f} MB{note}")
+        anon = f" (anonymous {s['anon_mb']:.0f} MB)" if "anon_mb" in s else ""
+        print(f"  {name:<20} {s['wall']:8.1f} s wall {s['cpu']:8.1f} s CPU  peak RSS {s['rss_mb']:7.0f} MB{anon}{note}")
         if "cpu_phases" in s:
             phases = s["cpu_phases"]
             print(f"  {'':<20} CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
@@ -197,6 +224,9 @@ def report(n: int, stages: dict) -> None:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--rank-worker":
         rank_worker(sys.argv[2], sys.argv[3:])
+        return 0
+    if len(sys.argv) == 4 and sys.argv[1] == "--synthetic":
+        synthetic_tokenized(sys.argv[2], int(sys.argv[3]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1000000,10000000", help="sample counts, comma separated (default 1M,10M)")

@@ -86,7 +86,9 @@ class Data:
     def lengths(self) -> np.ndarray:
         import datasets
 
-        return np.asarray(datasets.load_from_disk(str(self.train)).data.column("length").to_numpy(), np.int64)
+        from hbp_train.columns import int_column
+
+        return int_column(datasets.load_from_disk(str(self.train)), "length")
 
     def vocab(self) -> int:
         from transformers import AutoTokenizer
@@ -137,10 +139,11 @@ def _pack_heldout(data: Data, max_len: int, heldout_tokens: int) -> None:
     import datasets
 
     from data_tools import pack
+    from hbp_train.columns import int_column
 
     datasets.disable_progress_bars()
     ds = datasets.load_from_disk(str(data.heldout))
-    keep = max(1, int(np.searchsorted(np.cumsum(ds["length"]), heldout_tokens, side="right")))
+    keep = max(1, int(np.searchsorted(np.cumsum(int_column(ds, "length")), heldout_tokens, side="right")))
     subset = data.eval_shards.parent / "heldout_subset"
     shutil.rmtree(subset, ignore_errors=True)
     ds.select(range(min(keep, len(ds)))).save_to_disk(str(subset))

@@ -21,6 +21,7 @@ import numpy as np
 
 from hbp_train.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
                            output_file, positive_int)
+from hbp_train.columns import int_column
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
@@ -180,7 +181,7 @@ def read_dataset_lengths(path: str) -> np.ndarray:
         raise CliError(f"--dataset {path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     if "length" not in ds.column_names:
         raise CliError(f"--dataset {path}: no 'length' column (columns: {', '.join(ds.column_names)})")
-    arr = np.asarray(ds.data.column("length").to_numpy(), np.int64)
+    arr = int_column(ds, "length")
     bad = np.flatnonzero(arr <= 0)
     if len(bad):
         raise CliError(f"--dataset {path}: row {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")

@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hbp_train.columns import int_column
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 
@@ -331,7 +332,7 @@ class PackedData:
                 raise UserError(f"{self.path}: missing {gdir} for group {group} of plan.json")
             try:
                 ds = load_from_disk(gdir).with_format("numpy")
-                loss_tokens = np.asarray(ds["num_loss_tokens"], dtype=np.int64)
+                loss_tokens = int_column(ds, "num_loss_tokens")
             except Exception as exc:  # a truncated or foreign file: name it, whatever the reader raised
                 raise UserError(f"{gdir}: cannot read the packed shard ({type(exc).__name__}: {exc}); rewrite it "
                                 f"with data_tools.pack --shards {self.path}") from None

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools.pack import main
+from hbp_train.planning import shards
 
 
 @pytest.fixture()
@@ -30,10 +31,14 @@ def tokenized(tmp_path):
     return path, rows
 
 
-# 128 replicas of one sp=1 group outnumber the 66 samples: the only step needs empty packs.
-@pytest.mark.parametrize("world_size,groups", [(4, "64:1,256:2"), (128, "64:1,256:1")])
-def test_shards_round_trip(tmp_path, tokenized, capsys, world_size, groups):
+# 128 replicas of one sp=1 group outnumber the 66 samples: the only step needs empty packs. A 100-token chunk makes
+# the writer take its rows from the dataset's two files in many small batches.
+@pytest.mark.parametrize("world_size,groups,chunk_tokens", [(4, "64:1,256:2", None), (128, "64:1,256:1", None),
+                                                            (4, "64:1,256:2", 100)])
+def test_shards_round_trip(tmp_path, tokenized, capsys, monkeypatch, world_size, groups, chunk_tokens):
     src, rows = tokenized
+    if chunk_tokens:
+        monkeypatch.setattr(shards, "CHUNK_TOKENS", chunk_tokens)
     out = tmp_path / "packed"
     argv = ["--dataset", str(src), "--shards", str(out), "--world-size", str(world_size), "--groups", groups,
             "--global-tokens", "512", "--quiet"]

@@ -7,10 +7,11 @@ predicts its neighbour). Rows of a group are numbered in step order (step by ste
 micro-batch by micro-batch), so a step reads contiguous rows; each step of OUT/plan.json gets "rows":
 [[row, ...] per replica], parallel to "replicas".
 
-The work is vectorised over chunks of packs (a few million tokens each): token gathers are numpy fancy
-indexing over the dataset's Arrow buffers, and each chunk becomes one Arrow record batch streamed to a cache
-file with datasets' ArrowWriter, then saved with ``save_to_disk`` (memory-mapped, never all in RAM). Everything
-is written into a staging folder beside OUT that replaces OUT only when complete, so an interrupted re-pack
+The work is vectorised over chunks of packs (a few million tokens each): each chunk gathers its samples' tokens in
+place from the tokenized dataset's memory-mapped files (hbp_train.columns; the token columns are never read
+whole), becomes one Arrow record batch streamed to a cache file with datasets' ArrowWriter, and is then saved
+with ``save_to_disk`` (memory-mapped, never all in RAM): the writer's memory is a chunk's, whatever the dataset's
+size. Everything is written into a staging folder beside OUT that replaces OUT only when complete, so an interrupted re-pack
 leaves the earlier shards whole.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from hbp_train.columns import int_column, open_list_columns
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import replace_dir, staging_dir
@@ -32,17 +34,6 @@ from hbp_train.planning.plan import Plan
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
 COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
-
-
-def _list_column(dataset, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets int64 [rows + 1], values) of a list column of an HF dataset, without a Python loop."""
-    col = dataset.data.column(name).combine_chunks()
-    if isinstance(col, pa.ChunkedArray):  # an empty table combines to a chunked array
-        col = pa.concat_arrays(col.chunks) if col.num_chunks else pa.array([], pa.list_(pa.int32()))
-    col = col.cast(pa.large_list(col.type.value_type))
-    offsets = np.asarray(col.offsets.to_numpy(zero_copy_only=False), np.int64)
-    values = col.values.to_numpy(zero_copy_only=False)
-    return offsets, values
 
 
 def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
@@ -62,16 +53,15 @@ def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
     return {g: np.concatenate(v) for g, v in packs_by_group.items()}, step_rows
 
 
-def _pack_batch(plan: Plan, packs: np.ndarray, ids_off, ids_val, lab_off, lab_val) -> pa.RecordBatch:
-    """One Arrow record batch for ``packs`` (vectorised)."""
+def _pack_batch(plan: Plan, packs: np.ndarray, lengths: np.ndarray, columns) -> pa.RecordBatch:
+    """One Arrow record batch for ``packs`` (vectorised); ``lengths``: every dataset row's token count; ``columns``:
+    the dataset's input_ids and labels (hbp_train.columns.open_list_columns)."""
     sizes = plan.pack_ptr[packs + 1] - plan.pack_ptr[packs]
     samples = plan.pack_samples[gather_ranges(plan.pack_ptr[packs], sizes)]
-    lens = ids_off[samples + 1] - ids_off[samples]
-    tok_idx = gather_ranges(ids_off[samples], lens)
-    input_ids = ids_val[tok_idx].astype(np.int32)
-    labels = lab_val[gather_ranges(lab_off[samples], lens)].astype(np.int32)
+    lens = lengths[samples]
+    input_ids, labels = (c.astype(np.int32, copy=False) for c in columns.gather(["input_ids", "labels"], samples, lens))
     sample_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    position_ids = (np.arange(len(tok_idx)) - np.repeat(sample_start, lens)).astype(np.int32)
+    position_ids = (np.arange(len(input_ids)) - np.repeat(sample_start, lens)).astype(np.int32)
     # Targets after the per-sample shift: label at t counts when t is not a sample's first token.
     counted = labels != IGNORE_INDEX
     counted[sample_start[lens > 0]] = False
@@ -125,13 +115,14 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
     for col in ("input_ids", "labels", "length"):
         if col not in ds.column_names:
             raise UserError(f"{dataset_dir}: tokenized dataset has no '{col}' column (columns: {ds.column_names})")
-    ds_len = np.asarray(ds.data.column("length").to_numpy(), np.int64)
+    ds_len = int_column(ds, "length")
     if len(ds_len) != plan.num_samples or np.any(ds_len != plan.lengths):
         raise UserError(f"{dataset_dir}: 'length' column ({len(ds_len)} rows) does not match the plan's lengths "
                         f"({plan.num_samples}); re-plan from this dataset")
-    ids_off, ids_val = _list_column(ds, "input_ids")
-    lab_off, lab_val = _list_column(ds, "labels")
-    if np.any(np.diff(ids_off) != ds_len) or np.any(np.diff(lab_off) != ds_len):
+    # The token columns stay in their memory-mapped files: each batch of packs gathers its own rows, so the
+    # writer's memory is a batch's, whatever the dataset's size.
+    columns = open_list_columns(ds, ["input_ids", "labels"])
+    if any(np.any(columns.lengths[c] != ds_len) for c in ("input_ids", "labels")):
         raise UserError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
     packs_by_group, step_rows = group_row_order(plan)
     tokens = plan.pack_tokens
@@ -159,7 +150,7 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
                 start = 0
                 while start < len(packs):
                     stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
-                    batch = _pack_batch(plan, packs[start:stop], ids_off, ids_val, lab_off, lab_val)
+                    batch = _pack_batch(plan, packs[start:stop], ds_len, columns)
                     writer.write_table(pa.Table.from_batches([batch]))
                     bar.update(int(tokens[packs[start:stop]].sum()))
                     start = stop

@@ -21,7 +21,9 @@ def load_doc_lengths(spec: str) -> Optional[np.ndarray]:
         if path.is_dir():
             from datasets import load_from_disk
 
-            lengths = np.asarray(load_from_disk(str(path))["length"])
+            from hbp_train.columns import int_column
+
+            lengths = int_column(load_from_disk(str(path)), "length")
         elif path.suffix == ".npy":
             lengths = np.load(path)
         elif path.suffix == ".json":

@@ -11,8 +11,8 @@ The work is vectorised over chunks of packs (a few million tokens each): each ch
 place from the tokenized dataset's memory-mapped files (hbp_train.columns; the token columns are never read
 whole), becomes one Arrow record batch streamed to a cache file with datasets' ArrowWriter, and is then saved
 with ``save_to_disk`` (memory-mapped, never all in RAM): the writer's memory is a chunk's, whatever the dataset's
-size. Everything is written into a staging folder beside OUT that replaces OUT only when complete, so an interrupted re-pack
-leaves the earlier shards whole.
+size. Everything is written into a staging folder beside OUT that replaces OUT only when complete, so an
+interrupted re-pack leaves the earlier shards whole.
 """
 
 from __future__ import annotations

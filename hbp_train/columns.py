@@ -72,7 +72,8 @@ class MappedListColumns:
                         return None
                     dtype = values.type
                     width = dtype.bit_width // 8
-                    at = values.buffers()[1].address - whole.address
+                    data = values.buffers()[1]  # None for a batch of empty lists only
+                    at = 0 if data is None else data.address - whole.address
                     if at % width or not 0 <= at <= whole.size:  # not a slice of the mapping (e.g. decompressed)
                         return None
                     offsets = np.asarray(col.offsets.to_numpy(zero_copy_only=False), np.int64)
@@ -86,10 +87,7 @@ class MappedListColumns:
             return None
         np_dtype = np.dtype(dtype.to_pandas_dtype()) if dtype is not None else np.dtype(np.int32)
         files = [f[:len(f) // np_dtype.itemsize * np_dtype.itemsize].view(np_dtype) for f in files]
-        def joined(parts):
-            return {n: np.concatenate(p) if p else np.zeros(0, np.int64) for n, p in parts.items()}
-
-        return cls(files, file_of, joined(starts), joined(lengths), np_dtype)
+        return cls(files, file_of, _joined(starts), _joined(lengths), np_dtype)
 
     def gather(self, names: list[str], rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """For each column of ``names``: the values of ``rows`` (dataset row indices, ``lengths`` their list
@@ -105,6 +103,11 @@ class MappedListColumns:
             for out, n in zip(outs, names):
                 out[at] = self._files[f][gather_ranges(self._starts[n][rows[sel]], lengths[sel])]
         return outs
+
+
+def _joined(parts: dict) -> dict:
+    """{name: list of per-batch arrays} -> {name: one array}."""
+    return {n: np.concatenate(p) if p else np.zeros(0, np.int64) for n, p in parts.items()}
 
 
 class InMemoryListColumns:

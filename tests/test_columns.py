@@ -80,3 +80,11 @@ def test_mapped_columns_read_no_column_whole(saved):
     assert got.tolist() == sum(ids, [])
     whole = list_column(saved, "input_ids")  # the reference: reading it whole does allocate the column
     assert pa.total_allocated_bytes() - before >= column_bytes and len(whole[1]) == len(got)
+
+
+def test_a_file_of_empty_lists_opens_in_place(tmp_path):
+    datasets.Dataset.from_dict({"input_ids": [[], []]}, features=datasets.Features(
+        {"input_ids": datasets.Sequence(datasets.Value("int32"))})).save_to_disk(str(tmp_path / "empty"))
+    reader = MappedListColumns.open(datasets.load_from_disk(str(tmp_path / "empty")), ["input_ids"])
+    assert reader.lengths["input_ids"].tolist() == [0, 0]
+    assert reader.gather(["input_ids"], np.array([1, 0]), np.zeros(2, np.int64))[0].tolist() == []

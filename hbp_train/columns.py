@@ -72,8 +72,8 @@ class MappedListColumns:
                         return None
                     dtype = values.type
                     width = dtype.bit_width // 8
-                    data = values.buffers()[1]  # None for a batch of empty lists only
-                    at = 0 if data is None else data.address - whole.address
+                    data = values.buffers()[1]  # none, or empty at address 0, for a batch of empty lists only
+                    at = 0 if data is None or data.size == 0 else data.address - whole.address
                     if at % width or not 0 <= at <= whole.size:  # not a slice of the mapping (e.g. decompressed)
                         return None
                     offsets = np.asarray(col.offsets.to_numpy(zero_copy_only=False), np.int64)

@@ -2,7 +2,8 @@
 # hbp-train launcher: sets up .venv on first use, then runs a subcommand.
 #
 #   ./launch.sh                     the default demo: the whole pipeline on the CPU on generated data
-#   ./launch.sh test [ARGS]         the test suite (pytest ARGS)
+#   ./launch.sh test [ARGS]         the test suite's default tier (pytest ARGS): every feature, within ten minutes
+#   ./launch.sh test --full [ARGS]  the whole suite: also the heavy proofs (chaos matrix, OpenCompass, benches); CI runs it
 #   ./launch.sh train [OVERRIDES]   train with Hydra overrides (torchrun, or the deepspeed launcher with HOSTFILE)
 #   ./launch.sh eval [ARGS]         evaluation (python -m eval.run); --setup-opencompass builds its own venv
 #   ./launch.sh preprocess|pack|simulate|compare [ARGS]  python -m data_tools.<command> ARGS

@@ -108,6 +108,7 @@ def test_group_configurations_start_with_the_profilers_and_never_repeat():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_quick_run_trains_every_strategy_on_the_same_samples_and_its_figures_agree(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # Three of the five strategies keep the suite's time down; each of them trains, the others plan in their tests.

@@ -16,6 +16,7 @@ from hbp_train import demo
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_demo_pipeline_end_to_end(tmp_path):
     out = tmp_path / "demo"
     # Every stage but OpenCompass's: it runs only where its venv is set up (on a fresh clone it is skipped anyway),

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-opencompass"
 QA_SAMPLES = 6
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # the real OpenCompass: the full tier
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def _worker(rank, world_size, shards, out, kinds):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # timed on two ranks: a proof of the live figure, not of a feature the default tier lacks
 def test_live_imbalance_follows_the_plan_on_two_ranks(tmp_path):
     rng = np.random.default_rng(0)
     steps, kinds = _steps()

@@ -88,6 +88,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the LoRA matrix; the single-process peft tests below stay in the default tier
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_adapters_train_alone_resume_exactly_and_export_merged_or_as_adapter(variant, trained, tmp_path,
                                                                               tokenizer_dir):

@@ -222,6 +222,7 @@ def _switching_worker(rank, world_size, zero_stages):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the trainer's own SP switch is proven in the default tier (test_trainer_switches_sp...)
 def test_sp_switching_matches_single_process():
     """One engine per ZeRO stage (2, 3) and model, sp 1 -> 2 -> 4 -> 2 -> 1 with 1-2 micro-batches per step; MHA
     and GQA with 2 and 1 kv heads: logits match the per-sample reference and every step's gradient matches the

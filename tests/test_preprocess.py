@@ -14,7 +14,7 @@ import pytest
 from data_tools.make_demo_data import generate
 from data_tools.chat_labels import ChatEncoder, TokenizerError
 from data_tools.preprocess import PreprocessError, main, preprocess
-from data_tools.sft_formats import to_turns
+from data_tools.sft_formats import parse_record
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "preprocess"
 REPO = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ def source_turns(source: str) -> list[dict]:
         record = json.loads(Path(path).read_text().split("\n")[int(n) - 1])
     else:
         record = json.loads(Path(path).read_text())[int(n)]
-    return to_turns(record)[1]
+    return parse_record(record).turns
 
 
 def check_rows(dataset, tokenizer, end_marker: str = IM_END) -> None:
@@ -176,7 +176,7 @@ def test_incremental_search_matches_generation_mask(tmp_path, encoder):
     assert incremental.label_mode == "incremental"
     fixtures = [json.loads(line) for line in (ASSETS / "messages.jsonl").read_text().splitlines() if line]
     for record in generate(40, 512, seed=3) + fixtures:
-        turns = to_turns(record)[1]
+        turns = parse_record(record).turns
         ids_a, labels_a = encoder.encode(turns)
         ids_b, labels_b = incremental.encode(turns)
         assert np.array_equal(ids_a, ids_b) and np.array_equal(labels_a, labels_b)
@@ -265,10 +265,10 @@ def test_truncation_and_drop_accounting(tmp_path, encoder):
 BAD_LINES = {
     "malformed_json": '{"messages": [',
     "not_an_object": "[1, 2]",
-    "unknown_format": '{"text": "hello"}',
+    "unknown_format": '{"body": "hello"}',
     "missing_field": '{"instruction": "no output"}',
     "bad_field_type": '{"messages": "hello"}',
-    "unknown_role": '{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+    "unknown_role": '{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}',
     "empty_conversation": '{"messages": []}',
     "no_assistant_turn": '{"messages": [{"role": "user", "content": "hi"}]}',
 }
@@ -289,7 +289,7 @@ def bad_input(tmp_path: Path, reason: str) -> tuple[list[Path], str]:
     if reason == "missing_file":
         bad = tmp_path / "nope.jsonl"
     elif reason == "unsupported_file_type":
-        bad = tmp_path / "data.csv"
+        bad = tmp_path / "data.xlsx"
         bad.write_text("a,b\n")
     elif reason == "unreadable_file":
         bad = tmp_path / "broken.parquet"

@@ -359,3 +359,21 @@ def test_tools_with_a_template_that_cannot_render_them_are_refused_naming_the_fi
     report, _ = run(tmp_path, [path], "skip", on_error="skip")
     assert report["dropped"] == {"template_without_tools": 1} and report["kept"] == 1
 
+
+def test_every_example_in_the_input_formats_page_is_read_as_it_says(tmp_path):
+    """docs/input_formats.md stays true: each ```json example is kept (the tool ones with a template that renders
+    tools), the ```json refused one is refused."""
+    import re
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "input_formats.md").read_text()
+    blocks = re.findall(r"```json( refused)?\n(.*?)```", page, re.S)
+    assert len(blocks) >= 9
+    tools = tokenizer_with_template(tmp_path, TOOL_TEMPLATE)
+    for i, (refused, text) in enumerate(blocks):
+        path = write_jsonl(tmp_path / f"example{i}.jsonl", [json.loads(text)])
+        if refused:
+            with pytest.raises(PreprocessError, match="preference"):
+                run(tmp_path, [path], f"out{i}")
+        else:
+            report, _ = run(tmp_path, [path], f"out{i}", tokenizer=tools if "tool" in text else TOKENIZER)
+            assert report["kept"] == 1 and report["ignored_fields"] == {}, text

@@ -396,7 +396,7 @@ def test_roundtrip_shards_and_rerun(tmp_path, encoder):
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
     for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles", "inputs",
                 "tokenizer", "max_len", "formats", "chat_template", "label_mode", "overlong", "on_error",
-                "num_shards"):
+                "num_shards", "ignored_fields", "untrained_turns"):
         assert key in report, key
     lengths = np.asarray(dataset["length"])
     assert report["length_percentiles"] == {
@@ -416,12 +416,16 @@ def test_roundtrip_shards_and_rerun(tmp_path, encoder):
 
 
 def test_num_proc_2_matches_num_proc_1(tmp_path):
-    path = write_jsonl(tmp_path / "demo.jsonl", generate(300, 1024, seed=2) + ['{"bad json'])
+    other_shapes = [{"text": "plain text"}, {"instruction": "q", "output": "a", "history": [["q0", "a0"]]},
+                    {"messages": [GOOD["messages"][0], {**GOOD["messages"][1], "weight": 0}, *GOOD["messages"]]}]
+    path = write_jsonl(tmp_path / "demo.jsonl", generate(300, 1024, seed=2) + other_shapes + ['{"bad json'])
     kwargs = dict(max_len=512, overlong="truncate", on_error="skip")
     report1, one = run(tmp_path, [path], "one", num_proc=1, **kwargs)
     report2, two = run(tmp_path, [path], "two", num_proc=2, **kwargs)
     assert report1["dropped"].get("malformed_json") == 1 and report1["truncated"] > 0
-    for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles"):
+    assert report1["untrained_turns"] == {"weight_0": 1} and report1["formats"]["text"] == 1
+    for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles", "formats",
+                "ignored_fields", "untrained_turns"):
         assert report1[key] == report2[key]
     assert one.to_dict() == two.to_dict()
     assert (tmp_path / "one" / "dropped.jsonl").read_text() == (tmp_path / "two" / "dropped.jsonl").read_text()

@@ -221,11 +221,11 @@ def _tasks(resolved: list[tuple[str, list[str] | FormatError]]):
             continue
         for file in files:
             if input_kind(file) == "jsonl" and Path(file).is_file():
-                for head, block, *size in jsonl_blocks(file):  # (first line, lines, bytes read) or (path, error)
+                for head, block, size in jsonl_blocks(file):  # (first line, lines, bytes) or (path, error, 0)
                     if isinstance(block, FormatError):
                         yield ("records", [(head, block)]), 0
                     else:
-                        yield ("lines", file, head, block), size[0]
+                        yield ("lines", file, head, block), size
                 continue
             records = []
             for item in iter_records(file):

@@ -240,24 +240,19 @@ def _add_turns(sample: Sample, raw_turns: list, field: str, context: bool = Fals
         role = roles.get(raw_role.lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise FormatError("unknown_role", f"{where}.{role_key} is {raw_role!r}", f"use one of {sorted(roles)}")
-        if turn.keys() in _PLAIN_TURN_KEYS and not (context and role == "assistant"):
-            if turn.get(content_key) is None:
-                raise FormatError("missing_field", f"{where} has no '{content_key}'",
-                                  f"add '{content_key}' (a string) to the turn")
-            if role == "assistant" and raw_role.lower() == "function_call":
-                sample.turns.append({"role": role, "content": "",
-                                     "tool_calls": _function_call(turn[content_key], f"{where}.value")})
-                sample.uses_tools = True
-            else:
-                sample.turns.append({"role": role, "content": _content(turn[content_key], f"{where}.{content_key}")})
-                sample.uses_tools = sample.uses_tools or role == "tool"
-            continue
-        _add_turn(sample, turn, where, field, role, content_key, raw_role.lower() == "function_call", context)
+        function_call = raw_role.lower() == "function_call"
+        if turn.keys() in _PLAIN_TURN_KEYS and turn[content_key] is not None and not function_call \
+                and not (context and role == "assistant"):  # the common turn, quickly
+            sample.turns.append({"role": role, "content": _content(turn[content_key], f"{where}.{content_key}")})
+            sample.uses_tools = sample.uses_tools or role == "tool"
+        else:
+            _add_turn(sample, turn, where, field, role, content_key, function_call, context)
 
 
 def _add_turn(sample: Sample, turn: dict, where: str, field: str, role: str, content_key: str, function_call: bool,
               context: bool) -> None:
-    """One turn with more than a role and a content: weight, tool calls, tool fields, fields counted as ignored."""
+    """Any turn but a plain role and content: a weight, tool calls (OpenAI's or a ShareGPT function_call), a tool
+    turn's fields, an assistant turn of a TRL prompt, a missing content; the keys it does not use are counted."""
     out = {"role": role}
     if function_call:
         out["tool_calls"] = _function_call(turn.get(content_key), f"{where}.value")

@@ -106,8 +106,8 @@ def iter_records(path: str) -> Iterator[tuple[str, object]]:
     elif kind == "csv":
         yield from _iter_csv(path)
     elif kind == "jsonl":
-        for item in jsonl_blocks(path):
-            yield from ([item] if isinstance(item[1], FormatError) else parse_jsonl_block(path, item[1], item[0]))
+        for head, block, _ in jsonl_blocks(path):
+            yield from ([(head, block)] if isinstance(block, FormatError) else parse_jsonl_block(path, block, head))
     else:
         try:
             data = Path(path).read_bytes()
@@ -148,14 +148,14 @@ def parse_jsonl_block(path: str, data: bytes, first_line: int = 1) -> Iterator[t
                                       "fix the line so it is one JSON object")
 
 
-def jsonl_blocks(path: str) -> Iterator[tuple[int, bytes, int] | tuple[str, FormatError]]:
+def jsonl_blocks(path: str) -> Iterator[tuple[int, bytes, int] | tuple[str, FormatError, int]]:
     """``(first line number, bytes of whole lines, bytes of the file read for them)`` of a JSONL file (``.gz``
-    decompressed), BLOCK_BYTES at a time, or one ``(path, FormatError)`` if it cannot be read (after the blocks
+    decompressed), BLOCK_BYTES at a time, or one ``(path, FormatError, 0)`` if it cannot be read (after the blocks
     read before the problem)."""
     try:
         raw = open(path, "rb")
     except OSError as e:
-        yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions")
+        yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file's permissions"), 0
         return
     with raw, (gzip.GzipFile(fileobj=raw) if path.lower().endswith(".gz") else raw) as f:
         line, rest, consumed = 1, b"", 0
@@ -163,10 +163,10 @@ def jsonl_blocks(path: str) -> Iterator[tuple[int, bytes, int] | tuple[str, Form
             try:
                 chunk = f.read(BLOCK_BYTES)
             except _GZIP_ERRORS as e:
-                yield path, _bad_gzip(e)
+                yield path, _bad_gzip(e), 0
                 return
             except OSError as e:
-                yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file")
+                yield path, FormatError("unreadable_file", f"cannot read: {e.strerror}", "check the file"), 0
                 return
             if not chunk:
                 break

@@ -1,20 +1,21 @@
-"""Raw SFT conversations -> tokenized, labelled HF dataset shards (the input of data_tools.pack).
+"""Raw SFT data -> tokenized, labelled HF dataset shards (the input of data_tools.pack).
 
 Usage::
 
     python -m data_tools.preprocess --input data.jsonl [more ...] --output DIR --tokenizer TOKENIZER_DIR \\
-        [--format auto|messages|sharegpt|alpaca] [--max-len N] [--overlong drop|truncate] \\
+        [--format auto|messages|sharegpt|alpaca|prompt_completion|text] [--max-len N] [--overlong drop|truncate] \\
         [--on-error fail|skip] [--num-proc N] [--num-shards N]
 
 Library: ``preprocess(inputs, output, tokenizer, ...) -> report`` raising a ``UserError`` (one-line message):
 ``PreprocessError``, or ``chat_labels.TokenizerError`` for an unusable tokenizer.
 
-The pipeline, one module per step: read the inputs (JSONL, JSON, Parquet or a directory saved with
-``datasets.save_to_disk``; each sample's ``source`` is ``path:N``) with ``data_tools.sft_inputs``; detect each
-record's shape (OpenAI ``messages``, ShareGPT ``conversations``, Alpaca) and normalise it into chat turns with
-``data_tools.sft_formats``; render the turns with the tokenizer's chat template and label the assistant tokens
-(``labels`` = ``input_ids`` there, ``-100`` elsewhere, not shifted) with ``data_tools.chat_labels``. This module
-runs them over a worker pool, writes the dataset and the report, and is the CLI.
+The pipeline, one module per step: read the inputs (JSONL, JSON, CSV, each also ``.gz``; Parquet; a directory
+saved with ``datasets.save_to_disk``; a folder of such files as a hub dataset ships; each sample's ``source`` is
+``path:N``) with ``data_tools.sft_inputs``; detect each record's shape (OpenAI ``messages``, ShareGPT
+``conversations``, Alpaca, TRL prompt/completion, plain text) and normalise it with ``data_tools.sft_formats``;
+render the turns with the tokenizer's chat template (plain text with none) and label the trained tokens (``labels``
+= ``input_ids`` there, ``-100`` elsewhere, not shifted) with ``data_tools.chat_labels``. This module runs them over
+a worker pool, writes the dataset and the report, and is the CLI. docs/input_formats.md describes every shape.
 
 Output DIR: the dataset (columns ``input_ids``, ``labels`` list<int32>; ``length``, ``num_loss_tokens`` int32;
 ``source`` string; ``num_loss_tokens`` = ``labels[1:] != -100`` counted, always >= 1), ``report.json`` (``read ==
@@ -26,6 +27,8 @@ Drops: ``overlong`` (with ``--overlong drop``), ``no_loss_tokens``, ``no_loss_to
 drops, always counted. Everything else (see ``ERROR_REASONS``) is bad input: with ``--on-error fail`` (default) the
 run stops at the first one with one line naming ``file:line``, the problem and the fix (CLI exit code 2); with
 ``--on-error skip`` the record is dropped and counted by reason. An unreadable file counts as one dropped record.
+Nothing else is left out unsaid: report.json counts the fields no shape uses (``ignored_fields``) and the assistant
+turns kept as context only (``untrained_turns``: ``weight_0``, ``prompt``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.chat_labels import TEMPLATE_REASONS, ChatEncoder
-from data_tools.sft_formats import FORMATS, REASONS, FormatError, to_turns
-from data_tools.sft_inputs import FILE_REASONS, iter_records, jsonl_blocks, parse_jsonl_block
+from data_tools.preprocess_report import Counts, format_report
+from data_tools.sft_formats import FORMATS, REASONS, FormatError, parse_record
+from data_tools.sft_inputs import (FILE_REASONS, KINDS, input_kind, iter_records, jsonl_blocks, parse_jsonl_block,
+                                   resolve_input)
 from hbp_train.cli import ArgumentParser, existing_dir, int_range, output_dir, positive_int
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.labels import IGNORE_INDEX
@@ -104,6 +109,8 @@ class _Chunk:
 
     read: int
     formats: dict
+    ignored: dict  # field -> records (or turns) that hold it unused
+    untrained: dict  # why -> assistant turns not trained on
     drops: list  # (source, reason, detail, fix), record order
     sources: list
     input_ids: np.ndarray  # all kept rows, one after the other (int32)
@@ -119,7 +126,7 @@ def _encode_task(task: tuple) -> _Chunk:
     (``ChatEncoder.encode_batch``); length limits and loss-token checks are numpy over the batch."""
     max_len, overlong, fmt = _LIMITS
     records = parse_jsonl_block(task[1], task[3], task[2]) if task[0] == "lines" else task[1]
-    drops, formats, sources, conversations, ordinal = [], {}, [], [], []
+    drops, formats, ignored, untrained, sources, samples, ordinal = [], {}, {}, {}, [], [], []
     read = 0
     for source, record in records:
         read += 1
@@ -127,15 +134,19 @@ def _encode_task(task: tuple) -> _Chunk:
             drops.append((read, source, record.reason, record.detail, record.fix))
             continue
         try:
-            shape, turns = to_turns(record, fmt)
+            sample = parse_record(record, fmt)
         except FormatError as e:
             drops.append((read, source, e.reason, e.detail, e.fix))
             continue
-        formats[shape] = formats.get(shape, 0) + 1
+        formats[sample.shape] = formats.get(sample.shape, 0) + 1
+        for name in sample.ignored:
+            ignored[name] = ignored.get(name, 0) + 1
+        for why in sample.untrained.values():
+            untrained[why] = untrained.get(why, 0) + 1
         sources.append(source)
-        conversations.append(turns)
+        samples.append(sample)
         ordinal.append(read)
-    ids, labels, row_ptr, errors = _ENCODER.encode_batch(conversations)
+    ids, labels, row_ptr, errors = _ENCODER.encode_batch(samples)
     lengths = np.diff(row_ptr)
     keep = np.ones(len(lengths), bool)
     for i, e in errors.items():
@@ -163,10 +174,10 @@ def _encode_task(task: tuple) -> _Chunk:
     for i in np.flatnonzero(keep & (num_loss == 0)).tolist():
         keep[i] = False
         reason = "no_loss_tokens_after_truncation" if truncated[i] else "no_loss_tokens"
-        drops.append((ordinal[i], sources[i], reason, "no assistant token left to train on", ""))
+        drops.append((ordinal[i], sources[i], reason, "no token left to train on", ""))
     drops.sort(key=lambda d: d[0])
     kept = np.repeat(keep, lengths)
-    return _Chunk(read=read, formats=formats, drops=[d[1:] for d in drops],
+    return _Chunk(read=read, formats=formats, ignored=ignored, untrained=untrained, drops=[d[1:] for d in drops],
                   sources=[src for src, k in zip(sources, keep.tolist()) if k], input_ids=ids[kept],
                   labels=labels[kept], lengths=lengths[keep].astype(np.int32), num_loss_tokens=num_loss[keep],
                   truncated=int(np.count_nonzero(truncated & keep)))
@@ -200,28 +211,33 @@ def _record_batch(chunk: _Chunk, schema):
     )
 
 
-def _tasks(inputs: list[str]):
-    """``(task, input bytes it covers)`` for every input: JSONL files as blocks of lines (parsed by the workers),
-    other inputs as lists of parsed records (``_TASK_RECORDS`` each; their bytes counted when the file is done)."""
-    for path in inputs:
-        if Path(path).suffix.lower() == ".jsonl" and Path(path).is_file():
-            for head, block in jsonl_blocks(path):  # (first line, lines) or (path, FormatError)
-                if isinstance(block, FormatError):
-                    yield ("records", [(head, block)]), 0
-                else:
-                    yield ("lines", path, head, block), len(block)
+def _tasks(resolved: list[tuple[str, list[str] | FormatError]]):
+    """``(task, input bytes it covers)`` for every input file (``resolved``: each input with its files, or the
+    FormatError that says why it has none): JSONL files as blocks of lines (parsed by the workers), other files as
+    lists of parsed records (``_TASK_RECORDS`` each; their bytes counted when the file is done)."""
+    for path, files in resolved:
+        if isinstance(files, FormatError):
+            yield ("records", [(path, files)]), 0
             continue
-        records = []
-        for item in iter_records(path):
-            records.append(item)
-            if len(records) == _TASK_RECORDS:
-                yield ("records", records), 0
-                records = []
-        yield ("records", records), _input_bytes(path)
+        for file in files:
+            if input_kind(file) == "jsonl" and Path(file).is_file():
+                for head, block, size in jsonl_blocks(file):  # (first line, lines, bytes) or (path, error, 0)
+                    if isinstance(block, FormatError):
+                        yield ("records", [(head, block)]), 0
+                    else:
+                        yield ("lines", file, head, block), size
+                continue
+            records = []
+            for item in iter_records(file):
+                records.append(item)
+                if len(records) == _TASK_RECORDS:
+                    yield ("records", records), 0
+                    records = []
+            yield ("records", records), _input_bytes(file)
 
 
 def _input_bytes(path: str) -> int:
-    """Size of an input file (0 for a directory or a missing path), for the progress bar."""
+    """Size of an input file (0 for a directory), for the progress bar."""
     p = Path(path)
     return p.stat().st_size if p.is_file() else 0
 
@@ -251,7 +267,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
     from tqdm import tqdm
 
     if not inputs:
-        raise PreprocessError("no --input given; pass one or more JSONL/JSON/Parquet files or HF dataset dirs")
+        raise PreprocessError("no --input given; pass one or more data files, folders of them or HF dataset dirs")
     if fmt not in ("auto", *FORMATS):
         raise PreprocessError(f"--format {fmt!r} is unknown; use auto, {', '.join(FORMATS)}")
     if overlong not in ("drop", "truncate"):
@@ -270,6 +286,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
     if num_shards is not None and num_shards < 1:
         raise PreprocessError(f"--num-shards {num_shards} must be >= 1")
     inputs = [str(p) for p in inputs]
+    resolved = [(path, resolve_input(path)) for path in inputs]
     output_dir = Path(output)
     _check_output(output_dir)
 
@@ -286,31 +303,29 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
             pool = _start_pool(num_proc, str(tokenizer), max_len, overlong, encoder, fmt)
         else:
             _init_worker(str(tokenizer), max_len, overlong, encoder, fmt)
-        counts = _Counts()
+        counts = Counts()
         dropped_file = open(work / "dropped.jsonl", "w", encoding="utf-8")
         schema = features.arrow_schema
         writer = pa.ipc.new_stream(str(work / "rows.arrow"), schema)
-        bar = tqdm(total=sum(_input_bytes(p) for p in inputs), unit="B", unit_scale=True, desc="preprocess",
+        bar = tqdm(total=sum(_input_bytes(f) for _, files in resolved if isinstance(files, list) for f in files),
+                   unit="B", unit_scale=True, desc="preprocess",
                    dynamic_ncols=True, disable=(None if progress is None else not progress))
 
         def take(chunk: _Chunk) -> None:
-            counts.read += chunk.read
-            for shape, n in chunk.formats.items():
-                counts.formats[shape] = counts.formats.get(shape, 0) + n
             for source, reason, detail, fix in chunk.drops:
                 if reason not in POLICY_DROPS and on_error == "fail":
                     raise PreprocessError(f"{source}: {detail}; {fix} ({_SKIP_HINT})")
-                counts.dropped[reason] = counts.dropped.get(reason, 0) + 1
+                counts.drop(reason)
                 dropped_file.write(json.dumps({"source": source, "reason": reason, "detail": detail},
                                               ensure_ascii=False) + "\n")
             if len(chunk.lengths):
                 writer.write_batch(_record_batch(chunk, schema))
-                counts.add(chunk)
+            counts.add(chunk)
 
         # Tasks go to the workers in order and come back in order, at most a few per worker in flight: the output
         # is the same for any --num-proc and memory stays bounded however large the input.
         in_flight: deque = deque()
-        for task, size in _tasks(inputs):
+        for task, size in _tasks(resolved):
             if pool is None:
                 take(_encode_task(task))
             else:
@@ -365,84 +380,21 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
         shutil.rmtree(work, ignore_errors=True)
 
 
-class _Counts:
-    """Running totals for report.json; kept lengths as a histogram (exact percentiles, memory bounded by the
-    longest sample, not by the number of samples)."""
-
-    def __init__(self):
-        self.read = 0
-        self.truncated = 0
-        self.tokens = 0
-        self.loss_tokens = 0
-        self.dropped: dict[str, int] = {}
-        self.formats: dict[str, int] = {}
-        self.histogram = np.zeros(0, np.int64)
-
-    def add(self, chunk: _Chunk) -> None:
-        self.tokens += int(chunk.lengths.sum())
-        self.loss_tokens += int(chunk.num_loss_tokens.sum())
-        self.truncated += chunk.truncated
-        counts = np.bincount(chunk.lengths)
-        if len(counts) > len(self.histogram):
-            self.histogram = np.concatenate([self.histogram, np.zeros(len(counts) - len(self.histogram), np.int64)])
-        self.histogram[:len(counts)] += counts
-
-    def report(self) -> dict:
-        kept = int(self.histogram.sum())
-        percentiles = {}
-        if kept:
-            present = np.flatnonzero(self.histogram)
-            percentiles = {f"p{q}": int(histogram_percentile(self.histogram, q)) for q in (50, 90, 99)}
-            mean = float(np.dot(np.arange(len(self.histogram)), self.histogram) / kept)
-            percentiles.update(min=int(present[0]), max=int(present[-1]), mean=round(mean, 1))
-        return {
-            "read": self.read, "kept": kept, "truncated": self.truncated,
-            "dropped": dict(sorted(self.dropped.items())), "tokens": self.tokens, "loss_tokens": self.loss_tokens,
-            "length_percentiles": percentiles, "formats": dict(sorted(self.formats.items())),
-        }
-
-
-def histogram_percentile(histogram: np.ndarray, q: float) -> float:
-    """``np.percentile(values, q)`` (linear method) of the integers whose counts ``histogram`` holds (value v
-    ``histogram[v]`` times), computed as numpy computes it from the sorted values."""
-    n = int(histogram.sum())
-    position = (q / 100) * (n - 1)
-    below = int(np.floor(position))
-    cumulative = np.cumsum(histogram)
-    a, b = np.searchsorted(cumulative, [below + 1, min(below + 2, n)])  # the values at ranks below, below + 1
-    t = position - below
-    return float(b - (b - a) * (1 - t)) if t >= 0.5 else float(a + (b - a) * t)
-
-
-def format_report(report: dict) -> str:
-    """A short human summary of a report."""
-    dropped = sum(report["dropped"].values())
-    reasons = ", ".join(f"{k} {v}" for k, v in report["dropped"].items())
-    pct = report["length_percentiles"]
-    lines = [
-        f"read {report['read']}, kept {report['kept']}, truncated {report['truncated']}, dropped {dropped}"
-        + (f" ({reasons})" if reasons else ""),
-        f"tokens {report['tokens']:,} (trained on {report['loss_tokens']:,}); length p50 {pct.get('p50')} "
-        f"p90 {pct.get('p90')} p99 {pct.get('p99')} max {pct.get('max')}",
-        f"labels: {report['label_mode']} mask, {report['chat_template']} chat template; "
-        f"wrote {report['output']} ({report['num_shards'] or 'auto'} shards) + report.json + dropped.jsonl",
-    ]
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     reasons = "".join(f"\n  {k}: {v}" for k, v in ERROR_REASONS.items())
     parser = ArgumentParser(
         prog="python -m data_tools.preprocess",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Tokenize raw SFT conversations into a labelled HF dataset (input of data_tools.pack).\n\n"
-                    "Labels are -100 except on assistant tokens of every assistant turn, found with the template's\n"
-                    "{% generation %} markers or, without them, by rendering each turn's prefix. A tokenizer with no\n"
-                    "chat template gets the default ChatML template (<|im_start|>role\\ncontent<|im_end|>\\n, bos\n"
-                    "first if the tokenizer has one, assistant content<|im_end|> trained).",
+        description="Tokenize raw SFT data into a labelled HF dataset (input of data_tools.pack).\n\n"
+                    "Labels are -100 except on assistant tokens of every trained assistant turn (not weight 0, not in\n"
+                    "a TRL prompt), found with the template's {% generation %} markers or, without them, by rendering\n"
+                    "each turn's prefix. A tokenizer with no chat template gets the default ChatML template\n"
+                    "(<|im_start|>role\\ncontent<|im_end|>\\n, bos first if the tokenizer has one, assistant\n"
+                    "content<|im_end|> trained). Plain text (text, prompt/completion strings): no template, the eos\n"
+                    "after it, the text (the completion) trained. Shapes with examples: docs/input_formats.md.",
         epilog="Output DIR: the dataset (input_ids, labels, length, num_loss_tokens, source='path:N' with N the\n"
-               "1-based JSONL line or 0-based row), report.json, dropped.jsonl. An existing DIR is replaced only if\n"
-               "it holds an earlier preprocess output.\n"
+               "1-based JSONL line, CSV line or 0-based row), report.json (with ignored_fields, untrained_turns),\n"
+               "dropped.jsonl. An existing DIR is replaced only if it holds an earlier preprocess output.\n"
                "Policy drops (always counted): overlong, no_loss_tokens, no_loss_tokens_after_truncation.\n"
                f"Bad-input reasons (fail or skip per --on-error):{reasons}\n"
                "Exit codes: 0 ok; 2 bad input, tokenizer, output or flags (one line on stderr);\n"
@@ -450,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # No path check here: a missing input file is a bad-input reason like the others (--on-error skip drops it).
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                        help="input files (.jsonl, .json array, .parquet) or saved HF dataset directories (required)")
+                        help=f"input files ({', '.join(KINDS)}), folders of them as a hub dataset ships them (one "
+                             "split), or saved HF dataset directories (required)")
     parser.add_argument("--output", required=True, metavar="DIR", type=output_dir,
                         help="output dataset directory, built beside DIR and moved into "
                         "place when complete (required)")
@@ -459,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(required)")
     parser.add_argument("--format", default="auto", choices=("auto", *FORMATS),
                         help="record shape; auto detects it per record: 'messages' -> OpenAI, 'conversations' -> "
-                             "ShareGPT, 'instruction'/'output' -> Alpaca (default auto)")
+                             "ShareGPT, 'instruction'/'output' -> Alpaca, 'prompt'/'completion' -> TRL, 'text' -> "
+                             "plain text (default auto)")
     parser.add_argument("--max-len", type=int_range(2), default=None, metavar="N",
                         help="longest sample in tokens; longer ones follow --overlong (default: no limit)")
     parser.add_argument("--overlong", default="drop", choices=("drop", "truncate"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools.chat_labels import ChatEncoder
-from data_tools.sft_formats import FormatError
+from data_tools.sft_formats import FormatError, Sample
 from hbp_train.labels import IGNORE_INDEX
 from tests.test_preprocess import tokenizer_with_template
 
@@ -136,7 +136,7 @@ def test_batch_encoding_equals_apply_chat_template_with_assistant_masks(tmp_path
     empty = [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]
     rejected = [{"role": "user", "content": "reject me"}, {"role": "assistant", "content": "x"}]
     batch = [r["messages"] for r in generate(40, 512, seed=5)] + CONVERSATIONS + [unicode, empty, rejected]
-    ids, labels, row_ptr, errors = encoder.encode_batch(batch)
+    ids, labels, row_ptr, errors = encoder.encode_batch([Sample("messages", turns) for turns in batch])
     for i, turns in enumerate(batch):
         try:
             out = encoder.tokenizer.apply_chat_template(turns, chat_template=encoder.template, tokenize=True,
@@ -148,3 +148,44 @@ def test_batch_encoding_equals_apply_chat_template_with_assistant_masks(tmp_path
         assert ids[row_ptr[i]:row_ptr[i + 1]].tolist() == out["input_ids"], (style, i)
         assert labels[row_ptr[i]:row_ptr[i + 1]].tolist() == expected.tolist(), (style, i)
     assert set(errors) == ({len(batch) - 1} if style == "rejecting" else set())
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES))
+def test_a_weight_0_turn_is_left_out_of_the_labels_in_each_template_style(tmp_path, style):
+    """The first answer kept as context (untrained), the second trained exactly as before, in every style: found by
+    prefixes (llama3, qwen25, gemma) or by substitution (qwen3, which rewrites earlier turns)."""
+    encoder = ChatEncoder(tokenizer_with_template(tmp_path, TEMPLATES[style]))
+    turns = CONVERSATIONS[0]
+    ids, labels = encoder.encode(turns, untrained={1: "weight_0"})
+    _text, runs = labelled_texts(encoder, ids, labels)
+    assert [run.strip() for run in runs] == [EXPECTED[style][0][1].strip()]
+    all_ids, all_labels = encoder.encode(turns)
+    assert np.array_equal(ids, all_ids)  # the same tokens, fewer of them trained
+    assert set(np.flatnonzero(labels != IGNORE_INDEX)) < set(np.flatnonzero(all_labels != IGNORE_INDEX))
+
+
+def test_a_batch_of_every_kind_of_sample_equals_encoding_them_one_by_one():
+    """encode_batch batches the plain conversations and encodes the others (weights, plain text, tools) one by one:
+    the rows come back in order, each equal to encode_sample, the failures as errors with empty rows."""
+    from data_tools.make_demo_data import generate
+    from data_tools.sft_formats import parse_record
+    from tests.test_preprocess import TOKENIZER
+
+    encoder = ChatEncoder(TOKENIZER)
+    records = generate(6, 256, seed=7)
+    first_answer = {**records[1]["messages"][1], "weight": 0}
+    records[1] = {"messages": [records[1]["messages"][0], first_answer, *records[1]["messages"][2:]]}
+    records[3] = {"text": "plain text"}
+    records[4] = {"messages": records[4]["messages"], "tools": [{"type": "function", "function": {"name": "f"}}]}
+    records.append({"prompt": "a", "completion": "b"})
+    samples = [parse_record(r) for r in records]
+    assert samples[1].untrained == {1: "weight_0"}
+    ids, labels, row_ptr, errors = encoder.encode_batch(samples)
+    assert set(errors) == {4} and errors[4].reason == "template_without_tools"
+    for i, sample in enumerate(samples):
+        row = slice(row_ptr[i], row_ptr[i + 1])
+        if i in errors:
+            assert row_ptr[i] == row_ptr[i + 1]
+            continue
+        expected_ids, expected_labels = encoder.encode_sample(sample)
+        assert np.array_equal(ids[row], expected_ids) and np.array_equal(labels[row], expected_labels), i

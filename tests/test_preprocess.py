@@ -14,7 +14,7 @@ import pytest
 from data_tools.make_demo_data import generate
 from data_tools.chat_labels import ChatEncoder, TokenizerError
 from data_tools.preprocess import PreprocessError, main, preprocess
-from data_tools.sft_formats import to_turns
+from data_tools.sft_formats import parse_record
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "preprocess"
 REPO = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ def source_turns(source: str) -> list[dict]:
         record = json.loads(Path(path).read_text().split("\n")[int(n) - 1])
     else:
         record = json.loads(Path(path).read_text())[int(n)]
-    return to_turns(record)[1]
+    return parse_record(record).turns
 
 
 def check_rows(dataset, tokenizer, end_marker: str = IM_END) -> None:
@@ -176,7 +176,7 @@ def test_incremental_search_matches_generation_mask(tmp_path, encoder):
     assert incremental.label_mode == "incremental"
     fixtures = [json.loads(line) for line in (ASSETS / "messages.jsonl").read_text().splitlines() if line]
     for record in generate(40, 512, seed=3) + fixtures:
-        turns = to_turns(record)[1]
+        turns = parse_record(record).turns
         ids_a, labels_a = encoder.encode(turns)
         ids_b, labels_b = incremental.encode(turns)
         assert np.array_equal(ids_a, ids_b) and np.array_equal(labels_a, labels_b)
@@ -265,10 +265,10 @@ def test_truncation_and_drop_accounting(tmp_path, encoder):
 BAD_LINES = {
     "malformed_json": '{"messages": [',
     "not_an_object": "[1, 2]",
-    "unknown_format": '{"text": "hello"}',
+    "unknown_format": '{"body": "hello"}',
     "missing_field": '{"instruction": "no output"}',
     "bad_field_type": '{"messages": "hello"}',
-    "unknown_role": '{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+    "unknown_role": '{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}',
     "empty_conversation": '{"messages": []}',
     "no_assistant_turn": '{"messages": [{"role": "user", "content": "hi"}]}',
 }
@@ -289,7 +289,7 @@ def bad_input(tmp_path: Path, reason: str) -> tuple[list[Path], str]:
     if reason == "missing_file":
         bad = tmp_path / "nope.jsonl"
     elif reason == "unsupported_file_type":
-        bad = tmp_path / "data.csv"
+        bad = tmp_path / "data.xlsx"
         bad.write_text("a,b\n")
     elif reason == "unreadable_file":
         bad = tmp_path / "broken.parquet"
@@ -396,7 +396,7 @@ def test_roundtrip_shards_and_rerun(tmp_path, encoder):
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
     for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles", "inputs",
                 "tokenizer", "max_len", "formats", "chat_template", "label_mode", "overlong", "on_error",
-                "num_shards"):
+                "num_shards", "ignored_fields", "untrained_turns"):
         assert key in report, key
     lengths = np.asarray(dataset["length"])
     assert report["length_percentiles"] == {
@@ -416,12 +416,16 @@ def test_roundtrip_shards_and_rerun(tmp_path, encoder):
 
 
 def test_num_proc_2_matches_num_proc_1(tmp_path):
-    path = write_jsonl(tmp_path / "demo.jsonl", generate(300, 1024, seed=2) + ['{"bad json'])
+    other_shapes = [{"text": "plain text"}, {"instruction": "q", "output": "a", "history": [["q0", "a0"]]},
+                    {"messages": [GOOD["messages"][0], {**GOOD["messages"][1], "weight": 0}, *GOOD["messages"]]}]
+    path = write_jsonl(tmp_path / "demo.jsonl", generate(300, 1024, seed=2) + other_shapes + ['{"bad json'])
     kwargs = dict(max_len=512, overlong="truncate", on_error="skip")
     report1, one = run(tmp_path, [path], "one", num_proc=1, **kwargs)
     report2, two = run(tmp_path, [path], "two", num_proc=2, **kwargs)
     assert report1["dropped"].get("malformed_json") == 1 and report1["truncated"] > 0
-    for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles"):
+    assert report1["untrained_turns"] == {"weight_0": 1} and report1["formats"]["text"] == 1
+    for key in ("read", "kept", "truncated", "dropped", "tokens", "loss_tokens", "length_percentiles", "formats",
+                "ignored_fields", "untrained_turns"):
         assert report1[key] == report2[key]
     assert one.to_dict() == two.to_dict()
     assert (tmp_path / "one" / "dropped.jsonl").read_text() == (tmp_path / "two" / "dropped.jsonl").read_text()

@@ -1,0 +1,98 @@
+"""The report of a data_tools.preprocess run: running totals over the workers' chunks, report.json's counts and
+the summary the CLI prints.
+
+Every record read is kept or dropped with a reason (``read == kept + sum(dropped.values())``), and what a kept
+record held that was not trained on is counted too: the records per detected shape (``formats``), the fields no
+shape uses (``ignored_fields``, e.g. ``{"meta": 500, "messages[].name": 3}``) and the assistant turns kept as
+context only (``untrained_turns``: ``weight_0``, ``prompt``). Kept lengths are held as a histogram: exact
+percentiles, memory bounded by the longest sample, not by the number of samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Counts:
+    """Running totals for report.json, fed one worker chunk at a time (``add``) and one drop at a time."""
+
+    def __init__(self):
+        self.read = 0
+        self.truncated = 0
+        self.tokens = 0
+        self.loss_tokens = 0
+        self.dropped: dict[str, int] = {}
+        self.formats: dict[str, int] = {}
+        self.ignored: dict[str, int] = {}
+        self.untrained: dict[str, int] = {}
+        self.histogram = np.zeros(0, np.int64)
+
+    def add(self, chunk) -> None:
+        """Add a ``preprocess._Chunk``: its records read, their shapes, ignored fields and untrained turns, and the
+        lengths and trained tokens of its kept rows (its drops are counted one by one, ``drop``)."""
+        self.read += chunk.read
+        for total, part in ((self.formats, chunk.formats), (self.ignored, chunk.ignored),
+                            (self.untrained, chunk.untrained)):
+            for key, n in part.items():
+                total[key] = total.get(key, 0) + n
+        self.tokens += int(chunk.lengths.sum())
+        self.loss_tokens += int(chunk.num_loss_tokens.sum())
+        self.truncated += chunk.truncated
+        counts = np.bincount(chunk.lengths)
+        if len(counts) > len(self.histogram):
+            self.histogram = np.concatenate([self.histogram, np.zeros(len(counts) - len(self.histogram), np.int64)])
+        self.histogram[:len(counts)] += counts
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def report(self) -> dict:
+        kept = int(self.histogram.sum())
+        percentiles = {}
+        if kept:
+            present = np.flatnonzero(self.histogram)
+            percentiles = {f"p{q}": int(histogram_percentile(self.histogram, q)) for q in (50, 90, 99)}
+            mean = float(np.dot(np.arange(len(self.histogram)), self.histogram) / kept)
+            percentiles.update(min=int(present[0]), max=int(present[-1]), mean=round(mean, 1))
+        return {
+            "read": self.read, "kept": kept, "truncated": self.truncated,
+            "dropped": dict(sorted(self.dropped.items())), "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+            "length_percentiles": percentiles, "formats": dict(sorted(self.formats.items())),
+            "ignored_fields": dict(sorted(self.ignored.items())),
+            "untrained_turns": dict(sorted(self.untrained.items())),
+        }
+
+
+def histogram_percentile(histogram: np.ndarray, q: float) -> float:
+    """``np.percentile(values, q)`` (linear method) of the integers whose counts ``histogram`` holds (value v
+    ``histogram[v]`` times), computed as numpy computes it from the sorted values."""
+    n = int(histogram.sum())
+    position = (q / 100) * (n - 1)
+    below = int(np.floor(position))
+    cumulative = np.cumsum(histogram)
+    a, b = np.searchsorted(cumulative, [below + 1, min(below + 2, n)])  # the values at ranks below, below + 1
+    t = position - below
+    return float(b - (b - a) * (1 - t)) if t >= 0.5 else float(a + (b - a) * t)
+
+
+def format_report(report: dict) -> str:
+    """A short human summary of a report."""
+    dropped = sum(report["dropped"].values())
+    reasons = ", ".join(f"{k} {v}" for k, v in report["dropped"].items())
+    pct = report["length_percentiles"]
+    shapes = ", ".join(f"{k} {v}" for k, v in report["formats"].items())
+    lines = [
+        f"read {report['read']}, kept {report['kept']}, truncated {report['truncated']}, dropped {dropped}"
+        + (f" ({reasons})" if reasons else "") + (f"; shapes: {shapes}" if shapes else ""),
+        f"tokens {report['tokens']:,} (trained on {report['loss_tokens']:,}); length p50 {pct.get('p50')} "
+        f"p90 {pct.get('p90')} p99 {pct.get('p99')} max {pct.get('max')}",
+    ]
+    if report["untrained_turns"]:
+        lines.append("assistant turns kept as context, not trained on: "
+                     + ", ".join(f"{k} {v}" for k, v in report["untrained_turns"].items()))
+    if report["ignored_fields"]:
+        lines.append("fields not used (records holding them): "
+                     + ", ".join(f"{k} {v}" for k, v in report["ignored_fields"].items()))
+    lines.append(f"labels: {report['label_mode']} mask, {report['chat_template']} chat template; "
+                 f"wrote {report['output']} ({report['num_shards'] or 'auto'} shards) + report.json + dropped.jsonl")
+    return "\n".join(lines)

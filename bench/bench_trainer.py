@@ -292,7 +292,7 @@ def run_bench(args) -> dict:
     results["model"]["num_params"] = num_params(run.model)
     entry = {"label": "hbp_train train_step: DeepSpeed ZeRO-2 + packed varlen attention + chunked LM-head loss",
              "attention": f"hbp_packed/{backend}", "backend": backend, "device": label, "ran": False,
-             "attention_kernel": describe_backend(backend, device), "decoder_kernels": run.model._hbp_kernels,
+             "attention_kernel": describe_backend(backend, device), "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
              "ckpt_layers": args.ckpt_layers}
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     first = None

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-precision", choices=("bf16", "amp"), default="bf16",
                    help="precision of the baselines named without :amp/:bf16: bf16 (default; the speed path) or "
                         "amp (the accuracy path)")
+    p.add_argument("--baseline-ckpt", action="store_true",
+                   help="HF baselines with gradient checkpointing on every layer (HF's activation_checkpointing_enable, "
+                        "what HF users do for long packs; compare with --ckpt-layers set to the layer count)")
     p.add_argument("--kernels", default="auto", choices=("auto", "liger", "compile", "none"),
                    help="our decoder kernels (model.kernels, hbp_train/kernels.py; default auto: liger on CUDA "
                         "when installed)")
@@ -259,6 +262,7 @@ def run_bench(args) -> dict:
                "settings": {"pack_len": args.pack_len, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype,
                             "ckpt_layers": args.ckpt_layers, "zero_stage": ZERO_STAGE, "loss_chunk": args.loss_chunk,
                             "lr": args.lr, "grad_clip": 1.0, "baseline_precision": args.baseline_precision,
+                            "baseline_ckpt": args.baseline_ckpt, "kernels": args.kernels,
                             "prompt_frac": args.prompt_frac, "seed": args.seed,
                             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                "paths": {}, "notes": [], "ratios": {}}

@@ -227,7 +227,7 @@ def hf_attention_candidates(device, dtype_name: str) -> list[str]:
 # The two ways HF users train in bf16 (--baselines NAME or NAME:amp): for speed, bf16 parameters and bf16 AdamW
 # states; for accuracy, fp32 master weights under bf16 autocast (what HF Trainer does with bf16=True and an fp32
 # load). Keys and labels of the results name which one a path is.
-PRECISIONS = {"bf16": ("", "HF speed path: parameters and AdamW states in --dtype"),
+PRECISIONS = {"bf16": ("", "HF speed path: parameters and AdamW states in the run's dtype (bf16 on a GPU)"),
               "amp": ("_amp", "HF accuracy path: fp32 master weights, bf16 autocast")}
 
 
@@ -292,6 +292,8 @@ def build_hf(args, architecture: str, hf_config: dict, impl: str, device, precis
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
     model.config.use_cache = False
     model.train()
+    if getattr(args, "baseline_ckpt", False):  # what an HF user turns on for long packs: every layer recomputed
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   **({"fused": True} if device.type == "cuda" else {}))
     return model, optimizer, amp

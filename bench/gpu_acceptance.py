@@ -21,7 +21,7 @@ as met):
                 and the accuracy path (fp32 master weights under bf16 autocast); the target is judged against the
                 faster (tokens/s ratio >= 1.2, MFU >= 45% for the 1B shape at 16K bf16)
   trainer_64k   the same at 64K packs, every layer checkpointed on both sides (what fits one GPU for both; HF's
-                gradient_checkpointing_enable): tokens/s ratio >= 1.5
+                activation_checkpointing_enable): tokens/s ratio >= 1.5
   calibration   hbp_train.perf.calibrate: a calibration on this GPU, then the cost model's error on whole packs
                 timed through the trainer's chunked loss (<= 10%)
   longest_pack  the longest single-document pack our step trains, per checkpointing level (>= 128K tokens for the
@@ -35,6 +35,9 @@ Between checks the GPU memory of the last one is freed (its engine dropped, the 
 On a CPU (--dry-run, implied there) the model is tiny, the figures mean nothing and every verdict is n/a; the test
 suite runs it so that the command cannot rot before a GPU runs it. A check that raises is reported with its error
 and the next one runs: the report is the product of this command, not a traceback.
+
+Over 500 lines because every check is one function here, beside the budget planning and the report they share;
+what a check runs lives in its own module (bench_trainer, gpu_profile, calibrate, the profiler).
 """
 
 from __future__ import annotations

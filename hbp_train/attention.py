@@ -26,6 +26,10 @@ hbp_train/kernels.py (model.kernels=compile) then breaks its graph around the at
 code, collectives under Ulysses) and compiles what is around it.
 
 Shape legend: T tokens of the pack, H query heads, K key/value heads (H % K == 0, GQA), D head dim, B batch.
+
+Over 500 lines because the backends, their detection and selection, and the transformers glue share the kernel
+lookups and torch's FA4 switch: split apart, the probe (which runs the backends) and the backends (which the
+selection lists) would import each other.
 """
 
 from __future__ import annotations

@@ -553,3 +553,21 @@ def test_gpu_tiny_llama_packed_logits_equal_per_sample_logits(backend):
     model = _tiny_llama().to(cuda, torch.bfloat16)
     packed, per_sample = _packed_vs_per_sample(model, backend, cuda, "position_ids")
     torch.testing.assert_close(packed.float(), per_sample.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_the_first_installed_kernel_that_passes_its_probe():
+    """On this GPU, with the Llama-3.2-1B attention shape: auto's choice is the first available backend whose probe
+    passes, and a fa4 choice leaves FA4 active in torch only while it is the backend."""
+    cuda, shape = torch.device("cuda"), attention.HeadShape(32, 8, 64, 64)
+    available = available_backends(cuda, torch.bfloat16)
+    first_ok = next(b for b in available if attention.probe_backend(b, cuda, torch.bfloat16, shape) is None)
+    assert select_backend("auto", cuda, torch.bfloat16, shape) == first_ok
+    if "fa4" in available:
+        from torch.nn.attention import current_flash_attention_impl
+
+        set_backend("fa4")
+        assert current_flash_attention_impl() == "FA4"
+        set_backend("torch_varlen")
+        assert current_flash_attention_impl() is None
+    set_backend("sdpa_block")

@@ -8,14 +8,17 @@ Paths, each trained for --warmup untimed and --steps timed steps of one pack per
 same order, from the same initial weights):
   ours      hbp_train's real step, ``trainer.train_step``: a DeepSpeed engine at world size 1 (ZeRO-2, bf16 with fp32
             master weights, torch AdamW, gradient clipping 1.0), our packed varlen attention (best backend of
-            hbp_train.attention), the chunked LM-head loss, --ckpt-layers checkpointed layers. The run is built by
+            hbp_train.attention) and decoder kernels (--kernels, hbp_train/kernels.py), the chunked LM-head loss,
+            --ckpt-layers checkpointed layers. The run is built by
             the trainer's own ``build.build_run`` (one sp=1 packing group), without packed shards on disk (no
             ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
   hf_sdpa   a plain transformers model, ``attn_implementation="sdpa"``, batches from transformers'
             ``DataCollatorWithFlattening`` (position_ids restart per sample, each sample's first label masked; HF
             then builds the block-diagonal mask from the position_ids), HF's own loss (full logits), a plain
-            ``torch.optim.AdamW`` step (fused on GPU) with the same clipping. bf16 parameters by default
-            (--baseline-precision amp: fp32 parameters under bf16 autocast, as HF Trainer without a bf16 load).
+            ``torch.optim.AdamW`` step (fused on GPU) with the same clipping. Two precisions, both named in the
+            report: the speed path (``sdpa``: parameters and AdamW states in --dtype, bf16 on a GPU) and the
+            accuracy path (``sdpa:amp`` -> hf_sdpa_amp: fp32 master weights under bf16 autocast, as HF Trainer
+            with bf16=True and an fp32 load); --baseline-ckpt checkpoints every layer (long packs).
   hf_<best> the same with the best packed-capable HF attention present: flash_attention_3/2 if flash-attn is
             installed (handed the collator's cu_seq_lens), else flex_attention (GPU only; HF builds a document
             BlockMask from the position_ids). Which one ran is in the table and the JSON.

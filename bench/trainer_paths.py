@@ -165,7 +165,7 @@ def measure_ours(run, batches: list, args, model_config, desc: str) -> Measured:
         optimizer_s.append(time.perf_counter() - t0)
         return out
 
-    run.engine.step = timed_engine_step  # (gpu_profile.py wraps it in OPTIMIZER_SCOPE the same way)
+    run.engine.step = timed_engine_step
     try:
         measured = timed_steps(lambda batch, i: ours_step(run, batch, i, args.ckpt_layers), batches, args,
                                model_config, desc)

@@ -1,7 +1,8 @@
 """Building the HF causal LM for packed training and per-layer activation checkpointing (FLOPs: perf/flops.py).
 
 The model is built from a local HF directory or from a config (no download), with `use_cache=False` (the
-default cache silently disables packed-sample masking) and the packed attention of attention.py installed.
+default cache silently disables packed-sample masking), the packed attention of attention.py and the decoder
+kernels of kernels.py installed (`install_kernels`, which names both in the start-of-run log).
 `forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk (the engine's
 module, build.PackedCausalLM, does both).
 """

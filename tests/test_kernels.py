@@ -195,6 +195,30 @@ def test_compiled_layers_keep_lora_adapters_training():
     assert all("lora_" in name for name in eager[0][1])  # only the adapters train
 
 
+@pytest.mark.slow
+def test_one_graph_set_serves_every_layer_and_every_pack_length():
+    """Dynamo's cache holds 8 entries per code object: compiled per layer with static shapes, 16 layers times a few
+    pack lengths would overflow it and silently fall back to eager. Dynamic token count, layers sharing code: the
+    graphs made for the first pack serve every layer and every later pack."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = build_model(ModelConfig(config=tiny_config("llama", num_hidden_layers=12), dtype="fp32", kernels="none"),
+                        vocab_size=256)
+    for layer in decoder_layers(model):
+        layer.compile(backend="aot_eager", dynamic=True)  # what kernels.apply_kernels does, without inductor's time
+    graphs = []
+    for num_tokens in (100, 150, 230, 310):
+        ids = torch.randint(0, 256, (1, num_tokens))
+        half = num_tokens // 2
+        cu = torch.tensor([0, half, num_tokens], dtype=torch.int32)
+        position_ids = torch.cat([torch.arange(half), torch.arange(num_tokens - half)])[None]
+        forward_hidden(model, ids, position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=num_tokens - half,
+                       max_length_k=num_tokens - half).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+
+
 @pytest.mark.gpu
 def test_gpu_liger_gives_eager_losses_and_gradients_within_bf16():
     pytest.importorskip("liger_kernel")

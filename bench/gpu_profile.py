@@ -160,7 +160,9 @@ def work_from_profile(prof, device_type: str) -> tuple[list[dict], float, float]
 
     work = []
     if device_type == "cuda":
-        by_id = {e.id: e for e in cpu_ops}
+        # A kernel links to the op that launched it by the op's id; the runtime's launch events (linked themselves,
+        # with ids of another numbering) are left out so that the two numberings cannot collide.
+        by_id = {e.id: e for e in cpu_ops if not getattr(e, "linked_correlation_id", 0)}
         kernels = [e for e in events if e.device_type == DeviceType.CUDA and inside(e.time_range.start)]
         for k in kernels:
             op = by_id.get(getattr(k, "linked_correlation_id", 0))

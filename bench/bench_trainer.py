@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision of the baselines named without :amp/:bf16: bf16 (default; the speed path) or "
                         "amp (the accuracy path)")
     p.add_argument("--baseline-ckpt", action="store_true",
-                   help="HF baselines with gradient checkpointing on every layer (HF's activation_checkpointing_enable, "
-                        "what HF users do for long packs; compare with --ckpt-layers set to the layer count)")
+                   help="HF baselines with gradient checkpointing on every layer (HF's "
+                        "activation_checkpointing_enable, what HF users do for long packs; compare with --ckpt-layers "
+                        "set to the layer count)")
     p.add_argument("--kernels", default="auto", choices=("auto", "liger", "compile", "none"),
                    help="our decoder kernels (model.kernels, hbp_train/kernels.py; default auto: liger on CUDA "
                         "when installed)")
@@ -164,7 +165,8 @@ def print_report(results: dict) -> None:
           f"{settings['pack_len']} tokens, {data['docs_per_pack_mean']:.1f} docs/pack (p50 {data['doc_len_p50']}, "
           f"max {data['doc_len_max']}); {settings['steps']} timed steps after {settings['warmup']} warm-up; "
           f"MFU peak {fmt(dev['peak_flops'] and dev['peak_flops'] / 1e12, '.0f')} TFLOP/s")
-    head = f"{'path':<24}{'attention':<28}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU %':>8}{'step s':>9}{'peak GiB':>10}{'1st loss':>10}"
+    head = (f"{'path':<24}{'attention':<28}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU %':>8}{'step s':>9}{'peak GiB':>10}"
+            f"{'1st loss':>10}")
     print(f"[measured on {dev['name']}]\n{head}\n{'-' * len(head)}")
     for name, r in results["paths"].items():
         if not r.get("ran"):
@@ -299,7 +301,8 @@ def run_bench(args) -> dict:
     results["model"]["num_params"] = num_params(run.model)
     entry = {"label": "hbp_train train_step: DeepSpeed ZeRO-2 + packed varlen attention + chunked LM-head loss",
              "attention": f"hbp_packed/{backend}", "backend": backend, "device": label, "ran": False,
-             "attention_kernel": describe_backend(backend, device), "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
+             "attention_kernel": describe_backend(backend, device),
+             "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
              "ckpt_layers": args.ckpt_layers}
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     first = None

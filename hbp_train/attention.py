@@ -100,7 +100,8 @@ def _has_flash_attn() -> bool:
 
 @functools.cache
 def _fa3_fn():
-    """FlashAttention-3's varlen kernel (flash-attn's hopper/ build installs the module flash_attn_interface), or None."""
+    """FlashAttention-3's varlen kernel (flash-attn's hopper/ build installs the module flash_attn_interface), or
+    None."""
     return _import_kernel("flash_attn_interface", "flash_attn_varlen_func", "FlashAttention-3 (flash_attn_interface)")
 
 
@@ -112,7 +113,8 @@ def _fa4_registered() -> bool:
         return False
     if "FA4" not in _flash_impl_registry.list_flash_attention_impls():
         return False
-    return _import_kernel("flash_attn.cute.interface", "_flash_attn_bwd", "FlashAttention-4 (flash_attn.cute)") is not None
+    fa4 = _import_kernel("flash_attn.cute.interface", "_flash_attn_bwd", "FlashAttention-4 (flash_attn.cute)")
+    return fa4 is not None
 
 
 def _torch_varlen_fn():

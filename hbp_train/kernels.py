@@ -21,8 +21,9 @@ embeddings, the gated activation, casts, residual adds). Two ways to fuse them, 
 How each fits the rest of the step (docs/models.md, "Kernels", says what is tested): Liger replaces module
 ``forward``s of the model instance and the family's RoPE function (LoRA's wrapped Linear layers are still called
 by them; ZeRO-3's hooks still gather each module's weights), and a compiled layer is called inside the same
-per-layer activation checkpoint as an eager one (HF's GradientCheckpointingLayer wraps the compiled call). ZeRO-3 with ``compile`` is
-refused: its parameter hooks run inside the compiled layer (dynamo would trace DeepSpeed's gathering).
+per-layer activation checkpoint as an eager one (HF's GradientCheckpointingLayer wraps the compiled call).
+ZeRO-3 with ``compile`` is refused: its parameter hooks run inside the compiled layer (dynamo would trace
+DeepSpeed's gathering).
 
 Liger's RoPE is the one process-wide change: Liger swaps the family's ``apply_rotary_pos_emb`` in transformers'
 modeling module, which every model of that family in the process then uses. `restore_hf_modules` puts HF's own

@@ -17,8 +17,9 @@
 #
 # Set-up: HBP_VENV (default .venv), HBP_PYTHON (interpreter that creates the venv, default python3),
 # HBP_TORCH_INDEX (a pip index for torch, e.g. https://download.pytorch.org/whl/cpu for the CPU build),
-# HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine. The repo is installed in editable mode
-# (pip install -e .), which also puts the hbp-* commands into the venv's bin/.
+# HBP_INSTALL_FLASH_ATTN=1 to also install flash-attn on a CUDA machine; a CUDA machine also gets liger-kernel
+# (requirements-liger.txt: fused decoder kernels), HBP_INSTALL_LIGER=0 to leave it out. The repo is installed in
+# editable mode (pip install -e .), which also puts the hbp-* commands into the venv's bin/.
 # train: NPROC (processes on this node; default: its GPUs, or 1 on a CPU), NNODES, NODE_RANK, MASTER_ADDR,
 # MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead).
 set -euo pipefail
@@ -37,7 +38,7 @@ setup() {
   # The stamp holds a hash of the requirements, pyproject.toml and the repo's path: a change re-runs the install,
   # no change makes this instant.
   local stamp=$VENV/.hbp-installed want
-  want=$( (cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -c1-16)
+  want=$( (cat "$ROOT/requirements.txt" "$ROOT/requirements-liger.txt" "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
   if [ "${1:-}" = "--offline" ]; then setup_offline "${2:-}"; echo "$want" > "$stamp"; return 0; fi
   echo "[launch] setting up $VENV (first run: about two minutes)"
@@ -63,6 +64,9 @@ setup() {
   if have_cuda && [ "${HBP_INSTALL_FLASH_ATTN:-0}" = 1 ]; then
     "$PY" -m pip install -q --no-build-isolation -r "$ROOT/requirements-flash.txt" || echo "[launch] flash-attn did not build; the torch varlen backend is used instead"
   fi
+  if have_cuda && [ "${HBP_INSTALL_LIGER:-1}" = 1 ]; then
+    "${pip[@]}" -r "$ROOT/requirements-liger.txt" || echo "[launch] liger-kernel did not install; the decoder kernels stay eager"
+  fi
   echo "$want" > "$stamp"
 }
 
@@ -85,6 +89,10 @@ setup_offline() {
     exit 2
   fi
   "$PY" -m pip install "${pipi[@]}" -r "$ROOT/requirements.txt"
+  # Liger's wheel (the wheelhouse adds it) on a CUDA node only; its Triton comes with the node's CUDA torch.
+  if have_cuda && [ "${HBP_INSTALL_LIGER:-1}" = 1 ] && compgen -G "$dir/liger_kernel-*.whl" >/dev/null; then
+    "$PY" -m pip install "${pipi[@]}" --no-deps -r "$ROOT/requirements-liger.txt"
+  fi
   PYTHONWARNINGS=ignore::UserWarning "$PY" -m pip install "${pipi[@]}" --no-deps --no-build-isolation -e "$ROOT"
 }
 

@@ -8,14 +8,17 @@ Paths, each trained for --warmup untimed and --steps timed steps of one pack per
 same order, from the same initial weights):
   ours      hbp_train's real step, ``trainer.train_step``: a DeepSpeed engine at world size 1 (ZeRO-2, bf16 with fp32
             master weights, torch AdamW, gradient clipping 1.0), our packed varlen attention (best backend of
-            hbp_train.attention), the chunked LM-head loss, --ckpt-layers checkpointed layers. The run is built by
+            hbp_train.attention) and decoder kernels (--kernels, hbp_train/kernels.py), the chunked LM-head loss,
+            --ckpt-layers checkpointed layers. The run is built by
             the trainer's own ``build.build_run`` (one sp=1 packing group), without packed shards on disk (no
             ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
   hf_sdpa   a plain transformers model, ``attn_implementation="sdpa"``, batches from transformers'
             ``DataCollatorWithFlattening`` (position_ids restart per sample, each sample's first label masked; HF
             then builds the block-diagonal mask from the position_ids), HF's own loss (full logits), a plain
-            ``torch.optim.AdamW`` step (fused on GPU) with the same clipping. bf16 parameters by default
-            (--baseline-precision amp: fp32 parameters under bf16 autocast, as HF Trainer without a bf16 load).
+            ``torch.optim.AdamW`` step (fused on GPU) with the same clipping. Two precisions, both named in the
+            report: the speed path (``sdpa``: parameters and AdamW states in --dtype, bf16 on a GPU) and the
+            accuracy path (``sdpa:amp`` -> hf_sdpa_amp: fp32 master weights under bf16 autocast, as HF Trainer
+            with bf16=True and an fp32 load); --baseline-ckpt checkpoints every layer (long packs).
   hf_<best> the same with the best packed-capable HF attention present: flash_attention_3/2 if flash-attn is
             installed (handed the collator's cu_seq_lens), else flex_attention (GPU only; HF builds a document
             BlockMask from the position_ids). Which one ran is in the table and the JSON.
@@ -82,15 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation-checkpointed layers of our path in the comparison (default 0; the baselines "
                         "use none)")
     p.add_argument("--backend", default="auto",
-                   help="our packed attention backend (hbp_train.attention: auto, flash_varlen, torch_varlen, "
-                        "flex, sdpa_block; default auto = best available)")
+                   help="our packed attention backend (hbp_train.attention: auto, fa3, fa4, flash_varlen, "
+                        "torch_varlen, flex, sdpa_block; default auto = the fastest installed that runs the model)")
     p.add_argument("--baselines", default="sdpa,best",
                    help="HF baselines, comma separated: sdpa, best (best packed-capable attention present), or an "
-                        "attn_implementation name (flash_attention_2, flex_attention); 'none' = skip (default "
-                        "sdpa,best)")
+                        "attn_implementation name (flash_attention_2, flex_attention), each optionally with :amp "
+                        "(the accuracy path: fp32 master weights under bf16 autocast) or :bf16 (the speed path: "
+                        "parameters and AdamW states in --dtype); 'none' = skip (default sdpa,best)")
     p.add_argument("--baseline-precision", choices=("bf16", "amp"), default="bf16",
-                   help="HF baselines with --dtype bf16: bf16 parameters and AdamW states (default; the faster "
-                        "baseline) or amp (fp32 parameters, bf16 autocast)")
+                   help="precision of the baselines named without :amp/:bf16: bf16 (default; the speed path) or "
+                        "amp (the accuracy path)")
+    p.add_argument("--baseline-ckpt", action="store_true",
+                   help="HF baselines with gradient checkpointing on every layer (HF's "
+                        "activation_checkpointing_enable, what HF users do for long packs; compare with --ckpt-layers "
+                        "set to the layer count)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "liger", "compile", "none"),
+                   help="our decoder kernels (model.kernels, hbp_train/kernels.py; default auto: liger on CUDA "
+                        "when installed)")
     p.add_argument("--max-pack-search", type=int, default=None,
                    help="longest pack to try in the search (default 131072 on cuda, 2x --pack-len on cpu; 0 = no "
                         "search)")
@@ -154,16 +165,22 @@ def print_report(results: dict) -> None:
           f"{settings['pack_len']} tokens, {data['docs_per_pack_mean']:.1f} docs/pack (p50 {data['doc_len_p50']}, "
           f"max {data['doc_len_max']}); {settings['steps']} timed steps after {settings['warmup']} warm-up; "
           f"MFU peak {fmt(dev['peak_flops'] and dev['peak_flops'] / 1e12, '.0f')} TFLOP/s")
-    head = f"{'path':<12}{'attention':<28}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU %':>8}{'step s':>9}{'peak GiB':>10}{'1st loss':>10}"
+    head = (f"{'path':<24}{'attention':<28}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU %':>8}{'step s':>9}{'peak GiB':>10}"
+            f"{'1st loss':>10}")
     print(f"[measured on {dev['name']}]\n{head}\n{'-' * len(head)}")
     for name, r in results["paths"].items():
         if not r.get("ran"):
-            print(f"{name:<12}{r.get('attention', ''):<28}  did not run: {r.get('error')}")
+            print(f"{name:<24}{r.get('attention', ''):<28}  did not run: {r.get('error')}")
             continue
-        print(f"{name:<12}{r['attention']:<28}{r['tokens_per_s']:>11,.0f}{r['tflops']:>9.1f}"
+        print(f"{name:<24}{r['attention']:<28}{r['tokens_per_s']:>11,.0f}{r['tflops']:>9.1f}"
               f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f'):>8}{r['step_time_s_mean']:>9.3f}{r['peak_mem_gib']:>10.2f}"
               f"{fmt(r['first_loss'], '.4f'):>10}")
+    for name, r in results["paths"].items():
+        if name != "ours":
+            print(f"{name}: {r['label']}")
     ours = results["paths"].get("ours", {})
+    if ours.get("attention_kernel"):
+        print(f"ours: attention {ours['attention_kernel']}; decoder kernels {ours['decoder_kernels']}")
     if ours.get("optimizer_step_s_mean"):
         print(f"ours: engine.step (optimizer) {ours['optimizer_step_s_mean']:.3f} s of {ours['step_time_s_mean']:.3f} s "
               "per step; the rest is forward, backward, gradient reduction and step statistics")
@@ -227,6 +244,7 @@ def run_bench(args) -> dict:
     from hbp_train.data import collate_pack
     from hbp_train.telemetry import is_oom, resolve_peak_flops
     from hbp_train.model import num_params
+    from hbp_train.attention import describe_backend
     from hbp_train.distributed.groups import init_distributed
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -249,6 +267,7 @@ def run_bench(args) -> dict:
                "settings": {"pack_len": args.pack_len, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype,
                             "ckpt_layers": args.ckpt_layers, "zero_stage": ZERO_STAGE, "loss_chunk": args.loss_chunk,
                             "lr": args.lr, "grad_clip": 1.0, "baseline_precision": args.baseline_precision,
+                            "baseline_ckpt": args.baseline_ckpt, "kernels": args.kernels,
                             "prompt_frac": args.prompt_frac, "seed": args.seed,
                             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                "paths": {}, "notes": [], "ratios": {}}
@@ -258,14 +277,15 @@ def run_bench(args) -> dict:
                                 "GPU speed, and CPU peak memory is the process's peak RSS")
 
     # 1. HF baselines first: plain torch frees cleanly; the DeepSpeed engine comes last and stays for the search.
-    impls, notes = resolve_baselines(args.baselines, device, args.dtype)
+    baselines, notes = resolve_baselines(args.baselines, device, args.dtype, args.baseline_precision)
     results["notes"] += notes
-    for impl in impls:
-        key = f"hf_{impl}"
-        entry = {"label": f"HF {impl} + DataCollatorWithFlattening + HF loss + torch AdamW", "attention": impl,
+    for baseline in baselines:
+        key = baseline.key
+        entry = {"label": baseline.label, "attention": baseline.impl, "precision": baseline.precision,
                  "device": label, "ran": False}
         try:
-            entry.update(measure_hf(args, architecture, hf_config, impl, packs, device).summary(peak_flops), ran=True)
+            entry.update(measure_hf(args, architecture, hf_config, baseline, packs, device).summary(peak_flops),
+                         ran=True)
         except Exception as exc:  # noqa: BLE001 - a baseline that fails (OOM, missing kernel) is reported, not fatal
             entry["error"] = ("out of memory" if is_oom(exc) else
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -281,6 +301,8 @@ def run_bench(args) -> dict:
     results["model"]["num_params"] = num_params(run.model)
     entry = {"label": "hbp_train train_step: DeepSpeed ZeRO-2 + packed varlen attention + chunked LM-head loss",
              "attention": f"hbp_packed/{backend}", "backend": backend, "device": label, "ran": False,
+             "attention_kernel": describe_backend(backend, device),
+             "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
              "ckpt_layers": args.ckpt_layers}
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     first = None

@@ -9,10 +9,19 @@ skipped / n/a: a CPU dry run judges nothing, it only proves the command still ru
 their value (each is given a share of --budget-s; one that no longer fits is skipped and reported as skipped, never
 as met):
 
-  backends      every packed attention backend available here against a reference (the same weights in fp32 with
-                HF's eager attention, one forward per document): loss and every parameter's gradient
+  step_profile  bench/gpu_profile.py: torch.profiler over a few steps of ours and of the best HF path, kernel time by
+                category (GEMM, attention, elementwise, LM head + loss, optimizer, collectives, copies, idle); the
+                table goes into the report. First: every later change is judged by it
+  backends      every packed attention backend installed here (FA3, FA4, FA2, torch varlen, flex, sdpa_block) and
+                our decoder kernels (model.kernels=auto: Liger where installed) against a reference (the same weights
+                in fp32 with HF's eager attention, one forward per document): loss and every parameter's gradient;
+                each backend's forward+backward time, and whether model.attention_backend=auto chose the fastest
   trainer       bench/bench_trainer.py in this process: our train_step against plain HF packed training of the
-                same model on the same packs (tokens/s ratio >= 1.2, MFU >= 45% for the 1B shape at 16K bf16)
+                same model on the same 16K packs, both HF paths: the speed path (bf16 parameters and AdamW states)
+                and the accuracy path (fp32 master weights under bf16 autocast); the target is judged against the
+                faster (tokens/s ratio >= 1.2, MFU >= 45% for the 1B shape at 16K bf16)
+  trainer_64k   the same at 64K packs, every layer checkpointed on both sides (what fits one GPU for both; HF's
+                activation_checkpointing_enable): tokens/s ratio >= 1.5
   calibration   hbp_train.perf.calibrate: a calibration on this GPU, then the cost model's error on whole packs
                 timed through the trainer's chunked loss (<= 10%)
   longest_pack  the longest single-document pack our step trains, per checkpointing level (>= 128K tokens for the
@@ -26,6 +35,9 @@ Between checks the GPU memory of the last one is freed (its engine dropped, the 
 On a CPU (--dry-run, implied there) the model is tiny, the figures mean nothing and every verdict is n/a; the test
 suite runs it so that the command cannot rot before a GPU runs it. A check that raises is reported with its error
 and the next one runs: the report is the product of this command, not a traceback.
+
+Over 500 lines because every check is one function here, beside the budget planning and the report they share;
+what a check runs lives in its own module (bench_trainer, gpu_profile, calibrate, the profiler).
 """
 
 from __future__ import annotations
@@ -47,7 +59,12 @@ from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.train import set_cuda_allocator  # noqa: E402
 
 TARGETS = {  # name -> (description, comparison, value)
-    "tokens_per_s_ratio": ("ours / best HF tokens/s", ">=", 1.2),
+    "tokens_per_s_ratio": ("ours / faster HF path tokens/s (16K packs)", ">=", 1.2),
+    "tokens_per_s_ratio_64k": ("ours / faster HF path tokens/s (64K packs, all layers checkpointed)", ">=", 1.5),
+    "auto_backend_fastest": ("attention_backend=auto chose the fastest backend measured here (its time / the "
+                             "fastest's)", "<=", 1.05),
+    "loss_share": ("LM head + loss, share of our step (profile; no target until a first GPU profile sets "
+                   "today's)", "<=", None),
     "mfu": ("ours MFU (1B shape, 16K packs, bf16)", ">=", 0.45),
     "longest_pack": ("longest pack, 1B shape on 80 GB", ">=", 131072),
     "cost_model_error": ("cost model: largest error on measured packs", "<=", 0.10),
@@ -56,15 +73,19 @@ TARGETS = {  # name -> (description, comparison, value)
     "backend_loss_rel_error": ("backend loss vs reference, relative error", "<=", None),  # set per dtype
     "backend_grad_cosine": ("backend grads vs reference, lowest cosine over parameters", ">=", None),
 }
-CHECKS = ("backends", "trainer", "calibration", "longest_pack", "memory", "profiler")
+CHECKS = ("step_profile", "backends", "trainer", "trainer_64k", "calibration", "longest_pack", "memory", "profiler")
 # Seconds a check needs at least (below that it is skipped), from runs on one H200 with the 1B shape
-# (docs/gpu_results.md: the trainer check is mostly HF flex_attention's first-step compile); a dry run on the CPU
-# needs far less. The search and the profiler take what is left of their share (their own budgets).
-MIN_S = {"backends": 30, "trainer": 180, "calibration": 50, "longest_pack": 40, "memory": 0, "profiler": 60}
+# (docs/gpu_results.md: the trainer check was mostly HF flex_attention's first-step compile, which step_profile now
+# pays first: the compiled kernel stays in the process for the trainer check); a dry run on the CPU needs far less.
+# step_profile and trainer_64k are not measured yet: their minimums are the compile plus a few steps. The search
+# and the profiler take what is left of their share (their own budgets).
+MIN_S = {"step_profile": 120, "backends": 30, "trainer": 90, "trainer_64k": 60, "calibration": 50,
+         "longest_pack": 40, "memory": 0, "profiler": 60}
 # The profiler's time budget counts its measurements only: its set-up (the model built on the GPU, the back-end's
 # first compile) comes off its share first.
 PROFILER_SETUP_S = 30
-DRY_MIN_S = {"backends": 1, "trainer": 3, "calibration": 1, "longest_pack": 2, "memory": 0, "profiler": 1}
+DRY_MIN_S = {"step_profile": 1, "backends": 1, "trainer": 3, "trainer_64k": 2, "calibration": 1, "longest_pack": 2,
+             "memory": 0, "profiler": 1}
 DEFAULT_BUDGET_S = 480.0  # fits an 8-minute slot on one H100, start-up of this process included
 
 
@@ -78,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma separated subset of {','.join(CHECKS)}")
     p.add_argument("--model-shape", default=None, help="bench_trainer preset (default llama3.2-1b; tiny dry run)")
     p.add_argument("--pack-len", type=int, default=None, help="comparison pack length (default 16384; 256 dry run)")
-    p.add_argument("--baselines", default="sdpa,best",
-                   help="the trainer check's HF baselines (bench_trainer --baselines; default sdpa,best)")
+    p.add_argument("--baselines", default="best,best:amp",
+                   help="the trainer checks' HF baselines (bench_trainer --baselines; default best,best:amp: the best "
+                        "HF attention present on the speed path and on the accuracy path; a dry run: sdpa,sdpa:amp)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"seconds the whole command may take, counted from its start (default {DEFAULT_BUDGET_S:.0f}): "
                         "a check runs when its minimum still fits and takes what is left after the later checks' "
@@ -96,15 +118,69 @@ def verdict(name: str, value, dry_run: bool, target=None):
     desc, op, default = TARGETS[name]
     target = default if target is None else target
     met = None if (dry_run or value is None or target is None) else (value >= target if op == ">=" else value <= target)
-    return {"what": desc, "value": value, "target": f"{op} {target}", "met": met}
+    return {"what": desc, "value": value, "target": f"{op} {target}" if target is not None else "(none yet)",
+            "met": met}
 
 
 # ------------------------------------------------------------------------------------------------ the checks
-def check_backends(ctx) -> dict:
-    """Every available backend vs fp32 eager attention, one forward per document: loss and parameter grads."""
+def check_step_profile(ctx) -> dict:
+    """bench/gpu_profile.py: kernel time by category for the best HF path, ours, and ours with eager decoder kernels
+    (when ours fuses them); written to step_profile.json/.md and shown in the report."""
+    import bench.gpu_profile as gp
+
+    argv = ["--device", ctx.device.type, "--model-shape", ctx.shape_name, "--pack-len", str(ctx.pack_len),
+            "--out", str(ctx.out)]
+    if ctx.dry_run:
+        argv += ["--steps", "1", "--warmup", "1"]
+    profile = gp.profile_paths(gp.resolve(gp.build_parser().parse_args(argv)))
+    (ctx.out / "step_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
+    markdown = gp.to_markdown(profile)
+    (ctx.out / "step_profile.md").write_text(markdown)
+    ours = profile["paths"].get("ours", {})
+    return {"profile": profile, "markdown": markdown,
+            "verdict": verdict("loss_share", (ours.get("share") or {}).get("loss"), ctx.dry_run)}
+
+
+def _attention_ms(backend: str, shape, lengths: list[int], device, dtype, iters: int) -> float:
+    """Forward + backward of one packed attention call of the model's head shape over the pack, ms (mean of
+    ``iters`` after one untimed call: compiles and JIT builds happen there)."""
     import torch
 
-    from hbp_train.attention import available_backends
+    from hbp_train.attention import packed_attention
+
+    gen = torch.Generator().manual_seed(0)
+    num_tokens = sum(lengths)
+    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen).to(device, dtype).requires_grad_()
+               for heads, dim in ((shape.num_heads, shape.head_dim), (shape.num_kv_heads, shape.head_dim),
+                                  (shape.num_kv_heads, shape.v_head_dim)))
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    grad = torch.randn(num_tokens, shape.num_heads, shape.v_head_dim, generator=gen).to(device, dtype)
+    times = []
+    for i in range(iters + 1):
+        sync_device(device)
+        t0 = time.perf_counter()
+        out = packed_attention(q, k, v, cu, max(lengths), backend)
+        torch.autograd.grad(out, (q, k, v), grad)
+        sync_device(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * sum(times) / len(times)
+
+
+def sync_device(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_backends(ctx) -> dict:
+    """Every available backend and our decoder kernels vs fp32 eager attention, one forward per document: loss and
+    parameter grads; every backend's attention time, and whether "auto" chose the fastest."""
+    import torch
+
+    from hbp_train.attention import HeadShape, available_backends, describe_backend, select_backend
+    from hbp_train.kernels import restore_hf_modules
     from hbp_train.loss import chunked_token_losses
     from hbp_train.model import ModelConfig, build_model, forward_hidden
     from hbp_train.labels import IGNORE_INDEX
@@ -133,39 +209,62 @@ def check_backends(ctx) -> dict:
                                 for s, n in zip(cu[:-1].tolist(), lengths)], dim=1)
         loss = chunked_token_losses(hidden[0], weight, labels.to(dev)).float().sum() / (labels != IGNORE_INDEX).sum()
         loss.backward()
-        return float(loss), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        return float(loss.detach()), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
+                                      if p.grad is not None}
 
+    restore_hf_modules()  # the reference is HF's own code, whatever an earlier check built
     torch.manual_seed(0)
     with torch.device(device):  # initialised on the device: the 128K-vocabulary embeddings take long on the host
-        ref_model = build_model(ModelConfig(config=cfg, dtype="fp32", attention_backend="sdpa_block"),
+        ref_model = build_model(ModelConfig(config=cfg, dtype="fp32", attention_backend="sdpa_block", kernels="none"),
                                 vocab_size=cfg["vocab_size"])
     ref_model.set_attn_implementation("eager")
     ref_loss, ref_grads = run(ref_model, packed=False)
     state = {k: v.cpu() for k, v in ref_model.state_dict().items()}
+    shape = HeadShape.of(ref_model.config)
     del ref_model
     tol, min_cos = (2e-2, 0.99) if dtype != torch.float32 else (1e-4, 0.99999)  # bf16 against an fp32 reference
-    rows = {}
-    for backend in available_backends(device, dtype):
-        with torch.device(device):
-            model = build_model(ModelConfig(config=cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32",
-                                            attention_backend=backend), vocab_size=cfg["vocab_size"])
-        model.load_state_dict(state)
+    model_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+
+    def against_reference(backend: str, kernels: str) -> tuple[dict, object]:
         try:
+            with torch.device(device):
+                model = build_model(ModelConfig(config=cfg, dtype=model_dtype, attention_backend=backend,
+                                                kernels=kernels), vocab_size=cfg["vocab_size"])
+            model.load_state_dict(state)
             loss, grads = run(model, packed=True)
         except Exception as exc:  # noqa: BLE001 - a backend that fails here is the finding
-            rows[backend] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-            continue
-        finally:
-            del model
+            return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}, None
+        phrase = model._hbp_kernels
+        del model
         cos = min(float(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), dim=0))
                   for n, g in ref_grads.items())
         rel = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in ref_grads.items())
-        rows[backend] = {"loss": loss, "loss_rel_error": abs(loss / ref_loss - 1), "grad_min_cosine": cos,
-                         "grad_max_rel_error": rel,
-                         "verdicts": {"loss": verdict("backend_loss_rel_error", abs(loss / ref_loss - 1), ctx.dry_run, tol),
-                                      "grads": verdict("backend_grad_cosine", cos, ctx.dry_run, min_cos)}}
+        return {"loss": loss, "loss_rel_error": abs(loss / ref_loss - 1), "grad_min_cosine": cos,
+                "grad_max_rel_error": rel,
+                "verdicts": {"loss": verdict("backend_loss_rel_error", abs(loss / ref_loss - 1), ctx.dry_run, tol),
+                             "grads": verdict("backend_grad_cosine", cos, ctx.dry_run, min_cos)}}, phrase
+
+    rows, times = {}, {}
+    for backend in available_backends(device, dtype):
+        rows[backend], _ = against_reference(backend, "none")
+        if "error" not in rows[backend]:
+            rows[backend]["kernel"] = describe_backend(backend, device)
+            try:
+                times[backend] = rows[backend]["attention_fwd_bwd_ms"] = _attention_ms(
+                    backend, shape, lengths, device, dtype, iters=1 if ctx.dry_run else 5)
+            except Exception as exc:  # noqa: BLE001 - reported beside its correctness figures
+                rows[backend]["timing_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    auto = select_backend("auto", device, dtype, shape)
+    # The decoder kernels a run gets by default (model.kernels=auto: Liger on a GPU where installed; none on the
+    # CPU, where the row still proves the path), on the backend auto chose.
+    row, phrase = against_reference(auto, "auto" if not ctx.dry_run else "none")
+    rows[f"kernels={(phrase or 'auto').split()[0]}"] = dict(row, decoder_kernels=phrase, backend=auto)
+    restore_hf_modules()  # the later checks' HF baselines run HF's own RoPE
+    fastest = min(times, key=times.get) if times else None
+    ratio = times[auto] / times[fastest] if fastest and auto in times else None
     return {"reference": {"what": "fp32, HF eager attention, one forward per document", "loss": ref_loss},
-            "pack_lengths": lengths, "dtype": str(dtype), "backends": rows}
+            "pack_lengths": lengths, "dtype": str(dtype), "backends": rows, "auto": auto, "fastest": fastest,
+            "verdict": verdict("auto_backend_fastest", ratio, ctx.dry_run)}
 
 
 def _bench_trainer(ctx, argv: list[str]) -> dict:
@@ -175,22 +274,47 @@ def _bench_trainer(ctx, argv: list[str]) -> dict:
     return bench.run_bench(bench.resolve_args(bench.build_parser().parse_args(argv)))
 
 
+PATH_FIELDS = ("label", "attention", "precision", "attention_kernel", "decoder_kernels", "tokens_per_s", "mfu",
+               "peak_mem_gib", "step_time_s_mean", "optimizer_step_s_mean", "first_loss", "error")
+
+
+def _comparison(results: dict) -> dict:
+    """What the report keeps of a bench_trainer comparison: every path (both HF paths named as such), the faster
+    HF path and our ratio to it."""
+    ours = results["paths"].get("ours", {})
+    return {"ours_tokens_per_s": ours.get("tokens_per_s"), "best_hf": results["ratios"].get("ours/best_hf", {}),
+            "paths": {k: {f: v.get(f) for f in PATH_FIELDS} for k, v in results["paths"].items()},
+            "settings": results["settings"]}
+
+
+def _baselines(ctx) -> str:
+    return "sdpa,sdpa:amp" if ctx.dry_run else ctx.args.baselines  # the CPU has no packed HF attention but sdpa
+
+
 def check_trainer(ctx) -> dict:
-    """bench_trainer's comparison: our step against plain HF packed training, tokens/s and MFU."""
-    argv = ["--pack-len", str(ctx.pack_len), "--max-pack-search", "0", "--baselines", ctx.args.baselines]
+    """bench_trainer's comparison: our step against both plain HF packed training paths, tokens/s and MFU."""
+    argv = ["--pack-len", str(ctx.pack_len), "--max-pack-search", "0", "--baselines", _baselines(ctx)]
     if ctx.dry_run:
-        argv += ["--steps", "1", "--warmup", "0", "--baselines", "sdpa"]
+        argv += ["--steps", "1", "--warmup", "0"]
     results = _bench_trainer(ctx, argv)
     ctx.trainer_results = results
     ours = results["paths"].get("ours", {})
     ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
-    return {"ours_tokens_per_s": ours.get("tokens_per_s"), "best_hf": results["ratios"].get("ours/best_hf", {}),
-            "paths": {k: {f: v.get(f) for f in ("attention", "tokens_per_s", "mfu", "peak_mem_gib", "step_time_s_mean",
-                                                 "optimizer_step_s_mean", "first_loss",
-                                                 "error")} for k, v in results["paths"].items()},
-            "sp1_check": results.get("sp1_check"),
+    return {**_comparison(results), "sp1_check": results.get("sp1_check"),
             "verdicts": {"tokens_per_s_ratio": verdict("tokens_per_s_ratio", ratio, ctx.dry_run),
                          "mfu": verdict("mfu", ours.get("mfu"), ctx.dry_run)}}
+
+
+def check_trainer_64k(ctx) -> dict:
+    """The comparison at 4x the pack length (64K for the 1B shape), every layer checkpointed on both sides."""
+    layers = int(ctx.hf_config["num_hidden_layers"])
+    argv = ["--pack-len", str(4 * ctx.pack_len), "--max-pack-search", "0", "--no-sp1-check",
+            "--baselines", _baselines(ctx), "--ckpt-layers", str(layers), "--baseline-ckpt"]
+    argv += ["--steps", "1", "--warmup", "0"] if ctx.dry_run else ["--steps", "3", "--warmup", "1"]
+    results = _bench_trainer(ctx, argv)
+    ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
+    return {**_comparison(results),
+            "verdicts": {"tokens_per_s_ratio": verdict("tokens_per_s_ratio_64k", ratio, ctx.dry_run)}}
 
 
 def check_longest_pack(ctx) -> dict:
@@ -298,8 +422,9 @@ def check_profiler(ctx) -> dict:
             "verdict": verdict("profiler_s", wall if rc == 0 else None, ctx.dry_run)}
 
 
-CHECK_FNS = {"backends": check_backends, "trainer": check_trainer, "calibration": check_calibration,
-             "longest_pack": check_longest_pack, "memory": check_memory, "profiler": check_profiler}
+CHECK_FNS = {"step_profile": check_step_profile, "backends": check_backends, "trainer": check_trainer,
+             "trainer_64k": check_trainer_64k, "calibration": check_calibration, "longest_pack": check_longest_pack,
+             "memory": check_memory, "profiler": check_profiler}
 # Checks whose own time limit is the share the budget gives them (capped by their flag).
 SHARE_CAPS = {"longest_pack": "search_budget_s", "profiler": "profile_budget_s"}
 
@@ -345,6 +470,9 @@ def all_verdicts(report: dict) -> list[tuple[str, dict]]:
         for key, v in (result.get("verdicts") or {}).items():
             found.append((f"{name}/{key}", v))
         for backend, row in (result.get("backends") or {}).items():
+            if "error" in row:  # a backend installed here that failed: the finding, in the table
+                found.append((f"{name}/{backend}", {"what": f"failed: {row['error'][:200]}", "value": None,
+                                                    "target": "", "met": None if report["dry_run"] else False}))
             for key, v in (row.get("verdicts") or {}).items():
                 found.append((f"{name}/{backend}/{key}", v))
     return found
@@ -361,6 +489,24 @@ def to_markdown(report: dict) -> str:
         shown = "n/a" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
         lines.append(f"| {label} | {v['what']} | {shown} | {v['target']} | {met[v['met']]} |")
     lines.append("")
+    for name in ("trainer", "trainer_64k"):
+        paths = (report["checks"].get(name) or {}).get("paths")
+        if paths:
+            lines += [f"{name}: the paths compared (tokens/s; the target is judged against the faster HF path)", "",
+                      "| path | what | attention | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+            for key, r in paths.items():
+                what = r.get("label") or ""
+                attention = r.get("attention_kernel") or r.get("attention") or ""
+                if r.get("decoder_kernels"):
+                    attention += f"; decoder kernels: {r['decoder_kernels']}"
+                cells = ["n/a" if r.get(f) is None else f"{r[f]:.4g}" for f in ("tokens_per_s", "mfu", "peak_mem_gib")]
+                if r.get("error"):
+                    cells = [f"did not run: {r['error']}", "", ""]
+                lines.append(f"| {key} | {what} | {attention} | " + " | ".join(cells) + " |")
+            lines.append("")
+    profile = report["checks"].get("step_profile") or {}
+    if profile.get("markdown"):
+        lines += [profile["markdown"]]
     for name in CHECKS:
         result = report["checks"].get(name)
         if result is None:

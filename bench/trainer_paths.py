@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 ZERO_STAGE = 2  # our path's DeepSpeed ZeRO stage
+OPTIMIZER_SCOPE = "hbp/optimizer"  # the profiler range around each path's optimizer step (bench/gpu_profile.py)
 
 
 # -------------------------------------------------------------------------------------------- device helpers
@@ -114,7 +115,7 @@ def build_ours(args, architecture: str, hf_config: dict, device):
 
     cfg = SimpleNamespace(
         model=ModelConfig(config=hf_config, architecture=architecture, dtype=args.dtype,
-                          attention_backend=args.backend, seed=args.seed),
+                          attention_backend=args.backend, kernels=args.kernels, seed=args.seed),
         train=TrainConfig(lr=args.lr, warmup_steps=0, grad_clip=1.0, save_final=False),
         deepspeed=DeepSpeedConfig(zero_stage=ZERO_STAGE), loss=LossConfig(chunk_size=args.loss_chunk))
     group = {"pack_len": args.pack_len, "sp": 1, "ckpt_layers": args.ckpt_layers}
@@ -223,33 +224,67 @@ def hf_attention_candidates(device, dtype_name: str) -> list[str]:
     return found
 
 
-def resolve_baselines(requested: list, device, dtype_name: str) -> tuple[list, list]:
-    """(implementations to run, notes). 'best' resolves to the best non-sdpa implementation present."""
+# The two ways HF users train in bf16 (--baselines NAME or NAME:amp): for speed, bf16 parameters and bf16 AdamW
+# states; for accuracy, fp32 master weights under bf16 autocast (what HF Trainer does with bf16=True and an fp32
+# load). Keys and labels of the results name which one a path is.
+PRECISIONS = {"bf16": ("", "HF speed path: parameters and AdamW states in the run's dtype (bf16 on a GPU)"),
+              "amp": ("_amp", "HF accuracy path: fp32 master weights, bf16 autocast")}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One HF baseline to run: its attention implementation and precision (a key of PRECISIONS)."""
+
+    impl: str
+    precision: str
+
+    @property
+    def key(self) -> str:
+        return f"hf_{self.impl}{PRECISIONS[self.precision][0]}"
+
+    @property
+    def label(self) -> str:
+        return f"{PRECISIONS[self.precision][1]}: HF {self.impl} + DataCollatorWithFlattening + HF loss + torch AdamW"
+
+
+def resolve_baselines(requested: list, device, dtype_name: str, default_precision: str = "bf16") -> tuple[list, list]:
+    """(Baselines to run, notes). 'best' resolves to the best non-sdpa implementation present; a name may end in
+    ':amp' or ':bf16' (the precision; default ``default_precision``)."""
     available = hf_attention_candidates(device, dtype_name)
-    impls, notes = [], []
-    for name in requested:
+    baselines, notes = [], []
+    for entry in requested:
+        name, _, precision = entry.partition(":")
+        precision = precision or default_precision
+        if precision not in PRECISIONS:
+            notes.append(f"{entry}: unknown precision {precision!r} (bf16 or amp); skipped")
+            continue
         if name == "best":
             better = [a for a in available if a != "sdpa"]
             if better:
                 name = better[0]
             else:
-                notes.append(f"best: no packed-capable HF attention faster than sdpa on {device.type} "
+                notes.append(f"{entry}: no packed-capable HF attention faster than sdpa on {device.type} "
                              "(flash-attn not installed, flex_attention needs a GPU); only sdpa ran")
                 continue
         elif name not in available:
-            notes.append(f"{name}: not available here (available: {', '.join(available)}); skipped")
+            notes.append(f"{entry}: not available here (available: {', '.join(available)}); skipped")
             continue
-        if name not in impls:
-            impls.append(name)
-    return impls, notes
+        baseline = Baseline(name, precision)
+        if baseline not in baselines:
+            baselines.append(baseline)
+    return baselines, notes
 
 
-def build_hf(args, architecture: str, hf_config: dict, impl: str, device):
-    """The plain HF model (same config, seed and so initial weights as ours) and a torch AdamW."""
+def build_hf(args, architecture: str, hf_config: dict, impl: str, device, precision: str = "bf16"):
+    """The plain HF model (same config, seed and so initial weights as ours) and a torch AdamW. HF's own modules:
+    a Liger RoPE that an earlier model of ours put into transformers is taken out first."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    amp = args.dtype == "bf16" and args.baseline_precision == "amp"
+    from hbp_train.kernels import restore_hf_modules
+
+    restore_hf_modules()
+    amp = precision == "amp"
     dtype = torch.float32 if (amp or args.dtype == "fp32") else torch.bfloat16
     config = AutoConfig.for_model(architecture, **hf_config)
     torch.manual_seed(args.seed)  # as hbp_train.model.build_model: the same initial weights
@@ -257,6 +292,8 @@ def build_hf(args, architecture: str, hf_config: dict, impl: str, device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl)
     model.config.use_cache = False
     model.train()
+    if getattr(args, "baseline_ckpt", False):  # what an HF user turns on for long packs: every layer recomputed
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   **({"fused": True} if device.type == "cuda" else {}))
     return model, optimizer, amp
@@ -283,21 +320,22 @@ def hf_step(model, optimizer, params, batch: dict, device, amp: bool) -> tuple[f
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
         out = model(**inputs, use_cache=False)
     out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)  # as our DeepSpeed config's gradient_clipping
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(OPTIMIZER_SCOPE):  # bench/gpu_profile.py: what engine.step is for ours
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # as our DeepSpeed config's gradient_clipping
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     loss = float(out.loss.detach())
     sync(device)
     return time.perf_counter() - start, loss
 
 
-def measure_hf(args, architecture, hf_config, impl: str, packs: list, device) -> Measured:
-    model, optimizer, amp = build_hf(args, architecture, hf_config, impl, device)
+def measure_hf(args, architecture, hf_config, baseline: Baseline, packs: list, device) -> Measured:
+    model, optimizer, amp = build_hf(args, architecture, hf_config, baseline.impl, device, baseline.precision)
     try:
         params = [p for p in model.parameters() if p.requires_grad]
-        batches = [hf_batch(p, impl.startswith("flash_attention")) for p in packs]
+        batches = [hf_batch(p, baseline.impl.startswith("flash_attention")) for p in packs]
         return timed_steps(lambda batch, i: hf_step(model, optimizer, params, batch, device, amp), batches, args,
-                           model.config, f"hf {impl}")
+                           model.config, baseline.key)
     finally:
         del model, optimizer
         release(device)

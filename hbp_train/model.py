@@ -1,7 +1,8 @@
 """Building the HF causal LM for packed training and per-layer activation checkpointing (FLOPs: perf/flops.py).
 
 The model is built from a local HF directory or from a config (no download), with `use_cache=False` (the
-default cache silently disables packed-sample masking) and the packed attention of attention.py installed.
+default cache silently disables packed-sample masking), the packed attention of attention.py and the decoder
+kernels of kernels.py installed (`install_kernels`, which names both in the start-of-run log).
 `forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk (the engine's
 module, build.PackedCausalLM, does both).
 """
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import torch
 
-from hbp_train.attention import BACKENDS, register_packed_attention
+from hbp_train.attention import BACKENDS, describe_backend, register_packed_attention, training_device
+from hbp_train.distributed.groups import rank
 from hbp_train.errors import UserError
+from hbp_train.kernels import KERNELS, apply_kernels, select_kernels
 from hbp_train.lora import LoraSettings, apply_lora
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "data_tools" / "assets" / "tokenizer"
@@ -45,7 +48,13 @@ class ModelConfig:
     """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
 
     attention_backend: str = "auto"
-    """Packed attention backend: auto (best available) or one of flash_varlen, torch_varlen, flex, sdpa_block."""
+    """Packed attention backend: auto (the fastest installed kernel that runs this model: fa3, fa4, flash_varlen,
+    torch_varlen, flex, then sdpa_block) or one of them by name (hbp_train/attention.py)."""
+
+    kernels: str = "auto"
+    """Decoder elementwise kernels (RMSNorm, RoPE, SwiGLU; hbp_train/kernels.py): auto (liger on CUDA when
+    liger-kernel is installed and fits the family, else none), liger, compile (torch.compile of each decoder layer;
+    not with ZeRO-3) or none."""
 
     tokenizer: str | None = None
     """Tokenizer directory; defaults to name_or_path, or the shipped data_tools/assets/tokenizer."""
@@ -73,6 +82,8 @@ class ModelConfig:
             raise UserError(f"model.dtype: {self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.attention_backend not in ("auto", *BACKENDS):
             raise UserError(f"model.attention_backend: {self.attention_backend!r} is not one of auto, {', '.join(BACKENDS)}")
+        if self.kernels not in KERNELS:
+            raise UserError(f"model.kernels: {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise UserError(f"model.seed: must be an integer >= 0, got {self.seed!r}")
         if self.tokenizer is not None:  # set by the user: checked now (one taken from name_or_path: by build)
@@ -171,8 +182,23 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()
-    register_packed_attention(model, cfg.attention_backend)
+    install_kernels(model, cfg, zero3=zero3_config is not None)
     return model
+
+
+# ------------------------------------------------------------------------------------------------- kernels
+def install_kernels(model, cfg: ModelConfig, zero3: bool = False) -> tuple[str, str]:
+    """The packed attention backend (model.attention_backend) and the decoder kernels (model.kernels) on the device
+    training will run on, each named in one start-of-run line on rank 0. Returns (backend, kernels phrase)."""
+    device = training_device(model)
+    backend = register_packed_attention(model, cfg.attention_backend, device)
+    chosen = select_kernels(cfg.kernels, model.config.model_type, device, zero3)
+    kernels = apply_kernels(model, chosen, decoder_layers(model))
+    model._hbp_kernels = kernels  # for reports (bench/): what this model runs with
+    if rank() == 0:
+        print(f"[model] attention: {describe_backend(backend, device)}", flush=True)
+        print(f"[model] decoder kernels: {kernels}", flush=True)
+    return backend, kernels
 
 
 def _drop_pad_token_outside_vocab(hf_config) -> None:

@@ -18,6 +18,10 @@ with the NVIDIA libraries it needs), ``--torch none`` leaves it out (the node's 
 --offline`` then makes a venv that sees the system's packages), any other value is a pip requirement
 (``--torch 'torch==2.11.0'``). ``--only``/``--exclude`` narrow the set by name, for a node that already has most of
 the stack.
+
+Optional extras for a CUDA node: Liger's decoder kernels (requirements-liger.txt, one pure-Python wheel under 1 MiB;
+its Triton comes with the node's CUDA torch) are added whether or not this venv has them (a CPU machine cannot run
+them); ``--no-liger`` leaves them out. ``setup --offline`` installs them on a CUDA node only.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ DEFAULT_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinu
 # (NVML's bindings, which the profiler uses) is ours, not torch's.
 TORCH_FAMILY = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).*|cuda-.*)$")
 BUILD_TOOLS = ("setuptools", "wheel")
+OPTIONAL_REQUIREMENTS = (REPO / "requirements-liger.txt",)  # CUDA-only extras: their wheels, without dependencies
 MISSING = re.compile(r"No matching distribution found for ([A-Za-z0-9_.\-]+)")
 
 
@@ -64,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="installed (default: the venv's version), none (leave torch out), or a pip requirement")
     p.add_argument("--only", default=None, help="comma separated package names: only these (torch by --torch)")
     p.add_argument("--exclude", default=None, help="comma separated package names to leave out")
+    p.add_argument("--liger", action=argparse.BooleanOptionalAction, default=True,
+                   help="add Liger's kernels (requirements-liger.txt) for a CUDA node (default on; --no-liger: not)")
     p.add_argument("--python", default=sys.executable,
                    help="the venv's interpreter whose packages are pinned (default: the one running this)")
     return p
@@ -100,6 +107,18 @@ def select(pins: list[str], only: set[str] | None, exclude: set[str], torch: str
             raise UserError("--torch installed: the venv has no torch (give --torch none or a requirement)")
         return chosen, f"torch=={torch_installed}"
     return chosen, torch
+
+
+def optional_requirements(files, only: set[str] | None, exclude: set[str]) -> list[str]:
+    """The requirement lines of the optional extras' files that --only/--exclude let through."""
+    reqs = []
+    for path in files:
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            name = canonical(re.split(r"[=<>!~ \[;]", line)[0]) if line else ""
+            if line and name not in exclude and (only is None or name in only):
+                reqs.append(line)
+    return reqs
 
 
 def target_flags(args) -> list[str]:
@@ -173,6 +192,9 @@ def main(argv=None) -> int:
             torch_req = torch_req and re.sub(r"\+[A-Za-z0-9.]+$", "", torch_req)
         print(f"[wheelhouse] {len(pins)} packages{' + ' + torch_req if torch_req else ''} -> {out}", flush=True)
         to_build = download(args.python, pins, out, flags, deps=False)
+        extras = optional_requirements(OPTIONAL_REQUIREMENTS if args.liger else (), only, exclude)
+        if extras:  # pure-Python wheels; their dependencies (torch, Triton) are torch's family
+            to_build += download(args.python, extras, out, flags, deps=False)
         if torch_req:  # with its dependencies: the CUDA build's NVIDIA libraries are not in a CPU venv's freeze
             to_build += download(args.python, [torch_req], out, flags, deps=True)
         built = build(args.python, to_build, out, cross=bool(flags))

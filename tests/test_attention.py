@@ -137,6 +137,144 @@ def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path
     assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "does not import" in warnings[0]
 
 
+def _all_kernels_installed(monkeypatch, major: int):
+    """Every kernel importable and a GPU of compute capability ``major``, without touching a GPU."""
+    monkeypatch.setattr(attention, "_fa3_fn", lambda: object())
+    monkeypatch.setattr(attention, "_fa4_registered", lambda: True)
+    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    monkeypatch.setattr(attention, "_capability_major", lambda device: major)
+
+
+@pytest.mark.parametrize("major, expected", [
+    (9, ["fa3", "fa4", "flash_varlen", "torch_varlen", "flex", "sdpa_block"]),  # Hopper: FA3 and FA4
+    (10, ["fa4", "flash_varlen", "torch_varlen", "flex", "sdpa_block"]),  # Blackwell: FA4 only (FA3 is Hopper's)
+    (8, ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]),  # Ampere: neither
+])
+def test_fa3_and_fa4_are_offered_by_capability_and_first(monkeypatch, major, expected):
+    _all_kernels_installed(monkeypatch, major)
+    cuda = torch.device("cuda")
+    assert available_backends(cuda, torch.bfloat16) == expected
+    assert select_backend("auto", cuda, torch.bfloat16) == expected[0]  # no shape: nothing probed
+    assert available_backends(cuda, torch.float32) == ["flex", "sdpa_block"]  # fp32: no flash kernel at all
+
+
+def test_kernels_missing_leave_the_next_backend(monkeypatch):
+    _all_kernels_installed(monkeypatch, 9)
+    monkeypatch.setattr(attention, "_fa3_fn", lambda: None)  # FA3 not installed
+    monkeypatch.setattr(attention, "_fa4_registered", lambda: False)  # no FA4 (or a torch without the registry)
+    assert available_backends(torch.device("cuda"), torch.bfloat16)[0] == "flash_varlen"
+
+
+def test_fa4_needs_torch_registry_and_the_fa4_kernels(monkeypatch, tmp_path):
+    """FA4 is offered only when torch lists it in its flash registry and flash_attn.cute.interface imports."""
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    attention._fa4_registered.cache_clear()
+    try:
+        monkeypatch.setattr(attention, "_flash_impl_registry", None)  # a torch before the registry
+        assert attention._fa4_registered() is False
+        attention._fa4_registered.cache_clear()
+        monkeypatch.undo()
+        monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+        # the registry is there (torch >= 2.10 lists FA4), the kernels are not installed on this machine
+        assert "FA4" in attention._flash_impl_registry.list_flash_attention_impls()
+        monkeypatch.setattr(attention, "_import_kernel", lambda module, attr, what: object())
+        assert attention._fa4_registered() is True
+    finally:
+        attention._fa4_registered.cache_clear()
+
+
+def test_auto_skips_a_kernel_that_fails_its_probe_and_a_requested_one_is_a_user_error(monkeypatch, caplog):
+    _all_kernels_installed(monkeypatch, 9)
+    verdicts = {"fa3": "RuntimeError: head dim 24 not supported", "fa4": None}
+    probed = []
+
+    def fake_probe(name, device, dtype, shape):
+        probed.append(name)
+        return verdicts.get(name)
+
+    monkeypatch.setattr(attention, "probe_backend", fake_probe)
+    cuda, shape = torch.device("cuda"), attention.HeadShape(4, 2, 24, 16)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.attention"):
+        assert select_backend("auto", cuda, torch.bfloat16, shape) == "fa4"
+    assert probed == ["fa3", "fa4"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention backend fa3 is installed but failed its check here (RuntimeError: head dim 24 not supported); "
+        "trying the next one"]
+    with pytest.raises(UserError, match="'fa3' is installed but fails on this model's attention shape"):
+        select_backend("fa3", cuda, torch.bfloat16, shape)
+    assert select_backend("sdpa_block", cuda, torch.bfloat16, shape) == "sdpa_block"  # exact: never probed
+    assert probed == ["fa3", "fa4", "fa3"]
+
+
+def test_probe_accepts_a_right_kernel_and_names_what_is_wrong_with_others(monkeypatch):
+    """The probe itself, on the CPU with stand-in kernels: a correct one passes; one that attends across the
+    sample boundary, or one that has no backward (FlexAttention on the CPU, really), is refused with the reason."""
+    shape = attention.HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
+
+    def across_samples(q, k, v, cu, max_seqlen, scale):  # plain causal attention over the whole pack
+        return attention._sdpa_block(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), q.shape[0], scale)
+
+    monkeypatch.setitem(attention._BACKEND_FNS, "flex", attention._sdpa_block)
+    assert attention.probe_backend("flex", CPU, torch.float32, shape) is None
+    monkeypatch.setitem(attention._BACKEND_FNS, "flex", across_samples)
+    assert "differs from sdpa_block" in attention.probe_backend("flex", CPU, torch.float32, shape)
+    monkeypatch.undo()
+    assert "does not support backward" in attention.probe_backend("flex", CPU, torch.float32, shape)  # on the CPU
+    assert get_backend() == "sdpa_block"  # the probe leaves the chosen backend as it was
+
+
+def test_fa4_is_activated_in_torch_only_while_chosen(monkeypatch):
+    """fa4 switches torch's flash kernels to FlashAttention-4 through torch's own registry; any other backend
+    restores torch's, so torch_varlen then runs the bundled FA2 again."""
+    from torch.nn.attention import _registry
+
+    events = []
+
+    class Handle:
+        def remove(self):
+            events.append("removed")
+
+    def register():
+        events.append("activated")
+        return Handle()
+
+    monkeypatch.setitem(_registry._FLASH_ATTENTION_IMPLS, "FA4", register)
+    try:
+        set_backend("fa4")
+        assert _registry._FLASH_ATTENTION_ACTIVE[0] == "FA4" and events == ["activated"]
+        set_backend("fa4")  # already active: not registered twice
+        assert events == ["activated"]
+        set_backend("torch_varlen")
+        assert _registry._FLASH_ATTENTION_ACTIVE is None and events == ["activated", "removed"]
+    finally:
+        set_backend("sdpa_block")
+
+
+def test_head_shape_of_gqa_explicit_head_dim_and_mla():
+    from transformers import AutoConfig
+
+    from hbp_train.families import tiny_config
+
+    llama = AutoConfig.for_model("llama", **tiny_config("llama"))
+    assert attention.HeadShape.of(llama) == attention.HeadShape(4, 2, 16, 16)
+    qwen3 = AutoConfig.for_model("qwen3", **tiny_config("qwen3", head_dim=32))
+    assert attention.HeadShape.of(qwen3) == attention.HeadShape(4, 2, 32, 32)
+    mla = AutoConfig.for_model("deepseek_v3", **tiny_config("deepseek_v3"))
+    assert attention.HeadShape.of(mla) == attention.HeadShape(4, 4, 24, 16)
+
+
+def test_describe_backend_names_the_kernel_library_and_device(monkeypatch):
+    assert attention.describe_backend("sdpa_block", CPU) == (
+        f"sdpa_block (torch {torch.__version__} scaled_dot_product_attention per sample) on CPU")
+    monkeypatch.setattr(attention, "_distribution_version", lambda *names: "3.0.0" if "flash_attn_3" in names else None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert attention.describe_backend("fa3", torch.device("cuda", 0)) == (
+        "fa3 (flash_attn_interface 3.0.0) on NVIDIA H100 80GB HBM3")
+    assert attention.describe_backend("fa4", torch.device("cuda", 0)).startswith(
+        "fa4 (flash-attn-4 (version unknown) through torch")
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_flex_compiles_at_most_twice_for_many_pack_layouts():
     """Dynamic shapes: five packs of different lengths and boundaries reuse one or two graphs (dynamo with the eager
@@ -381,7 +519,7 @@ def test_boundaries_follow_an_in_place_refill_of_the_same_position_ids_tensor():
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
-GPU_BACKENDS = ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
+GPU_BACKENDS = list(attention.BACKENDS)  # fa3, fa4, FA2, ...: each one this GPU has
 
 
 def _skip_unless_on_gpu(backend):
@@ -415,3 +553,21 @@ def test_gpu_tiny_llama_packed_logits_equal_per_sample_logits(backend):
     model = _tiny_llama().to(cuda, torch.bfloat16)
     packed, per_sample = _packed_vs_per_sample(model, backend, cuda, "position_ids")
     torch.testing.assert_close(packed.float(), per_sample.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_picks_the_first_installed_kernel_that_passes_its_probe():
+    """On this GPU, with the Llama-3.2-1B attention shape: auto's choice is the first available backend whose probe
+    passes, and a fa4 choice leaves FA4 active in torch only while it is the backend."""
+    cuda, shape = torch.device("cuda"), attention.HeadShape(32, 8, 64, 64)
+    available = available_backends(cuda, torch.bfloat16)
+    first_ok = next(b for b in available if attention.probe_backend(b, cuda, torch.bfloat16, shape) is None)
+    assert select_backend("auto", cuda, torch.bfloat16, shape) == first_ok
+    if "fa4" in available:
+        from torch.nn.attention import current_flash_attention_impl
+
+        set_backend("fa4")
+        assert current_flash_attention_impl() == "FA4"
+        set_backend("torch_varlen")
+        assert current_flash_attention_impl() is None
+    set_backend("sdpa_block")

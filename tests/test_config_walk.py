@@ -38,7 +38,7 @@ def _wrong_type(kind) -> typing.Optional[str]:
 # NO_RANGE with the reason. (Path fields also get their own cases below.)
 OUT_OF_RANGE = {
     "model.name_or_path": "/nonexistent/model", "model.config": "{num_attention_heads: 3}",
-    "model.architecture": "not_a_model", "model.dtype": "fp8", "model.attention_backend": "magic",
+    "model.architecture": "not_a_model", "model.dtype": "fp8", "model.attention_backend": "magic", "model.kernels": "triton",
     "model.tokenizer": "/nonexistent/tokenizer", "model.seed": "-1", "model.lora": "{r: -1}",
     "data.shards": "''", "data.epochs": "0", "data.eval_shards": "''",
     "deepspeed.zero_stage": "4", "deepspeed.reduce_bucket_size": "0", "deepspeed.extra": "{zero_optimization: 5}",

@@ -49,9 +49,25 @@ def test_dry_run_runs_every_check_end_to_end_on_the_cpu(tmp_path, monkeypatch, c
     failed = {name: r["error"] for name, r in report["checks"].items() if "error" in r}
     assert not failed
     checks = report["checks"]
-    # every backend available on the CPU matched the eager per-document reference in loss and gradients
-    assert checks["backends"]["backends"] and all(r["loss_rel_error"] < 1e-4 and r["grad_min_cosine"] > 0.9999
-                                                  for r in checks["backends"]["backends"].values())
+    # every backend available on the CPU, and the decoder kernels a run gets by default, matched the eager
+    # per-document reference in loss and gradients; each backend was timed and auto's choice compared with them
+    rows = checks["backends"]["backends"]
+    assert set(rows) == {"sdpa_block", "kernels=none"}
+    assert all(r["loss_rel_error"] < 1e-4 and r["grad_min_cosine"] > 0.9999 for r in rows.values())
+    assert rows["sdpa_block"]["attention_fwd_bwd_ms"] > 0 and checks["backends"]["auto"] == "sdpa_block"
+    assert checks["backends"]["verdict"]["value"] == 1.0  # the one backend here is the fastest one
+    # the step profile: the HF path and ours, every category, the table in the report
+    profile = checks["step_profile"]["profile"]["paths"]
+    assert set(profile) == {"hf_sdpa", "ours"} and all("error" not in t and t["kernel_ms"] > 0 for t in profile.values())
+    # both HF paths, named, at 16K and at 4x the pack length
+    for name in ("trainer", "trainer_64k"):
+        paths = checks[name]["paths"]
+        assert set(paths) == {"ours", "hf_sdpa", "hf_sdpa_amp"} and not any(p["error"] for p in paths.values())
+        assert paths["hf_sdpa"]["label"].startswith("HF speed path")
+        assert paths["hf_sdpa_amp"]["label"].startswith("HF accuracy path")
+        assert paths["ours"]["decoder_kernels"].startswith("none") and "sdpa_block" in paths["ours"]["attention_kernel"]
+    assert checks["trainer_64k"]["settings"]["pack_len"] == 4 * checks["trainer"]["settings"]["pack_len"]
+    assert checks["trainer_64k"]["settings"]["baseline_ckpt"]
     assert checks["trainer"]["ours_tokens_per_s"] > 0 and checks["longest_pack"]["longest_pack_by_ckpt_layers"]
     assert checks["memory"]["packs"] and checks["calibration"]["packs"] and checks["profiler"]["exit_code"] == 0
     verdicts = acc.all_verdicts(report)
@@ -59,17 +75,20 @@ def test_dry_run_runs_every_check_end_to_end_on_the_cpu(tmp_path, monkeypatch, c
     md = (tmp_path / "acceptance.md").read_text()
     for label, v in verdicts:
         assert f"| {label} | {v['what']} |" in md
+    assert "| category | hf_sdpa | ours |" in md and "| hf_sdpa_amp | HF accuracy path" in md
     assert (tmp_path / "calibration.json").exists() and (tmp_path / "profile.json").exists()
+    assert (tmp_path / "step_profile.json").exists() and (tmp_path / "step_profile.md").exists()
 
 
 def test_budget_shares_keep_every_later_checks_minimum():
     args = acc.build_parser().parse_args(["--out", "x"])
     checks = list(acc.CHECKS)
     later = sum(acc.MIN_S[c] for c in checks[1:])
+    first = checks[0]
     # the first check gets what is left once the later checks' minimums are set aside
-    assert acc.plan_share("backends", checks, 1000.0, acc.MIN_S, args) == pytest.approx(1000.0 - later)
+    assert acc.plan_share(first, checks, 1000.0, acc.MIN_S, args) == pytest.approx(1000.0 - later)
     # with less than that it still gets its own minimum: an earlier check never waits for a later one
-    assert acc.plan_share("backends", checks, acc.MIN_S["backends"] + 1, acc.MIN_S, args) == acc.MIN_S["backends"]
+    assert acc.plan_share(first, checks, acc.MIN_S[first] + 1, acc.MIN_S, args) == acc.MIN_S[first]
     # below its own minimum it is skipped (None), and so is everything once the budget is spent
     assert acc.plan_share("trainer", checks, acc.MIN_S["trainer"] - 1, acc.MIN_S, args) is None
     assert acc.plan_share("memory", checks, 0.0, acc.MIN_S, args) is None

@@ -68,3 +68,17 @@ def test_setup_offline_without_a_wheel_folder_is_one_line_and_makes_no_venv(tmp_
     assert proc.returncode == 2 and not venv.exists()
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "not a folder of wheels" in err[0] and "./launch.sh wheelhouse" in err[0]
+
+
+def test_liger_is_an_optional_extra_for_a_cuda_node(tmp_path):
+    """requirements-liger.txt's lines go into the wheelhouse (a CPU venv has no Liger to freeze), narrowed by
+    --only/--exclude like every other package."""
+    files = wheelhouse.OPTIONAL_REQUIREMENTS
+    assert [p.name for p in files] == ["requirements-liger.txt"]
+    (line,) = wheelhouse.optional_requirements(files, None, set())
+    assert line.startswith("liger-kernel>=")
+    assert wheelhouse.optional_requirements(files, None, {"liger-kernel"}) == []
+    assert wheelhouse.optional_requirements(files, {"deepspeed"}, set()) == []
+    assert wheelhouse.optional_requirements(files, {"liger-kernel"}, set()) == [line]
+    assert wheelhouse.build_parser().parse_args(["out"]).liger is True
+    assert wheelhouse.build_parser().parse_args(["out", "--no-liger"]).liger is False

@@ -1,0 +1,239 @@
+"""hbp_train/kernels.py (model.kernels): which decoder kernels a run gets, how Liger is applied to a model instance
+(with a stand-in for Liger, whose Triton kernels need CUDA), and that compiled decoder layers give the eager
+layers' loss and gradients on the CPU with the real inductor."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hbp_train import kernels
+from hbp_train.errors import UserError
+from hbp_train.families import tiny_config
+from hbp_train.labels import IGNORE_INDEX
+from hbp_train.model import ModelConfig, build_model, decoder_layers, forward_hidden, set_checkpointed_layers
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def liger_installed(monkeypatch):
+    """A stand-in for liger_kernel.transformers that does to transformers' modules what Liger's apply functions do
+    (swap the family's RoPE function and its RMSNorm class, patch the instance) and records its arguments."""
+    from transformers.models.llama import modeling_llama
+
+    calls = []
+
+    def apply_liger_kernel_to_llama(model=None, **kwargs):
+        calls.append(dict(kwargs, model=model))
+        modeling_llama.apply_rotary_pos_emb = fused_rope
+        modeling_llama.LlamaRMSNorm = FusedNorm
+        for layer in model.model.layers:
+            layer.input_layernorm.patched = True
+
+    def fused_rope(*args, **kwargs):
+        raise AssertionError("not run on the CPU")
+
+    class FusedNorm(torch.nn.Module):
+        pass
+
+    fake = types.SimpleNamespace(apply_liger_kernel_to_llama=apply_liger_kernel_to_llama, calls=calls,
+                                 fused_rope=fused_rope)
+    monkeypatch.setattr(kernels, "liger_module", lambda: fake)
+    monkeypatch.setattr(kernels, "_version", lambda dist: "0.8.5")
+    yield fake
+    kernels.restore_hf_modules()
+
+
+def test_auto_is_liger_only_on_cuda_with_liger_and_a_listed_family(monkeypatch, liger_installed):
+    assert kernels.select_kernels("auto", "llama", CUDA) == "liger"
+    assert kernels.select_kernels("auto", "llama", CPU) == "none"  # Triton kernels: CUDA only
+    assert kernels.select_kernels("auto", "gpt2", CUDA) == "none"  # a family Liger is not applied to here
+    monkeypatch.setattr(kernels, "liger_module", lambda: None)
+    assert kernels.select_kernels("auto", "llama", CUDA) == "none"  # not installed
+    assert kernels.select_kernels("compile", "llama", CPU) == "compile"  # opt-in, any device
+    assert kernels.select_kernels("none", "llama", CUDA) == "none"
+
+
+@pytest.mark.parametrize("requested, model_type, device, zero3, message", [
+    ("liger", "llama", CPU, False, "model.kernels=liger: Liger's Triton kernels need a CUDA device"),
+    ("liger", "gpt2", CUDA, False, "model.kernels=liger: no Liger kernels for model type 'gpt2'"),
+    ("compile", "llama", CUDA, True, "model.kernels=compile: not with ZeRO-3"),
+    ("fused", "llama", CPU, False, "model.kernels: 'fused' is not one of auto, liger, compile, none"),
+])
+def test_a_choice_that_cannot_run_is_one_line(liger_installed, requested, model_type, device, zero3, message):
+    with pytest.raises(UserError) as err:
+        kernels.select_kernels(requested, model_type, device, zero3)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_bad_kernels_value_in_the_config_is_one_line():
+    with pytest.raises(UserError, match="model.kernels: 'triton' is not one of auto, liger, compile, none"):
+        ModelConfig(config=tiny_config("llama"), kernels="triton")
+
+
+def test_every_tested_family_is_either_given_liger_kernels_or_listed_as_eager():
+    from hbp_train.families import FAMILIES
+
+    assert set(kernels.LIGER_KERNELS) == set(FAMILIES)  # docs/models.md lists what each family gets
+    for family, chosen in kernels.LIGER_KERNELS.items():
+        assert set(chosen) <= {"rope", "rms_norm", "swiglu", "geglu"}, family  # never Liger's loss: ours is used
+
+
+def test_liger_patches_the_instance_keeps_our_loss_and_undoes_its_class_swaps(liger_installed):
+    """Liger is asked for RMSNorm, RoPE and SwiGLU only; its class swap is undone at once (models built later are
+    HF's), its RoPE swap lasts until restore_hf_modules (bench/ calls it before an HF baseline)."""
+    from transformers.models.llama import modeling_llama
+
+    hf_norm, hf_rope = modeling_llama.LlamaRMSNorm, modeling_llama.apply_rotary_pos_emb
+    model = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32"), vocab_size=256)
+    phrase = kernels.apply_kernels(model, "liger", decoder_layers(model))
+    assert phrase == "liger (liger-kernel 0.8.5: RMSNorm, RoPE, SwiGLU)"
+    (call,) = liger_installed.calls
+    assert call == {"model": model, "rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                    "fused_linear_cross_entropy": False}
+    assert all(getattr(layer.input_layernorm, "patched", False) for layer in model.model.layers)
+    assert modeling_llama.LlamaRMSNorm is hf_norm
+    assert modeling_llama.apply_rotary_pos_emb is liger_installed.fused_rope
+    kernels.restore_hf_modules()
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+
+
+def test_the_start_of_run_log_names_the_attention_kernel_and_the_decoder_kernels(capsys):
+    build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
+    out = capsys.readouterr().out.splitlines()
+    assert f"[model] attention: sdpa_block (torch {torch.__version__} scaled_dot_product_attention per sample) " \
+           "on CPU" in out
+    assert "[model] decoder kernels: none (eager HF modules)" in out
+
+
+def test_every_attention_function_is_registered_for_eager_use_inside_compiled_layers():
+    """A compiled layer must break its graph at the attention call (host-side boundaries, Ulysses' collectives):
+    whatever use_attention registers (the packed attention, the Ulysses dispatcher) is behind compiler.disable."""
+    from transformers import AttentionInterface
+
+    from hbp_train.attention import ATTN_IMPLEMENTATION, use_attention
+
+    model = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
+    assert getattr(AttentionInterface._global_mapping[ATTN_IMPLEMENTATION], "_torchdynamo_disable", False)
+    use_attention(model, "test_dispatcher", lambda *args, **kwargs: None)
+    assert getattr(AttentionInterface._global_mapping["test_dispatcher"], "_torchdynamo_disable", False)
+    del AttentionInterface._global_mapping["test_dispatcher"]
+
+
+# --------------------------------------------------------------------------------------------- compiled layers
+def _packs(vocab: int):
+    """Two packs of different token counts (a compiled layer must serve both) with their sample boundaries."""
+    gen = torch.Generator().manual_seed(0)
+    packs = []
+    for lengths in ((37, 21, 50), (70, 33)):
+        ids = torch.randint(0, vocab, (sum(lengths),), generator=gen)
+        labels = torch.cat([torch.cat([ids[s + 1:s + n], torch.tensor([IGNORE_INDEX])])
+                            for s, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths)])
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        packs.append((ids, labels, torch.cat([torch.arange(n) for n in lengths]), cu, max(lengths)))
+    return packs
+
+
+def _loss_and_grads(model, pack) -> tuple[float, dict]:
+    ids, labels, position_ids, cu, max_len = pack
+    model.zero_grad(set_to_none=True)
+    hidden = forward_hidden(model, ids[None], position_ids[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=max_len, max_length_k=max_len)
+    logits = model.get_output_embeddings()(hidden[0])
+    loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compiled_vs_eager(cfg: ModelConfig, backend: str):
+    """(eager, compiled) losses and gradients of the same weights over both packs; the first layer checkpointed
+    (per-layer activation checkpointing wraps the compiled call)."""
+    results = {}
+    for kind in ("none", "compile"):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = build_model(ModelConfig(**{**vars(cfg), "kernels": kind}), vocab_size=256)
+        if kind == "compile" and backend != "inductor":
+            for layer in decoder_layers(model):
+                layer._compiled_call_impl = None
+                layer.compile(backend=backend, dynamic=True)
+        set_checkpointed_layers(model, 1)
+        torch._dynamo.utils.counters.clear()
+        results[kind] = [_loss_and_grads(model, pack) for pack in _packs(256)]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == (kind == "compile"), graphs  # really compiled (and the eager run really was not)
+    return results["none"], results["compile"]
+
+
+def _assert_same(eager, compiled, tol):
+    for (loss_e, grads_e), (loss_c, grads_c) in zip(eager, compiled):
+        assert loss_c == pytest.approx(loss_e, rel=tol)
+        assert grads_c.keys() == grads_e.keys() and grads_e
+        for name, grad in grads_e.items():
+            torch.testing.assert_close(grads_c[name], grad, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_inductor_give_eager_losses_and_gradients_on_the_cpu():
+    """model.kernels=compile with the real inductor (C++ kernels on the CPU: ~30-45 s of compiling here)."""
+    eager, compiled = _compiled_vs_eager(ModelConfig(config=tiny_config("llama"), dtype="fp32"), "inductor")
+    _assert_same(eager, compiled, 1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_layers_keep_lora_adapters_training():
+    """peft's wrapped Linear layers inside a compiled layer (aot_eager: dynamo's graph capture and AOT autograd,
+    which is what LoRA could break; inductor's code generation is proven by the test above)."""
+    from hbp_train.lora import LoraSettings
+
+    cfg = ModelConfig(config=tiny_config("llama"), dtype="fp32", lora=LoraSettings(r=4, alpha=8))
+    eager, compiled = _compiled_vs_eager(cfg, "aot_eager")
+    _assert_same(eager, compiled, 1e-5)
+    assert all("lora_" in name for name in eager[0][1])  # only the adapters train
+
+
+@pytest.mark.slow
+def test_one_graph_set_serves_every_layer_and_every_pack_length():
+    """Dynamo's cache holds 8 entries per code object: compiled per layer with static shapes, 16 layers times a few
+    pack lengths would overflow it and silently fall back to eager. Dynamic token count, layers sharing code: the
+    graphs made for the first pack serve every layer and every later pack."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = build_model(ModelConfig(config=tiny_config("llama", num_hidden_layers=12), dtype="fp32", kernels="none"),
+                        vocab_size=256)
+    for layer in decoder_layers(model):
+        layer.compile(backend="aot_eager", dynamic=True)  # what kernels.apply_kernels does, without inductor's time
+    graphs = []
+    for num_tokens in (100, 150, 230, 310):
+        ids = torch.randint(0, 256, (1, num_tokens))
+        half = num_tokens // 2
+        cu = torch.tensor([0, half, num_tokens], dtype=torch.int32)
+        position_ids = torch.cat([torch.arange(half), torch.arange(num_tokens - half)])[None]
+        forward_hidden(model, ids, position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=num_tokens - half,
+                       max_length_k=num_tokens - half).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 4, graphs
+
+
+@pytest.mark.gpu
+def test_gpu_liger_gives_eager_losses_and_gradients_within_bf16():
+    pytest.importorskip("liger_kernel")
+    cfg = ModelConfig(config=tiny_config("llama"), dtype="bf16")
+    results = {}
+    for kind in ("none", "liger"):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = build_model(ModelConfig(**{**vars(cfg), "kernels": kind}), vocab_size=256)
+        assert model._hbp_kernels.startswith(kind)
+        pack = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _packs(256)[0]]
+        results[kind] = _loss_and_grads(model, pack)
+        kernels.restore_hf_modules()
+    (loss_e, grads_e), (loss_l, grads_l) = results["none"], results["liger"]
+    assert loss_l == pytest.approx(loss_e, rel=2e-2)
+    for name, grad in grads_e.items():
+        cos = torch.nn.functional.cosine_similarity(grads_l[name].float().flatten(), grad.float().flatten(), dim=0)
+        assert cos > 0.99, name

@@ -6,9 +6,9 @@
     python -m data_tools.pack --dataset tokenized/ --shards packed/ --world-size 8 --groups 4096:1,16384:4
 
 Without --global-tokens the step size comes from the data (about 100 optimizer steps, at most 4,194,304 tokens
-each, at least one pack of every group per replica); a plan of fewer than 10 optimizer steps is warned about. Prints a metrics table; for hbp also the isf
-baseline on the same lengths (a metric that compares nothing for a plan, e.g. the balance of one replica, reads
-n/a). Bad input: one line, exit code 2.
+each, at least one pack of every group per replica); a plan of fewer than 10 optimizer steps is warned about.
+Prints a metrics table; for hbp also the isf baseline on the same lengths (a metric that compares nothing for a
+plan, e.g. the balance of one replica, reads n/a; data_tools/pack_report.py). Bad input: one line, exit code 2.
 The planning itself lives in hbp_train/planning (pure numpy); this file only parses, reads and prints.
 """
 

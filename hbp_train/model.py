@@ -33,7 +33,8 @@ class ModelConfig:
     """Which model to train and how to build it."""
 
     name_or_path: str | None = None
-    """Local HF model directory (config + safetensors) to start from; None builds a fresh model from `config`."""
+    """Local HF model directory (config + safetensors) to start from, with its own config.json; None builds a new
+    model from `init_config` (and `config`)."""
 
     config: Any = None
     """HF config fields you set (a mapping; null = none): on top of init_config for a model built from scratch, or
@@ -64,7 +65,7 @@ class ModelConfig:
     (hbp_train/vocab.py). A model built from scratch always gets the tokenizer's vocabulary."""
 
     seed: int = 0
-    """Seed for the initial weights of a model built from `config`."""
+    """Seed for the initial weights of a model built from scratch."""
 
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA/DoRA adapters (hbp_train/lora.py): r > 0 trains only the adapters."""
@@ -100,7 +101,6 @@ class ModelConfig:
         hf_config(self)  # transformers' own checks of the values (e.g. heads dividing hidden_size), as one line
         if self.name_or_path is not None and self.config:
             check_weight_shapes_kept(self)
-
 
     def hf_overrides(self) -> dict:
         """The HF config fields laid over the model's config: init_config then config for a model built from

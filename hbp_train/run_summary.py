@@ -36,9 +36,10 @@ def start_summary(run) -> str:
     total, trainable = count_parameters(model)
     source = (cfg.model.name_or_path if cfg.model.name_or_path is not None
               else f"built from scratch (model.init_config, random weights, model.seed={cfg.model.seed})")
-    trained = "all trained" if trainable == total else f"{_count(trainable)} trained ({100 * trainable / total:.2f}%"
+    trained = "all trained"
     if trainable != total:
-        trained += f", LoRA r={cfg.model.lora.r})" if cfg.model.lora.r else ")"
+        lora = f", LoRA r={cfg.model.lora.r}" if cfg.model.lora.r else ""
+        trained = f"{_count(trainable)} trained ({100 * trainable / total:.2f}%{lora})"
     lines = [f"[train] model: {getattr(model.config, 'model_type', '?')} {source} | {_count(total)} parameters, "
              f"{trained} | {str(cfg.model.torch_dtype()).replace('torch.', '')} | attention {get_backend()}"]
     groups = ", ".join(f"{g['pack_len']}:sp{g.get('sp', 1)}" for g in run.data.groups)

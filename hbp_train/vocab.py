@@ -61,8 +61,7 @@ def vocab_to_build(model_cfg, tokenizer, model_vocab: int, records: dict) -> tup
     build_model's vocab_size: the tokenizer's size to build a new model or grow a pretrained one, None to keep a
     pretrained model's own."""
     mine = identity(tokenizer, model_cfg.tokenizer)
-    needed = len(tokenizer)  # without a record: every id the tokenizer can make
-    max_ids = []
+    max_ids = []  # (the largest id, the field of the data holding it)
     for field, record in records.items():
         if not record:
             continue
@@ -73,26 +72,24 @@ def vocab_to_build(model_cfg, tokenizer, model_vocab: int, records: dict) -> tup
                             f"and pack again, or set model.tokenizer={record.get('path')}")
         if record.get("max_token_id") is not None:
             max_ids.append((int(record["max_token_id"]), field))
-    if max_ids:
-        needed = max(max_ids)[0] + 1
-    if tokenizer.pad_token_id is not None:  # empty (dummy) micro-batches are made of it
-        needed = max(needed, int(tokenizer.pad_token_id) + 1)
     if model_cfg.name_or_path is None:
         return len(tokenizer), None
-    if needed <= model_vocab:
-        if model_cfg.resize_vocab and len(tokenizer) > model_vocab:
-            return len(tokenizer), _grown(model_cfg, model_vocab, len(tokenizer))
+    if model_cfg.resize_vocab and len(tokenizer) > model_vocab:
+        return len(tokenizer), (f"[train] model.resize_vocab: the embeddings and LM head of {model_cfg.name_or_path} "
+                                f"grow from {model_vocab} to {len(tokenizer)} rows (the tokenizer's); the new rows "
+                                "start untrained")
+    # What the embeddings must hold: the data's ids (without a record, every id the tokenizer makes) and the pad id,
+    # which empty (dummy) micro-batches are made of.
+    pad = tokenizer.pad_token_id
+    if max_ids and max(max_ids)[0] >= model_vocab:
+        what = f"{max(max_ids)[1]} holds token id {max(max_ids)[0]}"
+    elif pad is not None and pad >= model_vocab:
+        what = f"model.tokenizer={model_cfg.tokenizer}'s pad token is id {pad} (empty micro-batches are made of it)"
+    elif not max_ids and len(tokenizer) > model_vocab:
+        what = f"model.tokenizer={model_cfg.tokenizer} has {len(tokenizer)} tokens"
+    else:
         return None, None
-    if model_cfg.resize_vocab:
-        return len(tokenizer), _grown(model_cfg, model_vocab, len(tokenizer))
-    what = (f"{max(max_ids)[1]} holds token id {max(max_ids)[0]}" if max_ids and max(max_ids)[0] >= model_vocab
-            else f"model.tokenizer={model_cfg.tokenizer} has {needed} tokens")
     raise UserError(f"{what}, but the model's vocabulary ({model_cfg.name_or_path}/config.json vocab_size) has "
                     f"{model_vocab} ids: is the data tokenized with the model's own tokenizer? Re-run "
                     f"data_tools.preprocess --tokenizer {model_cfg.name_or_path}, or, for tokens added to the "
                     "tokenizer on purpose, set model.resize_vocab=true to grow the embeddings")
-
-
-def _grown(model_cfg, model_vocab: int, size: int) -> str:
-    return (f"[train] model.resize_vocab: the embeddings and LM head of {model_cfg.name_or_path} grow from "
-            f"{model_vocab} to {size} rows (the tokenizer's); the new rows start untrained")

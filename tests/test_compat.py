@@ -85,8 +85,8 @@ def test_the_build_refuses_samples_beyond_the_positions_before_any_weight_loads(
     from tests.assets.packed_fixture import ONE_RANK_STEPS, synthetic_samples, write_packed
 
     model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **tiny_config("qwen2", vocab_size=4096,
-                                                                                      max_position_embeddings=1024))).save_pretrained(model_dir)
+    shape = tiny_config("qwen2", vocab_size=4096, max_position_embeddings=1024)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **shape)).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(model_dir)
     shards = write_packed(str(tmp_path / "packed"), synthetic_samples(12, 4096, seed=1), ONE_RANK_STEPS, world_size=1,
                           plan_extra={"max_len": 2048})  # a plan that may hold 2048-token samples

@@ -53,8 +53,8 @@ MIN_STEPS = 10
 def auto_global_tokens(total_tokens: int, slot_tokens: int = 1) -> int:
     """Real tokens per optimizer step for T real tokens when none are given: T / AUTO_STEPS (so a small set still
     makes about AUTO_STEPS steps), at most AUTO_MAX_TOKENS (a large set makes more steps), and at least
-    ``slot_tokens``: the capacity of one slot of every group (``slot_tokens``), so that a step can mix the groups'
-    lengths (hbp's step_mix="mixed") rather than hold one group's slot."""
+    ``slot_tokens``, the capacity of one slot of every group (``slot_tokens()``), so that a step can mix the
+    groups' lengths (hbp's step_mix="mixed") rather than hold one group's slot."""
     return int(max(1, slot_tokens, min(AUTO_MAX_TOKENS, total_tokens // AUTO_STEPS)))
 
 

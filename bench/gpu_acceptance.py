@@ -401,18 +401,18 @@ def check_profiler(ctx) -> dict:
 
     c = ctx.hf_config
     out = ctx.out / "profile.json"
-    argv = ["model=tiny_llama", f"model.config.hidden_size={c['hidden_size']}",
-            f"model.config.intermediate_size={c['intermediate_size']}",
-            f"model.config.num_hidden_layers={c['num_hidden_layers']}",
-            f"model.config.num_attention_heads={c['num_attention_heads']}",
-            f"model.config.num_key_value_heads={c.get('num_key_value_heads', c['num_attention_heads'])}",
-            f"+model.config.vocab_size={c['vocab_size']}", f"profile.output={out}",
+    argv = ["model=tiny_llama", f"model.init_config.hidden_size={c['hidden_size']}",
+            f"model.init_config.intermediate_size={c['intermediate_size']}",
+            f"model.init_config.num_hidden_layers={c['num_hidden_layers']}",
+            f"model.init_config.num_attention_heads={c['num_attention_heads']}",
+            f"model.init_config.num_key_value_heads={c.get('num_key_value_heads', c['num_attention_heads'])}",
+            f"+model.init_config.vocab_size={c['vocab_size']}", f"profile.output={out}",
             f"profile.time_budget_s={max(ctx.share_s - (0 if ctx.dry_run else PROFILER_SETUP_S), 1.0)}"]
     if ctx.dry_run:
         argv += ["profile.dry_run=true", "profile.min_len=256", "profile.max_len=1024", "profile.world_size=2"]
     else:
         argv += ["profile.min_len=4096", "profile.max_len=65536", "profile.world_size=8",
-                 "model.config.max_position_embeddings=131072"]
+                 "model.init_config.max_position_embeddings=131072"]
     t0 = time.monotonic()
     rc = profile_main(argv)
     wall = time.monotonic() - t0

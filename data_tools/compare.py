@@ -203,7 +203,7 @@ def run(argv=None) -> int:
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
     if len(lengths) == 0:
         raise UserError(f"{args.lengths or args.dataset}: no samples")
-    warn_if_longer_than_max_len(lengths, args.max_len)
+    warn_if_longer_than_max_len(lengths, args.max_len, groups[-1].pack_len)
     plan_kwargs = dict(world_size=args.world_size, groups=groups, global_tokens=args.global_tokens,
                        max_len=args.max_len, seed=args.seed)
     PlanConfig(**plan_kwargs)  # validate the settings before the long part

@@ -5,7 +5,10 @@
 
     python -m data_tools.pack --dataset tokenized/ --shards packed/ --world-size 8 --groups 4096:1,16384:4
 
-Prints a metrics table; for hbp also the isf baseline on the same lengths. Bad input: one line, exit code 2.
+Without --global-tokens the step size comes from the data (about 100 optimizer steps, at most 4,194,304 tokens
+each, at least one pack of every group per replica); a plan of fewer than 10 optimizer steps is warned about.
+Prints a metrics table; for hbp also the isf baseline on the same lengths (a metric that compares nothing for a
+plan, e.g. the balance of one replica, reads n/a; data_tools/pack_report.py). Bad input: one line, exit code 2.
 The planning itself lives in hbp_train/planning (pure numpy); this file only parses, reads and prints.
 """
 
@@ -19,12 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from data_tools.pack_report import metrics_table, replicas_note, step_line, warn_if_few_steps
 from hbp_train.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
                            output_file, positive_int)
 from hbp_train.columns import int_column
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.planning.equal_steps import AUTO_MAX_TOKENS, AUTO_STEPS, auto_global_tokens, slot_tokens
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
+from hbp_train.vocab import recorded_tokenizer
 
 
 MAX_PACK_LEN = 2**31 - 1
@@ -81,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
                    "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
-    p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
+    p.add_argument("--global-tokens", type=positive_int, default=None,
                    help="tokens per optimizer step G: real tokens with --step-tokens real (every strategy then makes "
                    "round(T / G) optimizer steps for T tokens), pack capacity with --step-tokens capacity "
-                   "(default 4194304)")
+                   f"(default: from the data, T / {AUTO_STEPS} for about {AUTO_STEPS} optimizer steps, at most "
+                   f"{AUTO_MAX_TOKENS}, at least one pack of every group per replica)")
     p.add_argument("--step-tokens", choices=["real", "capacity"], default="real",
                    help="what --global-tokens counts: real = real (non-padding) tokens, the same number of optimizer "
                    "steps of the same tokens for every strategy, so a better plan saves time, never updates; "
@@ -255,13 +262,24 @@ def check_profile_world_size(profile_data: dict, profile: str, world_size: int) 
                    f"profile.world_size={world_size} ...) or pass --world-size {made_for}")
 
 
-def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None) -> None:
-    """--max-len states what preprocessing guaranteed; samples beyond it mean the two disagree. They are not dropped
-    (only samples longer than the largest pack_len are), so say so on stderr."""
-    if max_len is not None and int(lengths.max()) > max_len:
-        print(f"warning: {int(np.count_nonzero(lengths > max_len))} samples are longer than --max-len {max_len} "
-              f"(longest {int(lengths.max())}); they are planned like the others (only samples longer than the "
-              f"largest pack_len are dropped): check --max-len against the preprocess max_len", file=sys.stderr)
+def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None, largest_pack_len: int) -> None:
+    """--max-len states what preprocessing guaranteed; samples beyond it mean the two disagree. Say on stderr what
+    happens to them: those longer than the largest pack_len are dropped (the plan's dropped list), the others are
+    planned into the largest group; and how to make the two agree."""
+    if max_len is None or int(lengths.max()) <= max_len:
+        return
+    longest = int(lengths.max())
+    num_over = int(np.count_nonzero(lengths > max_len))
+    num_dropped = int(np.count_nonzero(lengths > largest_pack_len))
+    fates = []
+    if num_dropped:
+        fates.append(f"{num_dropped} are longer than the largest pack_len {largest_pack_len} and are dropped (reason "
+                     "longer_than_max_pack_len, listed in the plan)")
+    if num_over > num_dropped:
+        fates.append(f"{num_over - num_dropped} fit the largest pack_len and are planned")
+    print(f"warning: {num_over} samples are longer than --max-len {max_len} (longest {longest}): {'; '.join(fates)}; "
+          f"to keep them cut to {max_len} tokens re-run data_tools.preprocess --max-len {max_len} --overlong truncate, "
+          f"or raise --max-len with a group of pack_len >= {longest}", file=sys.stderr)
 
 
 def check_shards_dir(path: str) -> None:
@@ -284,39 +302,6 @@ def check_shards_dir(path: str) -> None:
                        "replaces; move it out or choose another --shards directory")
 
 
-METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"), ("mix_TV", "{:.4f}"),
-               ("sp_required_share", "{:.4f}"), ("AveT", "{:.0f}"), ("num_steps", "{}"),
-               ("step_tokens_target", "{:.0f}"), ("step_tokens_min", "{}"), ("step_tokens_max", "{}"),
-               ("step_tokens_mean", "{:.0f}"),
-               ("num_packs", "{}"), ("num_dropped", "{}"), ("empty_packs", "{}")]
-
-
-def step_line(plan, global_tokens: int, step_tokens: str) -> str:
-    """What an optimizer step holds, in one line (docs/planning.md "Equal optimisation")."""
-    from hbp_train.planning.equal_steps import step_budget
-
-    m = plan.metrics
-    line = (f"optimizer steps: {m['num_steps']}, each of {m['step_tokens_min']}..{m['step_tokens_max']} real tokens "
-            f"(mean {m['step_tokens_mean']:.0f}; target {m['step_tokens_target']:.0f} = the real tokens / "
-            f"round(real tokens / --global-tokens {global_tokens}))")
-    if step_tokens == "capacity":
-        line += "; --step-tokens capacity: steps sized by pack capacity, so strategies differ in step count"
-    elif m["num_steps"] < step_budget(m["tokens"], global_tokens)[0]:
-        line += ("; fewer steps than the target: a step holds at least one micro-batch of every replica, more "
-                 "than --global-tokens here")
-    return line
-
-
-def metrics_table(plans: dict) -> str:
-    """Plans side by side: one row per metric, one column per strategy (with planning wall time)."""
-    names = list(plans)
-    lines = [f"{'metric':<20}" + "".join(f"{n:>14}" for n in names)]
-    for key, fmt in METRIC_ROWS:
-        lines.append(f"{key:<20}" + "".join(f"{fmt.format(plans[n].metrics[key]):>14}" for n in names))
-    lines.append(f"{'planning_seconds':<20}" + "".join(f"{plans[n].extra['wall_seconds']:>14.3f}" for n in names))
-    return "\n".join(lines)
-
-
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from hbp_train.planning import PlanConfig, make_plan
@@ -335,6 +320,11 @@ def run(argv=None) -> int:
         check_shards_dir(args.shards)
     groups = parse_groups(args.groups, args.profile, args.world_size)
     if args.max_len is not None and args.max_len > groups[-1].pack_len:
+        if args.groups == "auto":  # the groups are the profiler's: only it can add a longer one
+            raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len} of --profile "
+                           f"{args.profile}: re-run the profiler with profile.max_len={args.max_len} (python -m "
+                           f"hbp_train.profiler profile.max_len={args.max_len} ...), or lower --max-len to "
+                           f"{groups[-1].pack_len}")
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
                        f"with pack_len >= {args.max_len} or lower --max-len")
     if args.strategy == "bytescale" and args.zero_stage is not None:
@@ -354,11 +344,19 @@ def run(argv=None) -> int:
     cpu = {"read": time.process_time() - read_start}
     if len(lengths) == 0:
         raise CliError(f"{args.lengths or args.dataset}: no samples")
-    warn_if_longer_than_max_len(lengths, args.max_len)
+    warn_if_longer_than_max_len(lengths, args.max_len, groups[-1].pack_len)
+    global_tokens = args.global_tokens
+    if global_tokens is None:
+        kept_tokens = int(lengths[lengths <= groups[-1].pack_len].sum())
+        one_slot_each = slot_tokens(args.world_size, groups)
+        global_tokens = auto_global_tokens(kept_tokens, one_slot_each)
+        print(f"--global-tokens not given: {global_tokens:,} tokens per optimizer step, from the data ({kept_tokens:,} "
+              f"tokens / {AUTO_STEPS}, at most {AUTO_MAX_TOKENS:,}, at least one pack of every group per replica: "
+              f"{one_slot_each:,}); give --global-tokens to choose")
 
     def plan_with(strategy):
         cfg = PlanConfig(world_size=args.world_size, groups=groups, strategy=strategy,
-                         global_tokens=args.global_tokens, max_len=args.max_len,
+                         global_tokens=global_tokens, max_len=args.max_len,
                          curriculum_steps=args.curriculum_steps, seed=args.seed, isf_rounds=args.isf_rounds,
                          isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
                          step_tokens=args.step_tokens, progress=not args.quiet,
@@ -374,6 +372,10 @@ def run(argv=None) -> int:
         plans["isf"] = plan_with("isf")
     plan = plans[args.strategy]
     cpu["plan"] = plan.extra["cpu_seconds"]
+    if args.dataset:  # the tokenizer that made the data, which the trainer checks the model against (vocab.py)
+        record = recorded_tokenizer(args.dataset)
+        if record is not None:
+            plan.extra["tokenizer"] = record
     if args.out:
         t0, c0 = time.perf_counter(), time.process_time()
         try:
@@ -404,7 +406,11 @@ def run(argv=None) -> int:
         cpu["shards"] = time.process_time() - c0
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))
-    print(step_line(plan, args.global_tokens, args.step_tokens))
+    note = replicas_note(plans)
+    if note:
+        print(note)
+    print(step_line(plan, global_tokens, args.step_tokens))
+    warn_if_few_steps(plan, global_tokens)
     print(f"CPU seconds ({args.strategy}): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
           + f", together {sum(cpu.values()):.2f}")
     from hbp_train.planning.metrics import mix_report

@@ -55,6 +55,7 @@ from hbp_train.cli import ArgumentParser, existing_dir, int_range, output_dir, p
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.labels import IGNORE_INDEX
 from hbp_train.outputs import interrupted, replace_dir, staging_dir
+from hbp_train.vocab import data_record
 
 POLICY_DROPS = ("overlong", "no_loss_tokens", "no_loss_tokens_after_truncation")
 # Every drop that means bad input: record shapes, lines and files, conversations the template cannot label.
@@ -353,6 +354,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
                                   f"--format and --max-len")
 
         dataset = datasets.Dataset.from_file(str(work / "rows.arrow"))
+        report.update(data_record(encoder.tokenizer, str(tokenizer), dataset))  # checked by the trainer (vocab.py)
         shards = min(num_shards, len(dataset)) if num_shards else None
         report["num_shards"] = shards
         staged = work / "dataset"

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from hbp_train import model as modeling
-from hbp_train.compat import check_model_support
+from hbp_train.compat import check_model_support, check_positions
 from hbp_train.data import PackedData
 from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
@@ -30,6 +30,7 @@ from hbp_train.errors import UserError
 from hbp_train.lora import zero3_external_parameters
 from hbp_train.loss import chunked_token_losses
 from hbp_train.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
+from hbp_train.vocab import vocab_to_build
 
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
 # FutureWarning out of every rank's training log.
@@ -95,7 +96,8 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
-    warmup = max(1, train.warmup_steps)
+    warmup_steps = capped_warmup_steps(train.warmup_steps, total_steps)
+    warmup = max(1, warmup_steps)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -110,11 +112,14 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
                                                   "weight_decay": train.weight_decay, "torch_adam": True,
                                                   **({"fused": True} if on_gpu and not ds.offload_optimizer else {})}},
-        # Linear warm-up from lr/warmup_steps, then cosine down to lr * min_lr_ratio (build_engine starts it at 0).
+        # Linear warm-up from lr/warmup_steps, then cosine down to lr * min_lr_ratio. Made at iteration 0, not
+        # DeepSpeed's default -1: at -1 its constructor reads the rate before the schedule starts, which logs
+        # "Attempting to get learning rate from scheduler before it has started" on every rank; build_engine then
+        # sets the rate of iteration 0.
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": max(total_steps, warmup + 1), "warmup_num_steps": warmup,
-            "warmup_min_ratio": 1.0 / warmup if train.warmup_steps > 0 else 1.0, "warmup_type": "linear",
-            "cos_min_ratio": train.min_lr_ratio}},
+            "warmup_min_ratio": 1.0 / warmup if warmup_steps > 0 else 1.0, "warmup_type": "linear",
+            "cos_min_ratio": train.min_lr_ratio, "last_batch_iteration": 0}},
         # A NaN/inf gradient makes ZeRO skip the update and clear the gradients (on_nan=skip relies on it).
         "bf16": {"enabled": bf16, **({"check_grad_overflow": True} if bf16 else {})},
     }
@@ -123,6 +128,12 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
     if ds.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
     return _merge(config, ds.extra)
+
+
+def capped_warmup_steps(warmup_steps: int, total_steps: int) -> int:
+    """train.warmup_steps, or a tenth of the run's steps when the run is not longer than the warm-up (the learning
+    rate would never reach train.lr; build_run warns)."""
+    return warmup_steps if warmup_steps < total_steps else total_steps // 10
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -213,10 +224,18 @@ def build(cfg, config_yaml: str = "") -> Run:
         total_steps = min(total_steps, cfg.train.max_steps)
     modeling.check_tokenizer_dir(cfg.model.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    # Before any weight is read: the data's token ids are the model's (the tokenizer that made them, vocab.py).
+    records = {"data.shards": data.plan.get("tokenizer")}
+    if eval_data is not None:
+        records["data.eval_shards"] = eval_data.plan.get("tokenizer")
+    vocab_size, line = vocab_to_build(cfg.model, tokenizer, modeling.hf_config_for(cfg.model).vocab_size, records)
+    if line and dist_groups.rank() == 0:
+        print(line, flush=True)
     # SP: the groups of every degree either plan uses, built once, up front
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
-    run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=len(tokenizer),
-                    plan=f"{cfg.data.shards}/plan.json", longest_sample=_longest_sample(data.plan))
+    longest = [n for n in (_longest_sample(data.plan), eval_data and _longest_sample(eval_data.plan)) if n]
+    run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=vocab_size,
+                    plan=f"{cfg.data.shards}/plan.json", longest_sample=max(longest) if longest else None)
     run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
     run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return run
@@ -236,12 +255,21 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
                         "groups: give one per group or a single one")
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     check_deepspeed_config(cfg, total_steps, world_size)
+    warmup = capped_warmup_steps(cfg.train.warmup_steps, total_steps)
+    if warmup != cfg.train.warmup_steps and dist_groups.rank() == 0:
+        print(f"[train] warning: train.warmup_steps={cfg.train.warmup_steps} is not shorter than the run's "
+              f"{total_steps} optimizer steps: the warm-up is capped at {warmup} (a tenth of the run), so the learning "
+              "rate reaches train.lr; set train.warmup_steps below the run's steps to choose", flush=True)
     if sp_degrees is None:
         sp_degrees = sorted({int(g.get("sp", 1)) for g in groups})
-    # Before any weight is loaded: a feature the packed path cannot honour is refused in one line.
-    check_model_support(modeling.hf_config_for(cfg.model, vocab_size),
-                        longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
+    # Before any weight is loaded: a feature the packed path cannot honour is refused in one line, and so are
+    # samples longer than the model's positions (a data set's record of its samples; pack lengths do not count).
+    hf_config = modeling.hf_config_for(cfg.model, vocab_size)
+    check_model_support(hf_config, longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
                         cfg.model.attention_backend)
+    positions_line = check_positions(hf_config, longest_sample) if longest_sample else None
+    if positions_line and dist_groups.rank() == 0:
+        print(positions_line, flush=True)
     pstate = dist_groups.build_parallel_state(sp_degrees)
     # Under ZeRO-3 the model is partitioned as it is built (no rank ever holds all of it, which a 70B model would not
     # fit); the config equals the one build_engine gives deepspeed.initialize.
@@ -291,8 +319,8 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
         for module, param in zero3_external_parameters(model):
             deepspeed.zero.register_external_parameter(module, param)
     if engine.lr_scheduler is not None:
-        # DeepSpeed's WarmupCosineLR starts at iteration -1 (lr 0), which would waste the first step: start at 0.
-        # A resumed run overwrites this with the checkpoint's scheduler state.
+        # The schedule is made at iteration 0 without setting the rate (deepspeed_config): set iteration 0's rate,
+        # which the first step uses. A resumed run overwrites this with the checkpoint's scheduler state.
         engine.lr_scheduler.step(0)
     return engine
 

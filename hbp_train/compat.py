@@ -12,12 +12,16 @@ memory), so the rule is about features, never about family names:
 * attention dropout: the packed attention has none;
 * an SP degree Ulysses cannot split the heads by (perf.shape.sp_heads_problem).
 
+`check_positions` refuses samples longer than the model's positions (positions restart at 0 in every sample of a
+pack, so the longest sample counts, not the pack), unless RoPE scaling in the config extends them: then it says so.
+
 hf_packed_attention refuses the same features at run time (a safety net for a model this check did not see).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Optional
 
 import torch
 
@@ -61,6 +65,54 @@ def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int
             good = [d for d in (1, 2, 4, 8, 16, 32, 64) if sp_heads_problem(shape.num_heads, shape.num_kv_heads, d) is None]
             raise UserError(f"{where}: {problem} (SP degrees that work: {', '.join(map(str, good))}; "
                             "data_tools.pack --groups)")
+
+
+# RoPE scalings that stretch the trained positions by their factor (transformers' rope_type names).
+STRETCHING_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def check_positions(hf_config, longest_sample: int) -> Optional[str]:
+    """UserError (one line) when the plan's samples are longer than the model's positions; a line to print when
+    RoPE scaling in the config provides the positions beyond max_position_embeddings; None otherwise."""
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if not max_positions or longest_sample <= max_positions:
+        return None
+    family = getattr(hf_config, "model_type", "this model")
+    scaled = _rope_scaled_positions(hf_config)
+    if scaled is not None and longest_sample <= scaled[0]:
+        positions, rope_type, factor, original = scaled
+        return (f"[train] the plan's samples reach {longest_sample} tokens, beyond max_position_embeddings "
+                f"{max_positions} of {family}: RoPE scaling provides {positions} positions ({rope_type}, factor "
+                f"{factor:g} x {original}; model.config.rope_scaling)")
+    have = f"{max_positions} positions (max_position_embeddings" + (
+        f"; RoPE scaling {scaled[1]} gives {scaled[0]})" if scaled else ")")
+    factor = math.ceil(longest_sample / max_positions)
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if any(isinstance(v, dict) for v in params.values()):  # RoPE per layer type (Gemma 3)
+        how = "++model.config.rope_parameters={...} with a scaling (e.g. yarn) for its full-attention layers"
+    else:
+        how = (f"++model.config.rope_scaling={{rope_type:yarn,factor:{factor},original_max_position_embeddings:"
+               f"{max_positions}}} ++model.config.max_position_embeddings={factor * max_positions}")
+    raise UserError(f"{family} (model.name_or_path / model.config): the plan's samples reach {longest_sample} tokens "
+                    f"but the model has {have}; re-plan with samples of at most {max_positions} tokens "
+                    f"(data_tools.preprocess and pack --max-len {max_positions}), or extend the positions with RoPE "
+                    f"scaling: {how}")
+
+
+def _rope_scaled_positions(hf_config) -> Optional[tuple]:
+    """(positions, rope_type, factor, original positions) of a RoPE scaling that stretches the positions, or None.
+    transformers 5 keeps it in rope_parameters, per layer type for some families (Gemma 3): the smallest of the
+    full-attention layers counts (a sliding-window layer sees no further back than its window)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    sets = [p for kind, p in params.items() if isinstance(p, dict) and "sliding" not in kind] or [params]
+    found = []
+    for p in sets:
+        rope_type = p.get("rope_type", p.get("type"))
+        if rope_type in STRETCHING_ROPE and p.get("factor"):
+            original = int(p.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+            positions = max(int(hf_config.max_position_embeddings), int(original * float(p["factor"])))
+            found.append((positions, rope_type, float(p["factor"]), original))
+    return min(found) if found and len(found) == len(sets) else None
 
 
 def _meta_modules(hf_config) -> list:

@@ -6,8 +6,9 @@ Hydra's ConfigStore as ``hbp_schema`` (the first entry of conf/config.yaml's def
 type-checked against it), and turns the composed DictConfig into dataclasses with ``OmegaConf.to_object`` — after
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
 
-``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value) and
-prints the resolved YAML.
+``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value), its
+input paths included (``check_paths``: ./launch.sh train runs it before starting any worker), and prints the
+resolved YAML.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hbp_train.build import DeepSpeedConfig
-from hbp_train.data import DataConfig
+from hbp_train.data import DataConfig, shards_dir_problem
 from hbp_train.errors import EXIT_USER_ERROR, UserError
 from hbp_train.loss import LossConfig
-from hbp_train.model import ModelConfig
+from hbp_train.model import ModelConfig, check_tokenizer_dir
 from hbp_train.profiler.config import ProfileConfig
 from hbp_train.telemetry import LoggingConfig
 from hbp_train.trainer import TrainConfig
@@ -106,8 +107,28 @@ def load(overrides: list | None = None) -> HBPConfig:
     try:
         cfg = compose(overrides)
     except (HydraException, OmegaConfBaseException) as e:  # unknown group option, bad type, missing key
-        raise ConfigError(_hydra_error_line(e)) from None
+        line = _hydra_error_line(e)
+        if "Could not override 'model.config." in line:  # model.config holds only the fields the user set
+            line += ("; add a field with ++model.config.<field>=VALUE (a preset's shape is model.init_config, "
+                     "used only without model.name_or_path)")
+        raise ConfigError(line) from None
     return to_dataclass(cfg)
+
+
+def check_paths(cfg: HBPConfig) -> None:
+    """ConfigError naming the field for an input path of a training run that is not what it must be: data.shards
+    and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder.
+    model.name_or_path is checked with the model section itself. Not part of ``load``: the profiler reads no data."""
+    for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+        problem = shards_dir_problem(path) if path is not None else None
+        if problem:
+            raise ConfigError(f"{field_name}={path}: {problem}")
+    try:
+        check_tokenizer_dir(cfg.model.tokenizer)
+    except UserError as e:
+        implied = cfg.model.tokenizer == cfg.model.name_or_path  # the default: the model's own folder
+        raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
+                                    "or set model.tokenizer=DIR" if implied else "")) from None
 
 
 def _section_fields() -> dict:
@@ -234,11 +255,12 @@ def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print("usage: python -m hbp_train.config [OVERRIDES...]\n\nCompose conf/config.yaml with Hydra overrides "
-              "(e.g. experiment=cpu_demo train.lr=1e-4), check every value, print the resolved YAML.\n"
+              "(e.g. experiment=cpu_demo train.lr=1e-4), check every value and input path, print the resolved YAML.\n"
               "Exit 2 with one line naming the field on a bad value.")
         return 0
     try:
         cfg = load(user_overrides(argv))
+        check_paths(cfg)
     except UserError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

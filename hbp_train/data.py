@@ -56,6 +56,19 @@ class DataConfig:
             raise UserError(f"data.epochs={self.epochs}: must be >= 1")
 
 
+def shards_dir_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a packed-shard folder (one holding plan.json or plan.npz), with the fix; None if it is.
+    Checked by the loader and, before any worker starts, by python -m hbp_train.config (config.check_paths)."""
+    if any(os.path.isfile(os.path.join(path, name)) for name in ("plan.json", "plan.npz")):
+        return None
+    what = ("no such folder" if not os.path.exists(path) else "a file, not a folder" if not os.path.isdir(path)
+            else "no plan.json there")
+    hint = (" (it is a tokenized dataset: plan and pack it first)"
+            if os.path.isfile(os.path.join(path, "report.json")) else "")
+    return (f"{what}{hint}; write packed shards with data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and "
+            "pass that OUT_DIR")
+
+
 # A micro-batch is a plain dict (what the model, the SP split and the loss read), for one pack on one rank:
 #   input_ids, position_ids, shift_labels [1, T] int64   (position_ids restart at 0 per sample; shift_labels are the
 #                                                          labels shifted inside each sample, -100 on its last token)
@@ -188,11 +201,9 @@ class PackedData:
             self._check_rows()
             return
         plan_path = os.path.join(path, "plan.json")
-        if not os.path.isfile(plan_path):
-            hint = (" (it is a tokenized dataset: plan and pack it first)"
-                    if os.path.isfile(os.path.join(path, "report.json")) else "")
-            raise UserError(f"data.shards={path}: no plan.json there{hint}; write packed shards with "
-                            f"data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and pass that OUT_DIR")
+        problem = shards_dir_problem(path)
+        if problem:
+            raise UserError(f"data.shards={path}: {problem}")
         try:
             with open(plan_path) as f:
                 self.plan = json.load(f)

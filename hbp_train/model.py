@@ -13,6 +13,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,14 +36,22 @@ class ModelConfig:
     """Which model to train and how to build it."""
 
     name_or_path: str | None = None
-    """Local HF model directory (config + safetensors) to start from; None builds a fresh model from `config`."""
+    """Local HF model directory (config + safetensors) to start from, with its own config.json; None builds a new
+    model from `init_config` (and `config`)."""
 
-    config: dict = field(default_factory=dict)
-    """HF config overrides: the whole architecture when name_or_path is None (e.g. hidden_size, num_hidden_layers,
-    num_attention_heads, num_key_value_heads, intermediate_size), or changes on top of the pretrained config."""
+    config: Any = None
+    """HF config fields you set (a mapping; null = none): on top of init_config for a model built from scratch, or
+    changes to a pretrained model's own config.json (e.g. rope_scaling, router_aux_loss_coef; one that changes a
+    weight's shape is refused). Typed Any so that model.config={...} on the command line can name any field (a
+    dict-typed field would refuse the keys it does not hold yet)."""
+
+    init_config: dict = field(default_factory=dict)
+    """The architecture of a model built from scratch (name_or_path null) as HF config fields (hidden_size,
+    num_hidden_layers, ...): what a conf/model/ preset sets. Ignored with name_or_path: a pretrained model brings
+    its own config.json."""
 
     architecture: str = "llama"
-    """HF model_type used when building from `config` (llama, qwen2, mistral, ...); ignored with name_or_path."""
+    """HF model_type used when building from scratch (llama, qwen2, mistral, ...); ignored with name_or_path."""
 
     dtype: str = "auto"
     """Parameter dtype: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32."""
@@ -59,8 +68,13 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory; defaults to name_or_path, or the shipped data_tools/assets/tokenizer."""
 
+    resize_vocab: bool = False
+    """Grow a pretrained model's embeddings and LM head to the tokenizer's size, for tokens added to the tokenizer
+    on purpose (the new rows start untrained). False refuses data holding token ids the model's vocabulary lacks
+    (hbp_train/vocab.py). A model built from scratch always gets the tokenizer's vocabulary."""
+
     seed: int = 0
-    """Seed for the initial weights of a model built from `config`."""
+    """Seed for the initial weights of a model built from scratch."""
 
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA/DoRA adapters (hbp_train/lora.py): r > 0 trains only the adapters."""
@@ -68,14 +82,19 @@ class ModelConfig:
     def __post_init__(self):
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        if not isinstance(self.config, dict):
-            raise UserError(f"model.config: must be a mapping of HF config fields, got {type(self.config).__name__}")
+        if self.config is None:
+            self.config = {}
+        for name in ("config", "init_config"):
+            if not isinstance(getattr(self, name), dict):
+                raise UserError(f"model.{name}: must be a mapping of HF config fields, got "
+                                f"{type(getattr(self, name)).__name__}")
         if self.name_or_path is not None:
             path = Path(self.name_or_path)
             if not (path / "config.json").is_file():
                 raise UserError(f"model.name_or_path: {self.name_or_path!r} is not a local HF model dir (no config.json)")
-        elif not self.config:
-            raise UserError("model.config: give the architecture (e.g. hidden_size, num_hidden_layers) or model.name_or_path")
+        elif not self.hf_overrides():
+            raise UserError("model.config: give the architecture (e.g. hidden_size, num_hidden_layers), a preset "
+                            "(model=tiny_llama, model=qwen3_8b, ...) or model.name_or_path")
         if self.architecture not in CONFIG_MAPPING:
             raise UserError(f"model.architecture: {self.architecture!r} is not an HF model_type (e.g. llama, qwen2)")
         if self.dtype not in ("auto", *DTYPES):
@@ -91,7 +110,15 @@ class ModelConfig:
         if self.tokenizer is None:
             self.tokenizer = self.name_or_path if self.name_or_path is not None else str(SHIPPED_TOKENIZER)
         hf_config(self)  # transformers' own checks of the values (e.g. heads dividing hidden_size), as one line
+        if self.name_or_path is not None and self.config:
+            check_weight_shapes_kept(self)
 
+    def hf_overrides(self) -> dict:
+        """The HF config fields laid over the model's config: init_config then config for a model built from
+        scratch; config alone over a pretrained model's config.json (a preset's shape is not the checkpoint's)."""
+        if self.name_or_path is None:
+            return {**self.init_config, **self.config}
+        return dict(self.config)
 
     def torch_dtype(self) -> torch.dtype:
         """The parameter dtype `dtype` resolves to on this machine."""
@@ -108,33 +135,83 @@ def check_tokenizer_dir(path: str) -> None:
                         f"{' or '.join(TOKENIZER_FILES)}; models are read from local folders only)")
 
 
+def check_weight_shapes_kept(cfg: ModelConfig) -> None:
+    """UserError when model.config changes the shape of a pretrained model's weights (from_pretrained would print
+    a report of every mismatched tensor and stop with a traceback on each rank). Both configs are built on the meta
+    device: no memory, no weights read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def shapes(config) -> dict:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+
+    own, changed = shapes(AutoConfig.from_pretrained(cfg.name_or_path)), shapes(hf_config(cfg))
+    differ = sorted(name for name in own.keys() | changed.keys() if own.get(name) != changed.get(name))
+    if differ:
+        raise UserError(f"model.config ({', '.join(sorted(cfg.config))}) changes the shape of the weights in "
+                        f"{cfg.name_or_path} (e.g. {differ[0]} {own.get(differ[0])} -> {changed.get(differ[0])}): a "
+                        "checkpoint keeps its own shape; drop those fields, or build a new model with "
+                        "model.name_or_path=null")
+
+
 def transformers_error(exc: BaseException, field: str = "model.config") -> UserError:
     """A one-line UserError naming our field for an error transformers raised about the user's model settings:
     its first lines joined (a strict-dataclass error puts the reason on its second line), and the HF field when
     the error names one."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     named = re.search(r"for field '([A-Za-z0-9_]+)'", lines[0])
-    where = f"{field}.{named.group(1)}" if named and field == "model.config" else field
+    where = f"{field}.{named.group(1)}" if named and field in ("model.config", "model.init_config") else field
     return UserError(f"{where}: transformers rejects it ({' '.join(lines[:2])[:300]})")
 
 
 def hf_config(cfg: ModelConfig, overrides: dict | None = None):
-    """The HF config of ``cfg`` (model.config over name_or_path's config.json, or over the architecture's
+    """The HF config of ``cfg`` (cfg.hf_overrides() over name_or_path's config.json, or over the architecture's
     defaults), with transformers' validation errors as one-line UserErrors naming model.config."""
     from transformers import AutoConfig
 
-    overrides = dict(cfg.config) if overrides is None else overrides
+    overrides = cfg.hf_overrides() if overrides is None else overrides
     try:
         if cfg.name_or_path is not None:
-            return AutoConfig.from_pretrained(cfg.name_or_path, **overrides)
+            rope = {k: overrides[k] for k in ("rope_theta", "rope_scaling") if k in overrides}
+            config = AutoConfig.from_pretrained(cfg.name_or_path, **{k: v for k, v in overrides.items()
+                                                                      if k not in rope})
+            return _fold_rope(config, rope) if rope else config
         return AutoConfig.for_model(cfg.architecture, **overrides)
     except (ValueError, TypeError, KeyError, OSError, AttributeError) as exc:  # strict-dataclass errors too
-        field = "model.config" if overrides or cfg.name_or_path is None else "model.name_or_path"
-        raise transformers_error(exc, field) from None
+        raise transformers_error(exc, _fields_set(cfg, overrides)) from None
     except Exception as exc:  # noqa: BLE001 -- huggingface_hub's StrictDataclass*Error derive from Exception only
         if type(exc).__name__.startswith("StrictDataclass"):
-            raise transformers_error(exc) from None
+            raise transformers_error(exc, _fields_set(cfg, overrides)) from None
         raise
+
+
+def _fold_rope(config, rope: dict):
+    """model.config's rope_theta / rope_scaling (the config.json keys Qwen's and others' long-context guides give)
+    folded into the pretrained config's rope_parameters, which transformers 5 reads: passed as they are, a
+    rope_theta is ignored and a rope_scaling replaces rope_parameters without the model's rope_theta."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise UserError(f"model.config: {', '.join(sorted(rope))}: this model keeps RoPE per layer type "
+                        f"(rope_parameters: {params}); set ++model.config.rope_parameters={{...}} per layer type")
+    scaling = dict(rope.get("rope_scaling") or {})
+    if "type" in scaling:  # the older spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    params.update(scaling)
+    if "rope_theta" in rope:
+        params["rope_theta"] = rope["rope_theta"]
+    config.rope_parameters = params
+    return config
+
+
+def _fields_set(cfg: ModelConfig, overrides: dict) -> str:
+    """The field an error about the HF config's values names: the user's model.config when it holds any, else the
+    preset's model.init_config (a model built from scratch), else model.name_or_path (its config.json)."""
+    if cfg.config:
+        return "model.config"
+    if cfg.name_or_path is None:
+        return "model.init_config" if cfg.init_config else "model.config"
+    return "model.config" if overrides else "model.name_or_path"
 
 
 def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: dict | None = None):
@@ -170,11 +247,11 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
             try:
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
             except (ValueError, TypeError, KeyError) as exc:  # e.g. an unknown hidden_act, a str rope_theta
-                raise transformers_error(exc) from None
+                raise transformers_error(exc, _fields_set(cfg, cfg.config)) from None
             except RuntimeError as exc:  # e.g. a negative size; a real out-of-memory is not the user's value
                 if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
                     raise
-                raise transformers_error(exc) from None
+                raise transformers_error(exc, _fields_set(cfg, cfg.config)) from None
     model.config.use_cache = False
     # under ZeRO-3, peft gathers a partitioned weight it reads (DoRA's column norms) when transformers reports ZeRO-3
     with _hf_zero3(zero3_config if cfg.lora.r else None):
@@ -213,9 +290,9 @@ def _drop_pad_token_outside_vocab(hf_config) -> None:
 
 
 def hf_config_for(cfg: ModelConfig, vocab_size: int | None = None):
-    """The HF config build_model builds from (no weights read): use_cache=False, cfg.config's overrides, and for a
+    """The HF config build_model builds from (no weights read): use_cache=False, cfg.hf_overrides(), and for a
     model built from a config the larger of the tokenizer's and the config's vocabulary."""
-    overrides = dict(cfg.config)
+    overrides = cfg.hf_overrides()
     overrides["use_cache"] = False
     if cfg.name_or_path is not None:
         return hf_config(cfg, overrides)

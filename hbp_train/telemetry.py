@@ -248,11 +248,13 @@ class MetricsLogger:
                      grad_norm: Optional[float], step_time: float, data_time: float, group: int, sp: int,
                      num_micro_batches: int, plan_metrics: dict, skipped: bool, num_skipped: int,
                      pack_len: Optional[int] = None, num_packs: Optional[int] = None,
-                     groups: Optional[list] = None) -> dict:
+                     groups: Optional[list] = None, steps_per_epoch: Optional[int] = None) -> dict:
         """The namespaced metric dict of one step from every rank's gathered values.
 
         With the group's ``pack_len`` and the step's ``num_packs`` (all replicas, empty ones included) it adds the
         paper's plan metrics as lived: ``tokens/ave_t`` (tokens per GPU this step) and ``tokens/pad_ratio``.
+        ``step`` and ``epoch`` count from 1, as the log line does (``plan/step`` is the same step from 0);
+        ``steps_per_epoch``: the plan's optimizer steps (None: every step is of epoch 1).
         ``groups``: every group the step ran (a step that mixes groups), else [group]; with sp_mix_columns among
         ``columns``, ``plan/sp`` is the largest degree the step ran and ``plan/group`` its largest group."""
         col = {name: gathered[:, i] for i, name in enumerate(columns)}
@@ -264,6 +266,8 @@ class MetricsLogger:
         world = gathered.shape[0]
         mean_compute = float(compute.mean())
         metrics = {
+            "step": step + 1,
+            "epoch": step // steps_per_epoch + 1 if steps_per_epoch else 1,
             "loss/train": float(col["loss_sum"].sum()) / max(loss_tokens, 1.0),
             "loss/tokens": loss_tokens,
             "optim/lr": lr,
@@ -314,13 +318,14 @@ class MetricsLogger:
         per_rank = {k: v for k, v in scalars.items() if k.startswith(RANK_TIME_PREFIX)}
         if self.tb is not None:
             for key, value in scalars.items():
-                if key not in per_rank and key != "plan/step":
+                if key not in per_rank and key not in ("plan/step", "step"):
                     self.tb.add_scalar(key, value, step)
             if per_rank:  # one chart, one line per rank
                 self.tb.add_scalars(RANK_TIME_PREFIX.rstrip("/"), {k[len(RANK_TIME_PREFIX):]: v
                                                                    for k, v in per_rank.items()}, step)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
+            # "step" is W&B's own key (a user key of that name loses the row); its step axis is plan/step
+            self.wandb.log({k: v for k, v in scalars.items() if k != "step"}, step=step)
         for key, value in per_rank.items():
             self.rank_times.setdefault(key[len(RANK_TIME_PREFIX):], []).append((step, value))
         line = format_line(metrics)

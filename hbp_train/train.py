@@ -130,7 +130,7 @@ def _task(dict_cfg) -> None:
 def main() -> None:
     import hydra
 
-    from hbp_train.config import CONF_DIR, ConfigError, check_command_line, load, user_overrides
+    from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
     from hbp_train.errors import EXIT_USER_ERROR
 
     argv = _strip_local_rank(sys.argv[1:])
@@ -143,7 +143,7 @@ def main() -> None:
     try:
         check_command_line(argv)
         if not any(a.startswith("-") for a in argv):  # --cfg, --info ... are Hydra's business
-            load(user_overrides(argv))  # fail fast, one line, before any rank builds anything
+            check_paths(load(user_overrides(argv)))  # fail fast, one line, before any rank builds anything
     except ConfigError as e:
         _fail(f"config error: {e}", EXIT_USER_ERROR)
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()

@@ -38,6 +38,7 @@ from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
+from hbp_train.run_summary import start_summary
 from hbp_train.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
 from hbp_train.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
 
@@ -165,6 +166,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
+    metrics.message(start_summary(run))  # rank 0: what is about to be trained, on what, how (run_summary.py)
     step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
@@ -209,7 +211,8 @@ def train(cfg, config_yaml: str = "") -> dict:
                 groups=sorted({mb.get("group", step_batch.group) for mb in step_batch.micro_batches}),
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
                 skipped=skipped, num_skipped=num_skipped,
-                pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs)
+                pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs,
+                steps_per_epoch=run.data.num_steps)
             m.update(step_mix(step_batch.plan_step))
             m.update(run.sp.stats.step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))

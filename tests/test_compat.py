@@ -51,3 +51,46 @@ def test_families_outside_the_matrix_with_unsupported_features():
         check_model_support(AutoConfig.for_model("gemma2", **tiny), 16, [1], "sdpa_block")
     with pytest.raises(UserError, match=r"gpt_oss.*attention sinks"):
         check_model_support(AutoConfig.for_model("gpt_oss", **tiny, num_local_experts=4), 16, [1], "sdpa_block")
+
+
+def test_samples_longer_than_the_models_positions_are_refused_unless_rope_scaling_provides_them():
+    """A pack may be longer than max_position_embeddings (positions restart in every sample); a sample may not,
+    unless the config's RoPE scaling stretches the positions: then one line says how (a 1024-position model used to
+    train on 8192-token samples without a word)."""
+    from hbp_train.compat import check_positions
+
+    assert check_positions(_config("qwen2", max_position_embeddings=1024), 1024) is None
+    with pytest.raises(UserError, match=r"qwen2 .*samples reach 8192 tokens but the model has 1024 positions "
+                                        r"\(max_position_embeddings\); re-plan .*--max-len 1024.*rope_scaling="
+                                        r"\{rope_type:yarn,factor:8,original_max_position_embeddings:1024\} "
+                                        r"\+\+model.config.max_position_embeddings=8192") as err:
+        check_positions(_config("qwen2", max_position_embeddings=1024), 8192)
+    assert "\n" not in str(err.value)
+    yarn = _config("qwen2", max_position_embeddings=1024,
+                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    assert "RoPE scaling provides 4096 positions (yarn, factor 4 x 1024" in check_positions(yarn, 4000)
+    with pytest.raises(UserError, match="1024 positions \\(max_position_embeddings; RoPE scaling yarn gives 4096\\)"):
+        check_positions(yarn, 8192)
+    # Gemma 3 scales its full-attention layers only; its sliding-window layers never look further than the window.
+    gemma = _config("gemma3_text", max_position_embeddings=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert "8192 positions (linear" in check_positions(gemma, 4000)
+    with pytest.raises(UserError, match=r"rope_parameters=\{\.\.\.\} with a scaling"):
+        check_positions(_config("gemma3_text", max_position_embeddings=1024), 4000)
+
+
+def test_the_build_refuses_samples_beyond_the_positions_before_any_weight_loads(tmp_path, tokenizer_dir, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hbp_train import build, config, model
+    from tests.assets.packed_fixture import ONE_RANK_STEPS, synthetic_samples, write_packed
+
+    model_dir = tmp_path / "model"
+    shape = tiny_config("qwen2", vocab_size=4096, max_position_embeddings=1024)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **shape)).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(model_dir)
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(12, 4096, seed=1), ONE_RANK_STEPS, world_size=1,
+                          plan_extra={"max_len": 2048})  # a plan that may hold 2048-token samples
+    monkeypatch.setattr(model, "build_model", lambda *a, **k: pytest.fail("read the weights first"))
+    cfg = config.load([f"model.name_or_path={model_dir}", f"data.shards={shards}", f"train.out_dir={tmp_path}/run"])
+    with pytest.raises(UserError, match="the plan's samples reach 2048 tokens but the model has 1024 positions"):
+        build.build(cfg)

@@ -98,6 +98,57 @@ def test_misspelt_key_suggests_the_closest_field(override, message, capsys):
     assert err.startswith(f"config error: {message}") and err.count("\n") == 1
 
 
+# The parameter counts the models' cards publish (total, active; in billions; Qwen3-30B-A3B's card rounds 3.35 to
+# 3.3): the presets' shapes reproduce them from their config fields alone (no weights, no download).
+FAMILY_PRESETS = {"llama3_8b": (8.03, None), "qwen3_8b": (8.19, None), "qwen2_5_32b": (32.5, None),
+                  "mistral_nemo_12b": (12.2, None), "qwen3_30b_a3b": (30.5, 3.35), "mixtral_8x7b": (46.7, 12.9)}
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILY_PRESETS))
+def test_family_presets_have_their_models_shapes_and_leave_a_checkpoint_its_own(preset, fake_hf_model):
+    from hbp_train.perf.shape import model_shape_of
+
+    total, active = FAMILY_PRESETS[preset]
+    scratch = config.load([f"model={preset}", "model.name_or_path=null", "data.shards=x"]).model
+    shape = model_shape_of(scratch, 4096)  # the shipped tokenizer's 4096 tokens: the preset's vocabulary stays
+    assert shape.num_params / 1e9 == pytest.approx(total, rel=0.01)
+    assert shape.active_params / 1e9 == pytest.approx(active or total, rel=0.01)
+    assert scratch.dtype == "bf16"
+    # Given a checkpoint, its config.json is the shape: the preset adds nothing over it.
+    assert config.load([f"model={preset}", f"model.name_or_path={fake_hf_model}", "data.shards=x"]).model \
+        .hf_overrides() == {}
+
+
+def test_a_model_config_field_the_preset_does_not_hold_says_how_to_add_it(capsys):
+    assert config.main(["model.config.hidden_size=128"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "++model.config.<field>=VALUE" in err and "model.init_config" in err
+
+
+def test_input_paths_are_checked_before_any_worker_starts(tmp_path, fake_hf_model, capsys):
+    """python -m hbp_train.config (what ./launch.sh train runs first) finds a wrong data.shards, data.eval_shards
+    or tokenizer folder in one line naming the field: a data.shards typo was reported by "rank 1" once the
+    workers had started."""
+    (tmp_path / "packed").mkdir()
+    (tmp_path / "packed" / "plan.json").write_text("{}")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "report.json").write_text("{}")
+    no_tokenizer = tmp_path / "weights_only"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    good = [f"data.shards={tmp_path / 'packed'}", f"model.name_or_path={fake_hf_model}"]
+    for override, message in [
+        (f"data.shards={tmp_path / 'packd'}", "data.shards="),
+        (f"data.shards={tmp_path / 'tok'}", "no plan.json there (it is a tokenized dataset: plan and pack it first)"),
+        (f"data.eval_shards={tmp_path / 'packed' / 'plan.json'}", "data.eval_shards="),
+        (f"model.name_or_path={no_tokenizer}", "model.tokenizer defaults to model.name_or_path"),
+    ]:
+        assert config.main([*good, override]) == 2, override
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert config.main(good) == 0
+
+
 def test_added_keys_inside_free_form_fields_still_work():
     cfg = config.load(["+deepspeed.extra.foo=1"])
     assert cfg.deepspeed.extra["foo"] == 1

@@ -38,6 +38,7 @@ def _wrong_type(kind) -> typing.Optional[str]:
 # NO_RANGE with the reason. (Path fields also get their own cases below.)
 OUT_OF_RANGE = {
     "model.name_or_path": "/nonexistent/model", "model.config": "{num_attention_heads: 3}",
+    "model.init_config": "{num_attention_heads: 3}",
     "model.architecture": "not_a_model", "model.dtype": "fp8", "model.attention_backend": "magic", "model.kernels": "triton",
     "model.tokenizer": "/nonexistent/tokenizer", "model.seed": "-1", "model.lora": "{r: -1}",
     "data.shards": "''", "data.epochs": "0", "data.eval_shards": "''",
@@ -60,6 +61,7 @@ OUT_OF_RANGE = {
 NO_RANGE = {  # every value of the type is valid: only the wrong type is checked
     "data.check_counts": "bool", "data.shuffle_epochs": "bool", "deepspeed.offload_optimizer": "bool",
     "deepspeed.offload_param": "bool (true needs ZeRO-3, tested in test_config)", "deepspeed.overlap_comm": "bool",
+    "model.resize_vocab": "bool (its effect: tests/test_vocab.py)",
     "train.save_final": "bool", "logging.jsonl": "bool", "logging.tensorboard": "bool",
     "logging.progress_bar": "bool", "logging.exclude_comm_wait": "bool", "logging.wandb": "bool",
     "logging.wandb_run_name": "free-form name (None = W&B chooses)", "profile.prune": "bool", "profile.dry_run": "bool", "profile.progress": "bool",

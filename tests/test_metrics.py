@@ -50,7 +50,10 @@ def test_step_metrics_and_outputs(tmp_path):
     assert m["perf/mfu"] == pytest.approx(4e12 / (2 * 1e12 * 2.0))
     assert m["perf/tflops_per_device"] == pytest.approx(4e12 / 2 / 2.0 / 1e12)  # FLOPs of all ranks / ranks / s
     assert m["memory/peak_gib"] == 2.5 and m["perf/data_wait_pct"] == pytest.approx(25.0)
-    assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan", "tokens"}
+    # Namespaced, but for the step and epoch, which count from 1 as the line does (plan/step counts from 0).
+    assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan", "tokens", "step",
+                                            "epoch"}
+    assert (m["step"], m["epoch"], m["plan/step"]) == (4, 1, 3)
     assert m["tokens/ave_t"] == 150 / 2 and m["tokens/pad_ratio"] == pytest.approx(1 - 150 / (64 * 3))  # live Ave-T, PR
     logger.log(m)
     logger.close()
@@ -60,6 +63,20 @@ def test_step_metrics_and_outputs(tmp_path):
     assert record["balance/plan_DBR"] == 1.05 and record["plan/sp"] == 2
     assert list((tmp_path / "tb").iterdir())
     assert (tmp_path / "metrics.png").stat().st_size > 0  # drawn when the logger closes (hbp_train/run_plot.py)
+
+
+def test_step_and_epoch_count_from_one_across_epochs(tmp_path):
+    logger = MetricsLogger(LoggingConfig(tensorboard=False, progress_bar=False), str(tmp_path), rank=0, total_steps=6)
+    row = dict(compute_time=1.0, loss_sum=1.0, loss_tokens=1, tokens=8)
+    for step in range(6):  # 3 optimizer steps per epoch, 2 epochs
+        logger.log(logger.step_metrics(step=step, total_steps=6, gathered=_gathered([row]), columns=STAT_COLUMNS,
+                                       lr=1e-4, grad_norm=0.5, step_time=1.0, data_time=0.0, group=0, sp=1,
+                                       num_micro_batches=1, plan_metrics={}, skipped=False, num_skipped=0,
+                                       steps_per_epoch=3))
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["epoch"], r["plan/step"]) for r in rows] == [(1, 1, 0), (2, 1, 1), (3, 1, 2), (4, 2, 3),
+                                                                       (5, 2, 4), (6, 2, 5)]
 
 
 def test_run_plot_reads_resumed_logs_and_refuses_damaged_ones(tmp_path, capsys):
@@ -252,8 +269,9 @@ def test_wandb_sink_logs_the_same_keys_on_rank_0_only_with_one_line_per_rank(tmp
     steps = [r for r in history if "loss/train" in r]
     assert len(steps) == 3
     for row, m in zip(steps, logged):
+        assert "step" not in row  # a key W&B keeps for itself: its own step axis (plan/step) says it
         for key, value in m.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                 assert row[key] == pytest.approx(value), key
     chart = [r for r in history if "time/compute_s_per_rank" in r or any("compute_s_per_rank" in k for k in r)]
     assert len(chart) == 1  # the per-rank times as one chart, one line per rank

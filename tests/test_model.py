@@ -84,6 +84,58 @@ def test_build_from_local_dir_keeps_weights_and_grows_vocab(tmp_path):
     assert grown.get_input_embeddings().weight.shape[0] == VOCAB + 8
 
 
+def _save_qwen2(folder, **fields):
+    """A user's own model of another family and shape than the tiny_llama preset's (hidden 64, 2 layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                  num_attention_heads=6, num_key_value_heads=2, vocab_size=VOCAB, **fields)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_a_model_by_path_keeps_its_own_config_under_the_default_preset(tmp_path, tokenizer_dir):
+    """model.name_or_path alone: the default preset (tiny_llama) leaves its shape in model.init_config, which only a
+    model built from scratch uses (it was model.config, laid over the checkpoint: a load report, then a traceback)."""
+    from hbp_train import config
+
+    saved = _save_qwen2(tmp_path)
+    cfg = config.load([f"model.name_or_path={tmp_path}", "data.shards=unused"]).model
+    assert cfg.init_config["hidden_size"] == 64 and cfg.hf_overrides() == {}
+    loaded = build_model(cfg)
+    assert type(loaded).__name__ == "Qwen2ForCausalLM" and loaded.config.hidden_size == 48
+    for (name, p), (_, q) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(p, q, msg=name)
+    # Built from scratch, the preset's shape applies, under what the user sets in model.config.
+    scratch = config.load(["data.shards=unused", "++model.config.num_hidden_layers=3"]).model
+    assert scratch.hf_overrides() == {**scratch.init_config, "num_hidden_layers": 3}
+    assert len(decoder_layers(build_model(scratch, vocab_size=VOCAB))) == 3
+
+
+def test_model_config_changes_a_checkpoint_only_where_it_keeps_the_weights_shapes(tmp_path):
+    _save_qwen2(tmp_path)
+    # A field that changes no weight (RoPE, the router loss weight...) applies on top of config.json; RoPE given
+    # with the config.json keys of long-context guides (rope_theta, rope_scaling) lands in transformers 5's
+    # rope_parameters, keeping the model's theta (passed through as they are, one was ignored, the other lost it).
+    rope = build_model(ModelConfig(name_or_path=str(tmp_path), config={"rope_theta": 20000.0})).config.rope_parameters
+    assert rope == {"rope_type": "default", "rope_theta": 20000.0}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    model = build_model(ModelConfig(name_or_path=str(tmp_path), config={"rope_scaling": yarn,
+                                                                       "max_position_embeddings": 4096}))
+    assert model.config.rope_parameters == {**yarn, "rope_theta": 10000.0} and model.config.max_position_embeddings \
+        == 4096 and model.model.rotary_emb.rope_type == "yarn"
+    with pytest.raises(UserError, match=r"model.config \(hidden_size\) changes the shape of the weights in .*"
+                                        r"model.name_or_path=null") as err:
+        ModelConfig(name_or_path=str(tmp_path), config={"hidden_size": 64})
+    assert "\n" not in str(err.value)
+    # transformers' own checks name the field the value came from: the preset's shape or the user's change.
+    with pytest.raises(UserError, match=r"^model.init_config: transformers rejects it .*attention heads"):
+        ModelConfig(init_config={**TINY, "num_attention_heads": 3})
+    with pytest.raises(UserError, match=r"^model.config: transformers rejects it .*attention heads"):
+        ModelConfig(init_config=TINY, config={"num_attention_heads": 3})
+
+
 # ------------------------------------------------------------------------------------ hidden + chunked loss
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_forward_hidden_and_chunked_loss_equal_hf_loss(architecture):

@@ -81,9 +81,14 @@ def test_groups_auto_refuses_a_profile_made_for_another_world_size(tmp_path, len
     _error(capsys, argv + ["--world-size", "4"], "or pass --world-size 8")
     assert not out.exists()
     assert main(argv + ["--world-size", "8"]) == 0  # the world size it was made for
+    capsys.readouterr()  # (its output: a few-steps warning among it)
     # A profile that records W only in its config section (the profiler writes both) is checked the same way.
     prof.write_text(json.dumps({"groups": groups, "config": {"world_size": 2}}))
     _error(capsys, argv + ["--world-size", "4"], "made for world size 2, but --world-size is 4")
+    # Longer data than the profile's groups: only the profiler can add a group in auto mode, so it says that.
+    _error(capsys, argv + ["--world-size", "2", "--max-len", "4096"],
+           f"--max-len 4096 exceeds the largest pack_len 2048 of --profile {prof}: re-run the profiler with "
+           "profile.max_len=4096 (python -m hbp_train.profiler profile.max_len=4096 ...), or lower --max-len to 2048")
 
 
 def test_help_explains_every_flag(capsys):
@@ -219,15 +224,65 @@ def test_bad_values_found_before_planning_are_one_line_exit_2(tmp_path, capsys):
                     str(out)], "--dataset: " + f"{tmp_path / 'missing'}: no such folder")
 
 
-def test_max_len_below_the_data_warns(tmp_path, capsys):
+def test_max_len_below_the_data_warns_saying_what_happens_to_them(tmp_path, capsys):
     lengths = tmp_path / "l.txt"
     lengths.write_text("12\n7\n300\n")
     argv = ["--lengths", str(lengths), "--world-size", "2", "--groups", "256:1,512:2", "--max-len", "256",
             "--quiet", "--out", str(tmp_path / "p.json")]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "1 samples are longer than --max-len 256 (longest 300)" in err
+    assert "1 samples are longer than --max-len 256 (longest 300): 1 fit the largest pack_len and are planned" in err
     assert json.loads((tmp_path / "p.json").read_text())["dropped"] == []  # planned, not lost
+    # Longer than the largest pack_len too: dropped, and the warning says so with the count (it said "planned").
+    lengths.write_text("12\n7\n300\n600\n")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("2 samples are longer than --max-len 256 (longest 600): 1 are longer than the largest pack_len 512 and "
+            "are dropped (reason longer_than_max_pack_len, listed in the plan); 1 fit the largest pack_len and are "
+            "planned; to keep them cut to 256 tokens re-run data_tools.preprocess --max-len 256 --overlong truncate"
+            ) in err
+    assert json.loads((tmp_path / "p.json").read_text())["dropped"] == [{"index": 3,
+                                                                          "reason": "longer_than_max_pack_len"}]
+
+
+def test_without_global_tokens_the_step_size_comes_from_the_data(tmp_path, lengths_file, capsys):
+    """The README's command omitted --global-tokens, whose default (4,194,304) made ONE optimizer step of a
+    509K-token set, silently. Now the data sizes the step; a plan of few steps is warned about, with the fix."""
+    from hbp_train.planning.equal_steps import auto_global_tokens
+
+    path, lengths = lengths_file
+    out = tmp_path / "p.json"
+    argv = ["--lengths", str(path), "--world-size", "4", "--groups", "256:1,1024:2", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    kept = int(lengths[lengths <= 1024].sum())
+    one_slot_each = 4 * 256 + 2 * 1024  # a pack of every group per replica, so that steps mix the groups' lengths
+    assert json.loads(out.read_text())["global_tokens"] == auto_global_tokens(kept, one_slot_each) == one_slot_each
+    assert f"--global-tokens not given: {one_slot_each:,} tokens per optimizer step" in captured.out
+    assert json.loads(out.read_text())["metrics"]["num_steps"] >= 10 and "warning" not in captured.err
+    assert main([*argv, "--global-tokens", str(4 * 1024 * 1024)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"warning: only 1 optimizer steps of {kept:,} tokens, too few updates to train on; lower "
+                          f"--global-tokens (now 4,194,304; without it, {one_slot_each:,}: about ")
+    # The rule: T / 100 steps, at most the old default per step, at least the given slot.
+    assert [auto_global_tokens(t, 3072) for t in (50_000, 10_000_000, 10**10)] == [3072, 100_000, 4 * 1024 * 1024]
+
+
+def test_the_table_compares_like_with_like(tmp_path, capsys):
+    """The demo's shape: isf runs every pack at sp=2 on 2 ranks, one replica per step, so its ABR and DBR read 0 --
+    nothing to balance, which made hbp look worse in the table's first row. They read n/a, and a note says why."""
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("\n".join(map(str, np.random.default_rng(0).integers(16, 2048, 300))) + "\n")
+    assert main(["--lengths", str(lengths), "--world-size", "2", "--groups", "1024:1,2048:2", "--quiet",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    printed = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.strip()}
+    assert rows["metric"] == ["hbp", "isf"]
+    for metric in ("ABR", "DBR"):
+        assert rows[metric][1] == "n/a" and float(rows[metric][0]) >= 0
+    assert float(rows["CR"][1]) == 1.0  # every isf token pays SP communication: that comparison stands
+    assert ("\nnote: replicas per step: hbp sp=1: 2 replicas, sp=2: 1 replica; isf sp=2: 1 replica. ABR and DBR "
+            "compare the replicas of a step") in printed
 
 
 def test_plan_of_another_version_is_refused(tmp_path, lengths_file):

@@ -140,3 +140,44 @@ def test_gpu_run_needs_a_tokenizer(tmp_path):
     with pytest.raises(UserError, match="model.tokenizer"):
         tokenizer_vocab(str(tmp_path), dry_run=False)
     assert tokenizer_vocab(str(tmp_path), dry_run=True) is None
+
+
+def _user_model(folder, tokenizer_dir):
+    """A Qwen2-shaped model saved by its user, tokenizer beside it: another shape than the default preset's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.for_model("qwen2", hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                                  num_attention_heads=6, num_key_value_heads=2, vocab_size=4096)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+
+
+def test_dry_run_profiles_the_model_the_config_names(tmp_path, tokenizer_dir, capsys):
+    """model.name_or_path alone: the dry run profiles that model (it profiled the default preset's tiny Llama)."""
+    _user_model(tmp_path / "mine", tokenizer_dir)
+    path = tmp_path / "p.json"
+    rc, _, err = run_cli([f"model.name_or_path={tmp_path / 'mine'}", "profile.dry_run=true", "profile.progress=false",
+                          "profile.max_len=2048", "profile.min_len=512", "profile.world_size=2",
+                          f"profile.output={path}"], capsys)
+    assert rc == 0, err
+    model = json.loads(path.read_text())["model"]
+    assert (model["name"], model["hidden"], model["num_layers"], model["num_heads"], model["ffn"]) == \
+        ("mine", 96, 3, 6, 192)
+
+
+@pytest.mark.slow
+def test_cpu_profile_measures_the_model_the_config_names(tmp_path, tokenizer_dir, capsys):
+    """profile.device=cpu builds and measures the named model on this CPU (it stopped with a traceback: the default
+    preset's shape laid over the checkpoint)."""
+    _user_model(tmp_path / "mine", tokenizer_dir)
+    path = tmp_path / "p.json"
+    rc, _, err = run_cli([f"model.name_or_path={tmp_path / 'mine'}", "profile.device=cpu", "profile.progress=false",
+                          "profile.max_len=512", "profile.min_len=256", "profile.world_size=1", "profile.iters=1",
+                          "profile.warmup_iters=0", f"profile.output={path}"], capsys)
+    assert rc == 0, err
+    from transformers import AutoModelForCausalLM
+
+    data = json.loads(path.read_text())
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "mine")
+    assert data["model"]["hidden"] == 96 and data["model"]["num_params"] == sum(p.numel() for p in saved.parameters())
+    assert {m["source"] for m in data["measurements"]} == {"cpu"} and data["groups"]  # measured on this CPU

@@ -277,6 +277,15 @@ def test_deepspeed_config_follows_the_run_config():
     assert config["scheduler"]["type"] == "WarmupCosineLR" and params["total_num_steps"] == 100
     # warm-up from lr/5, cosine down to lr * 0.3
     assert (params["warmup_num_steps"], params["warmup_min_ratio"], params["cos_min_ratio"]) == (5, 1 / 5, 0.3)
+    # Made at iteration 0: at DeepSpeed's -1 its constructor logged "Attempting to get learning rate from scheduler
+    # before it has started" on every rank of every run (build_engine sets iteration 0's rate).
+    assert params["last_batch_iteration"] == 0
+    # A run no longer than its warm-up (it ran "step 1/1 ... lr 2.00e-06" at the first warm-up rate): a tenth of it.
+    from hbp_train.build import capped_warmup_steps
+
+    assert [capped_warmup_steps(10, n) for n in (50, 11, 10, 4, 1)] == [10, 10, 1, 0, 0]
+    short = deepspeed_config(ds, train, total_steps=4, world_size=4, bf16=True)["scheduler"]["params"]
+    assert (short["warmup_num_steps"], short["warmup_min_ratio"]) == (1, 1.0)  # no warm-up: train.lr from step 1
     zero = config["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
     assert zero["stage3_max_live_parameters"] == 7 and zero["reduce_bucket_size"] == ds.reduce_bucket_size  # merged

@@ -267,11 +267,11 @@ def model_shape_of(model_cfg, vocab_size: Optional[int] = None) -> ModelShape:
     """The ModelShape a ``hbp_train.model.ModelConfig`` builds, from its HF config alone (no weights are built).
 
     ``vocab_size`` is the tokenizer's, applied as build_model does: a config-built model gets the larger of it and
-    a vocab_size given in model.config; a pretrained one grows to it, never shrinks.
+    a vocab_size given in its config fields; a pretrained one grows to it, never shrinks.
     """
     from transformers import AutoConfig
 
-    overrides = dict(model_cfg.config)
+    overrides = model_cfg.hf_overrides()  # a preset's shape only for a model built from scratch
     try:  # what transformers raises for an unreadable config.json or an unknown model_type in it
         if model_cfg.name_or_path is not None:
             hf = AutoConfig.from_pretrained(model_cfg.name_or_path, **overrides)

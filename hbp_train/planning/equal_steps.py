@@ -42,6 +42,27 @@ if TYPE_CHECKING:  # annotations only: plan.py's metrics need step_budget from h
     from hbp_train.planning.plan import Plan
 
 
+# The step size data_tools.pack derives when --global-tokens is not given: enough optimizer steps to train
+# (AUTO_STEPS), never more tokens per step than the planner's long-standing default (AUTO_MAX_TOKENS).
+AUTO_STEPS = 100
+AUTO_MAX_TOKENS = 4 * 1024 * 1024
+# Fewer optimizer steps than this is too few updates to train on: data_tools.pack warns.
+MIN_STEPS = 10
+
+
+def auto_global_tokens(total_tokens: int, slot_tokens: int = 1) -> int:
+    """Real tokens per optimizer step for T real tokens when none are given: T / AUTO_STEPS (so a small set still
+    makes about AUTO_STEPS steps), at most AUTO_MAX_TOKENS (a large set makes more steps), and at least
+    ``slot_tokens``, the capacity of one slot of every group (``slot_tokens()``), so that a step can mix the
+    groups' lengths (hbp's step_mix="mixed") rather than hold one group's slot."""
+    return int(max(1, slot_tokens, min(AUTO_MAX_TOKENS, total_tokens // AUTO_STEPS)))
+
+
+def slot_tokens(world_size: int, groups) -> int:
+    """The capacity of one slot of every group: sum over groups of (W / sp) replicas x pack_len."""
+    return int(sum(world_size // g.sp * g.pack_len for g in groups))
+
+
 def step_budget(total_tokens: int, global_tokens: int) -> tuple[int, float]:
     """(optimizer steps N = max(1, round(T / G)), target real tokens per step T / N) for T real tokens."""
     num_steps = max(1, int(round(total_tokens / global_tokens)))

@@ -62,7 +62,8 @@ profile.* options (defaults in brackets):
 
 Without a GPU and without profile.dry_run=true: one line and exit code 2. Bad values: one line naming the field,
 exit code 2; so does a profile where nothing fits. A dry run needs only the model's config.json
-(model.name_or_path=DIR holding it; without a tokenizer the config's vocab_size is used) and no data.shards, e.g.
+(model.name_or_path=DIR holding it; without a tokenizer the config's vocab_size is used), or a preset with a
+published shape (model=qwen3_8b, ...: docs/models.md), and no data.shards, e.g.
   python -m hbp_train.profiler experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
 See docs/profiler.md.
 """

@@ -372,3 +372,32 @@ def test_token_loss_weights_are_the_normalizers():
     assert LossConfig(impl="fused").fused_on("cpu") and not LossConfig(impl="chunked").fused_on("cuda")
     with pytest.raises(UserError, match="loss.impl"):
         LossConfig(impl="liger")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fused", "chunked"])
+def test_gpu_loss_forward_and_backward_never_synchronise(impl):
+    """On a GPU, with the trained-token count given (as the trainer gives it), neither head + loss synchronises the
+    host with the device (CUDA's sync debug mode raises on any op that would), and the fused sum and gradients are
+    the chunked path's within bf16 rounding."""
+    cuda = torch.device("cuda")
+    hidden_TH, weight_VH, _, labels_T = (x.detach().to(cuda) for x in _problem(
+        num_tokens=3000, hidden=64, vocab=5000, dtype=torch.bfloat16))
+    hidden_TH.requires_grad_()
+    weight_VH.requires_grad_()
+    num_rows = int((labels_T != IGNORE_INDEX).sum())
+    weights_T = _weights(labels_T.cpu(), "sample_mean").to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if impl == "fused":
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows)
+        else:
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows) * weights_T).sum()
+        grads = torch.autograd.grad(total, (hidden_TH, weight_VH))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512) * weights_T).sum()
+    torch.testing.assert_close(total, reference, atol=1e-4, rtol=1e-4)
+    for got, want in zip(grads, torch.autograd.grad(reference, (hidden_TH, weight_VH))):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)

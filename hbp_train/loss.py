@@ -7,8 +7,9 @@ instead of O(T x V): a 32K pack with a 128K vocabulary would otherwise hold 16 G
   Four GEMM passes over [T, V] (forward; backward: recompute, d hidden, d W). Any use of the losses is exact.
 * ``fused_token_losses`` (fused): the normalizer's per-token weights are known before the forward
   (``token_loss_weights``), so the weighted sum sum_t w_t loss_t is made together with its gradients w.r.t. hidden,
-  W and b, chunk by chunk in the forward: three GEMM passes, no recompute, one pass of fused elementwise work per
-  chunk instead of five. A weighted sum has a scalar upstream gradient g (DeepSpeed's loss scale, the SP loss
+  W and b, chunk by chunk in the forward: three GEMM passes, no recompute, and the logits' gradient in two
+  elementwise passes (a subtraction, then an exponential written in the weights' dtype) where chunked's backward
+  recasts the logits and makes five. A weighted sum has a scalar upstream gradient g (DeepSpeed's loss scale, the SP loss
   all-reduce: see ``_FusedCrossEntropy.backward``), so backward only multiplies the stored gradients by g.
 
 Tokens whose label is IGNORE_INDEX are skipped entirely. Their count is known on the host (the collate step counts
@@ -152,7 +153,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     Returns (the weighted sum, the per-row losses; the latter carries no gradient). Saves no input for backward,
     only the gradients: d hidden [N, H] in the hidden's dtype (what chunked saves instead is hidden itself), d W and
     d b. Per chunk: the logits in the model's dtype, one cast to fp32, their log-sum-exp, then d logits =
-    w (softmax - onehot) as exp(logits - lse + log w) in one pass, written in the weights' dtype (w (p - 1) at the
+    w (softmax - onehot) as exp(logits - lse + log w), the exponential written in the weights' dtype (w (p - 1) at the
     target, from fp32, so every element is rounded once), and the two GEMMs of d hidden and d W."""
 
     @staticmethod
@@ -168,7 +169,6 @@ class _FusedCrossEntropy(torch.autograd.Function):
                                       device=weight_VH.device) if need_weight else None)
         chunk_grad_VH = torch.empty_like(weight_VH) if wide else None
         grad_bias_V = torch.zeros(weight_VH.shape[0], dtype=wide_dtype, device=weight_VH.device) if need_bias else None
-        buffer_CV = None  # one chunk's d logits in the weight's dtype (fp32 weights: the logits, in place)
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
             logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, bias_V)
@@ -183,9 +183,10 @@ class _FusedCrossEntropy(torch.autograd.Function):
             if dtype == wide_dtype:
                 grad_logits_CV = logits_CV.exp_()
             else:
-                if buffer_CV is None:
-                    buffer_CV = torch.empty(logits_CV.shape, dtype=dtype, device=logits_CV.device)
-                grad_logits_CV = torch.exp(logits_CV, out=buffer_CV[:end - start])  # fp32 math, rounded on store
+                # fp32 math, rounded once on the store; a new buffer per chunk, so that none is held while the
+                # next chunk's log-sum-exp has its temporaries
+                grad_logits_CV = torch.exp(logits_CV, out=torch.empty(logits_CV.shape, dtype=dtype,
+                                                                      device=logits_CV.device))
             rows = torch.arange(end - start, device=logits_CV.device)
             # the target's w (p - 1), from fp32 (expm1: exact as p -> 1), rounded once
             grad_logits_CV[rows, labels_N[start:end]] = (w_C * torch.expm1(target_C - lse_C)).to(dtype)
@@ -199,7 +200,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
                 grad_weight_VH += chunk_grad_VH
             elif need_weight:
                 grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_NH[start:end])
-        del buffer_CV, chunk_grad_VH
+            del grad_logits_CV  # before the next chunk's logits exist
+        del chunk_grad_VH
         ctx.grads = (grad_hidden_NH, grad_weight_VH, grad_bias_V)
         ctx.dtypes = (weight_VH.dtype, None if bias_V is None else bias_V.dtype)
         ctx.mark_non_differentiable(loss_N)

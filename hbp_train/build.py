@@ -278,7 +278,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     # fit); the config equals the one build_engine gives deepspeed.initialize.
     zero3_config = None
     if cfg.deepspeed.zero_stage == 3:
-        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg), max_micro_batches)
+        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg),
+                                        max_micro_batches)
     with torch.device(init_device) if init_device is not None else nullcontext():
         model = modeling.build_model(cfg.model, vocab_size=vocab_size, zero3_config=zero3_config)
     sp = setup_sequence_parallel(model, pstate)  # SP: Ulysses attention when a degree > 1 is used

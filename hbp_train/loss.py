@@ -9,8 +9,8 @@ instead of O(T x V): a 32K pack with a 128K vocabulary would otherwise hold 16 G
   (``token_loss_weights``), so the weighted sum sum_t w_t loss_t is made together with its gradients w.r.t. hidden,
   W and b, chunk by chunk in the forward: three GEMM passes, no recompute, and the logits' gradient in two
   elementwise passes (a subtraction, then an exponential written in the weights' dtype) where chunked's backward
-  recasts the logits and makes five. A weighted sum has a scalar upstream gradient g (DeepSpeed's loss scale, the SP loss
-  all-reduce: see ``_FusedCrossEntropy.backward``), so backward only multiplies the stored gradients by g.
+  recasts the logits and makes five. A weighted sum has a scalar upstream gradient g (DeepSpeed's loss scale, the
+  SP loss all-reduce: see ``_FusedCrossEntropy.backward``), so backward only multiplies the stored gradients by g.
 
 Tokens whose label is IGNORE_INDEX are skipped entirely. Their count is known on the host (the collate step counts
 it), and with ``num_rows`` the trained rows are selected without a host sync (``torch.nonzero`` would read the count
@@ -57,7 +57,7 @@ class LossConfig:
     impl: str = "auto"
     """The LM head + cross-entropy: fused (the gradients made in forward from the normalizer's per-token weights:
     three GEMM passes over the logits instead of four, no recompute in backward), chunked (the logits recomputed in
-    backward) or auto (fused on a GPU, chunked on the CPU, where the tests pin the trainer to the reference path).
+    backward) or auto (fused on a GPU, chunked on the CPU: the reference path, what CPU runs are checked against).
     Both give the same losses and gradients (tests/test_loss.py) and hold one chunk of logits at a time."""
 
     def __post_init__(self):
@@ -248,7 +248,8 @@ def _flat_inputs(hidden_TH, shift_labels_T, chunk_size):
 
 def chunked_token_losses(hidden_TH, lm_head_weight_VH, shift_labels_T, chunk_size: int = 4096, lm_head_bias=None,
                          num_rows=None):
-    """Per-token cross-entropy loss_T (fp32; float64 for float64 weights) of the LM head applied to hidden_TH; 0 where shift_labels is IGNORE_INDEX.
+    """Per-token cross-entropy loss_T (fp32; float64 for float64 weights) of the LM head applied to hidden_TH; 0 where
+    shift_labels is IGNORE_INDEX.
 
     Equals F.cross_entropy(hidden @ W.T + b, labels, reduction="none") with gradients to hidden, W and b, but
     holds at most chunk_size x V logits at a time in forward and in backward (backward recomputes them).

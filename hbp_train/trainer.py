@@ -12,13 +12,13 @@ Per step, in order: the group's activation-checkpointing depth, the SP degree (a
 micro-batch the SP split of the collated pack, the normalizer's per-token loss weights (known before the forward,
 so the fused LM-head loss makes its gradients there; loss.py), forward, the SP loss reduction, backward; then the
 optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the gradient norm and
-the stop and NaN flags every rank must agree on). Nothing between the step's start and its end reads a value back
-from the device: the loss tokens are counted on the host, the step's sums stay on the device until the one
-transfer of its statistics, and the next step's batches are collated (on a GPU, into pinned memory) in a
-background thread while this one computes (prefetch.py). A step that mixes packing groups (hbp step_mix="mixed": one plan step
-per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
-loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split
-the step's tokens and compute time by SP degree (step_timing.SPMixTimer).
+the stop and NaN flags every rank must agree on). The forward and backward read no value back from the device: the
+loss tokens are counted on the host, the step's sums stay on the device until the one transfer of its statistics,
+and the next step's batch is collated (on a GPU, into pinned memory) in a background thread while this one computes
+(prefetch.py). A step that mixes packing groups (hbp step_mix="mixed": one plan step per group, data.py) switches
+the checkpointing depth and the SP degree where its micro-batches change group; the loss is normalized over the
+whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split the step's tokens and
+compute time by SP degree (step_timing.SPMixTimer).
 """
 
 from __future__ import annotations

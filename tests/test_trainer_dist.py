@@ -303,15 +303,16 @@ def _one_micro_batch_worker(rank, world_size, shards, out):
     model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
     for zero_stage in (2, 3):
         for accum in ("fp32", "auto"):
-            cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{zero_stage}{accum}",
-                               "logging=quiet", f"model.config={model_cfg}", "model.dtype=bf16",
+            cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}",
+                               f"train.out_dir={out}/{zero_stage}{accum}", "logging=quiet", f"model.config={model_cfg}", "model.dtype=bf16",
                                f"deepspeed.zero_stage={zero_stage}", f"deepspeed.grad_accum_dtype={accum}",
                                "train.warmup_steps=0", "train.lr=1e-2"])
             run = builder.build(cfg)
             weights = []
             for step in range(run.data.num_steps):
                 trainer.train_step(run, run.data.step_batch(step, rank))
-                weights.append({n: safe_get_full_fp32_param(p).clone() for n, p in run.engine.module.named_parameters()})
+                weights.append({n: safe_get_full_fp32_param(p).clone()
+                                for n, p in run.engine.module.named_parameters()})
             results[zero_stage, accum] = str(run.engine._config.grad_accum_dtype), weights
             run.engine.destroy()
     return results if rank == 0 else None

@@ -353,9 +353,10 @@ def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dic
             aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]
                                 else 0, run.router_aux, run.sp.reduce_loss, engine.module.router_choices,
                                 batch["sample_ids"], micro_batch["num_samples"])
-            # sum_t w_t (loss_t + coef aux) over the loss tokens (w_t = 0 elsewhere); moe.py
-            objective = objective + run.router_aux.coef * aux * weights_T.sum()
-            aux_sum += aux.detach().double() * num_local_loss
+            # sum_t w_t (loss_t + coef aux_t): aux is the pack's, or each token's sample's (moe.py); w_t = 0 where
+            # there is no label
+            objective = objective + run.router_aux.coef * (aux * weights_T).sum()
+            aux_sum += (aux.detach().double() * (batch["shift_labels"][0] != IGNORE_INDEX)).sum()
         engine.backward(run.sp.reduce_loss(objective))
     sp_mix.stop()
     # A NaN/inf token loss anywhere makes the sum NaN/inf.

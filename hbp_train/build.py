@@ -28,7 +28,7 @@ from hbp_train.distributed import groups as dist_groups
 from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.errors import UserError
 from hbp_train.lora import zero3_external_parameters
-from hbp_train.loss import chunked_token_losses
+from hbp_train.loss import chunked_token_losses, fused_token_losses
 from hbp_train.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
 from hbp_train.vocab import vocab_to_build
 
@@ -55,9 +55,12 @@ class DeepSpeedConfig:
     reduce_bucket_size: int = 200_000_000
     """Elements per gradient-reduction bucket."""
     grad_accum_dtype: str = "auto"
-    """What bf16 gradients are summed in across a step's micro-batches: fp32, bf16, or auto (fp32 at ZeRO-2/3,
-    bf16 at ZeRO-1). A bf16 sum rounds at every micro-batch, and hbp's steps of short packs have many; fp32 costs
-    2 more bytes per parameter / world size at ZeRO-2/3 (DeepSpeed's data_types.grad_accum_dtype). ZeRO-1 only
+    """What bf16 gradients are summed in across a step's micro-batches: fp32, bf16, or auto (fp32 at ZeRO-2/3 when a
+    step of the plan has several micro-batches per replica, else bf16). A bf16 sum rounds at every micro-batch, and
+    hbp's steps of short packs have many; fp32 costs 2 more bytes per parameter / world size at ZeRO-2/3
+    (DeepSpeed's data_types.grad_accum_dtype) and a zeroed fp32 partition filled every step. With one micro-batch
+    per step there is no sum: both give the same update (DeepSpeed reduces in bf16 either way), so auto takes bf16.
+    DeepSpeed fixes the dtype at initialize, so it is chosen per run from the plan, not per step. ZeRO-1 only
     sums in bf16: for fp32 DeepSpeed switches to its BF16_Optimizer, which keeps every gradient in fp32 on every
     GPU (4 bytes per parameter) and writes checkpoints its own zero_to_fp32 (our export) cannot read. fp32
     parameters (model.dtype=fp32) always sum in fp32."""
@@ -79,14 +82,21 @@ class DeepSpeedConfig:
                             "would keep every gradient in fp32 on every GPU and write checkpoints our export "
                             "cannot read; use auto (bf16 at ZeRO-1)")
 
-    def grad_accum_fp32(self) -> bool:
-        """Whether bf16 gradients are summed in fp32 across micro-batches (grad_accum_dtype resolved)."""
-        return self.grad_accum_dtype == "fp32" or (self.grad_accum_dtype == "auto" and self.zero_stage >= 2)
+    def grad_accum_fp32(self, max_micro_batches: Optional[int] = None) -> bool:
+        """Whether bf16 gradients are summed in fp32 across micro-batches (grad_accum_dtype resolved for a plan whose
+        optimizer steps have at most ``max_micro_batches`` per replica; None = unknown, as if several)."""
+        several = max_micro_batches is None or max_micro_batches > 1
+        return self.grad_accum_dtype == "fp32" or (self.grad_accum_dtype == "auto" and self.zero_stage >= 2 and several)
 
 
-def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: int, bf16: bool) -> dict:
+def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: int, bf16: bool,
+                     max_micro_batches: Optional[int] = None) -> dict:
     """The DeepSpeed JSON config (``train``: a trainer.TrainConfig): one pack per micro-batch,
-    gradient_accumulation_steps=1 (the trainer drives the accumulation boundary)."""
+    gradient_accumulation_steps=1 (the trainer drives the accumulation boundary); ``max_micro_batches``: the most
+    micro-batches a replica runs in one optimizer step (None = unknown; see grad_accum_dtype).
+
+    Nothing in it times or synchronises the step: DeepSpeed's throughput timer (on by default; it synchronises the
+    device at every forward and step end) and its wall-clock breakdown are off, the trainer measures the step."""
     on_gpu = torch.cuda.is_available()
     zero = {"stage": ds.zero_stage, "overlap_comm": bool(ds.overlap_comm and on_gpu), "contiguous_gradients": True,
             "reduce_bucket_size": ds.reduce_bucket_size}
@@ -105,6 +115,7 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         "gradient_clipping": train.grad_clip,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "zero_optimization": zero,
         # torch AdamW: DeepSpeed's FusedAdam is a JIT build that fails on some images and takes ~90 s on a CPU.
         # On a GPU torch's own fused kernel (one pass over the fp32 states instead of foreach's ~10); a CPU-offloaded
@@ -120,10 +131,12 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
             "total_num_steps": max(total_steps, warmup + 1), "warmup_num_steps": warmup,
             "warmup_min_ratio": 1.0 / warmup if warmup_steps > 0 else 1.0, "warmup_type": "linear",
             "cos_min_ratio": train.min_lr_ratio, "last_batch_iteration": 0}},
-        # A NaN/inf gradient makes ZeRO skip the update and clear the gradients (on_nan=skip relies on it).
-        "bf16": {"enabled": bf16, **({"check_grad_overflow": True} if bf16 else {})},
+        # on_nan=skip: a NaN/inf gradient makes ZeRO skip the update and clear the gradients. The check is a pass
+        # over every gradient and a host sync per step; on_nan=abort instead stops on a NaN/inf loss or gradient
+        # norm (trainer.train_step), so it goes without.
+        "bf16": {"enabled": bf16, **({"check_grad_overflow": train.on_nan == "skip"} if bf16 else {})},
     }
-    if bf16 and ds.grad_accum_fp32():  # micro-batch gradients summed in an fp32 partition (see the field)
+    if bf16 and ds.grad_accum_fp32(max_micro_batches):  # micro-batch gradients summed in fp32 (see the field)
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
@@ -144,16 +157,21 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 class PackedCausalLM(torch.nn.Module):
-    """The HF model plus the chunked LM-head loss: forward(batch) -> per-token losses [T] (0 where no label).
+    """The HF model plus the LM-head loss: forward(batch) -> per-token losses [T] (0 where no label), or with the
+    normalizer's per-token ``loss_weights`` (the trainer's step) -> (sum_t w_t loss_t, loss_T): the scalar to call
+    backward on, made by the fused head + loss when ``fused_loss`` (loss.fused_token_losses), else as the weighted
+    sum of the chunked losses; loss_T is then for the statistics.
 
     Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the LM-head weight, used here outside
     its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
     """
 
-    def __init__(self, model, chunk_size: int, router_aux: bool = False, router_choices: bool = False):
+    def __init__(self, model, chunk_size: int, router_aux: bool = False, router_choices: bool = False,
+                 fused_loss: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.fused_loss = fused_loss
         self.router_aux = router_aux
         self.router_logits = None
         """With router_aux: the last forward's router logits (one [T, E] per MoE layer) for moe.pack_aux_loss."""
@@ -161,7 +179,9 @@ class PackedCausalLM(torch.nn.Module):
         self.router_choices = None
         """With router_choices (DeepSeek's router loss): the experts the routers chose (one [T, k] per MoE layer)."""
 
-    def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None):
+    def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None, loss_weights=None,
+                num_loss_tokens=None):
+        """``num_loss_tokens``: the labels that are not IGNORE_INDEX, when the caller knows it (no host sync)."""
         kwargs = {}
         if cu_seqlens is not None:
             kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
@@ -171,8 +191,15 @@ class PackedCausalLM(torch.nn.Module):
         hidden = modeling.forward_hidden(self.model, input_ids, position_ids, router_logits=self.router_logits,
                                          router_choices=self.router_choices, **kwargs)
         head = self.model.get_output_embeddings()
-        return chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size,
-                                    lm_head_bias=getattr(head, "bias", None))
+        bias = getattr(head, "bias", None)
+        if loss_weights is not None and self.fused_loss:
+            return fused_token_losses(hidden, head.weight, shift_labels, loss_weights, self.chunk_size,
+                                      lm_head_bias=bias, num_rows=num_loss_tokens)
+        loss_T = chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size, lm_head_bias=bias,
+                                      num_rows=num_loss_tokens)
+        if loss_weights is None:
+            return loss_T
+        return (loss_T * loss_weights.reshape(-1)).sum(), loss_T
 
 
 @dataclass
@@ -235,26 +262,30 @@ def build(cfg, config_yaml: str = "") -> Run:
     sp_degrees = set(data.sp_degrees()) | set(eval_data.sp_degrees() if eval_data else [])
     longest = [n for n in (_longest_sample(data.plan), eval_data and _longest_sample(eval_data.plan)) if n]
     run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=vocab_size,
-                    plan=f"{cfg.data.shards}/plan.json", longest_sample=max(longest) if longest else None)
+                    plan=f"{cfg.data.shards}/plan.json", longest_sample=max(longest) if longest else None,
+                    max_micro_batches=data.max_micro_batches())
     run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
     run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return run
 
 
 def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: Optional[int] = None,
-              init_device=None, plan: str = "the plan", longest_sample: Optional[int] = None) -> Run:
+              init_device=None, plan: str = "the plan", longest_sample: Optional[int] = None,
+              max_micro_batches: Optional[int] = None) -> Run:
     """SP groups, model, SP attention and DeepSpeed engine for a plan's packing ``groups`` (dicts with pack_len,
     sp, ckpt_layers); no data. ``sp_degrees``: the SP groups to build (default: the groups' degrees);
     ``vocab_size``: grow the model's vocabulary to the tokenizer's; ``init_device``: build the weights directly on
     this device (default: the host; deepspeed.initialize moves them); ``plan``: where ``groups`` came from, for
-    error messages; ``longest_sample``: the longest sample a pack may hold (default: the longest pack_len)."""
+    error messages; ``longest_sample``: the longest sample a pack may hold (default: the longest pack_len);
+    ``max_micro_batches``: the most micro-batches a replica runs in one optimizer step (None = unknown; one lets
+    bf16 gradients accumulate in bf16, see DeepSpeedConfig.grad_accum_dtype)."""
     world_size = dist_groups.world_size()
     ckpt_override = cfg.train.ckpt_layers
     if ckpt_override is not None and len(ckpt_override) not in (1, len(groups)):
         raise UserError(f"train.ckpt_layers has {len(ckpt_override)} values but the plan has {len(groups)} "
                         "groups: give one per group or a single one")
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
-    check_deepspeed_config(cfg, total_steps, world_size)
+    check_deepspeed_config(cfg, total_steps, world_size, max_micro_batches)
     warmup = capped_warmup_steps(cfg.train.warmup_steps, total_steps)
     if warmup != cfg.train.warmup_steps and dist_groups.rank() == 0:
         print(f"[train] warning: train.warmup_steps={cfg.train.warmup_steps} is not shorter than the run's "
@@ -275,7 +306,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     # fit); the config equals the one build_engine gives deepspeed.initialize.
     zero3_config = None
     if cfg.deepspeed.zero_stage == 3:
-        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
+        zero3_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg),
+                                        max_micro_batches)
     with torch.device(init_device) if init_device is not None else nullcontext():
         model = modeling.build_model(cfg.model, vocab_size=vocab_size, zero3_config=zero3_config)
     sp = setup_sequence_parallel(model, pstate)  # SP: Ulysses attention when a degree > 1 is used
@@ -289,25 +321,27 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
         source = (f"train.ckpt_layers={list(ckpt_override)}" if ckpt_override is not None
                   else f"{plan} groups[].ckpt_layers={[g.get('ckpt_layers') for g in groups]}")
         raise UserError(f"{source}: the model has only {num_layers} decoder layers")
-    _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers)
-    engine = build_engine(cfg, model, total_steps, world_size)
+    _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers, max_micro_batches)
+    engine = build_engine(cfg, model, total_steps, world_size, max_micro_batches)
     return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps,
                router_aux=router_aux_of(model.config))
 
 
-def build_engine(cfg, model, total_steps: int, world_size: int):
+def build_engine(cfg, model, total_steps: int, world_size: int, max_micro_batches: Optional[int] = None):
     """The DeepSpeed engine that trains ``model`` (an HF causal LM from model.build_model) with the chunked loss.
 
     Needs cfg.model (precision), cfg.train (optimizer, schedule), cfg.deepspeed and cfg.loss (chunk size). Wraps
     the model in PackedCausalLM, registers the LM head as a ZeRO-3 external parameter, initializes DeepSpeed with
     ``deepspeed_config`` and starts the LR schedule at step 0. SP attention, if any, must already be installed.
+    The loss is the fused head + loss where cfg.loss resolves to it on this device (loss.LossConfig.impl).
     """
     import deepspeed
 
-    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg))
+    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg), max_micro_batches)
     router_aux = router_aux_of(model.config)
     wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux is not None,
-                             router_choices=router_aux is not None and router_aux.deepseek)
+                             router_choices=router_aux is not None and router_aux.deepseek,
+                             fused_loss=cfg.loss.fused_on(_device()))
     if cfg.deepspeed.zero_stage == 3:
         head = model.get_output_embeddings()
         deepspeed.zero.register_external_parameter(wrapper, head.weight)
@@ -325,7 +359,7 @@ def build_engine(cfg, model, total_steps: int, world_size: int):
     return engine
 
 
-def check_deepspeed_config(cfg, total_steps: int, world_size: int) -> None:
+def check_deepspeed_config(cfg, total_steps: int, world_size: int, max_micro_batches: Optional[int] = None) -> None:
     """DeepSpeed's own validation of the config we give it (pydantic), before any model is built: a bad value in
     deepspeed.extra becomes one UserError line naming the field instead of a traceback from initialize."""
     from deepspeed.runtime.config import DeepSpeedConfig as DSConfig
@@ -333,7 +367,7 @@ def check_deepspeed_config(cfg, total_steps: int, world_size: int) -> None:
     from pydantic import ValidationError
 
     try:
-        DSConfig(deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg)))
+        DSConfig(deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg), max_micro_batches))
     except (ValidationError, DeepSpeedConfigError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         field = "deepspeed.extra" if cfg.deepspeed.extra else "deepspeed"
@@ -369,6 +403,11 @@ def step_ckpt_layers(cfg, group: int, plan_value: Optional[int], groups: Optiona
     return max(ckpt_layers_for(cfg.train.ckpt_layers, g, groups[g].get("ckpt_layers")) for g in range(len(groups)))
 
 
+def _device() -> torch.device:
+    """The device this rank trains on."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _bf16(cfg) -> bool:
     return cfg.model.torch_dtype() == torch.bfloat16
 
@@ -399,14 +438,14 @@ def _check_attention_backend(model_cfg) -> None:
     """model.attention_backend must be usable on this machine (e.g. flash_varlen needs a GPU and bf16/fp16)."""
     from hbp_train.attention import select_backend
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        select_backend(model_cfg.attention_backend, device, model_cfg.torch_dtype())
+        select_backend(model_cfg.attention_backend, _device(), model_cfg.torch_dtype())
     except UserError as e:
         raise UserError(f"model.attention_backend={model_cfg.attention_backend}: {e}") from None
 
 
-def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_layers: list) -> None:
+def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_layers: list,
+                                max_micro_batches: Optional[int] = None) -> None:
     """On a GPU: a one-line warning per packing group the profiler's memory model says will not fit in the memory
     left for the run (before the engine allocates anything). Advice only; models whose config is not Llama-like
     are not checked. ``ckpt_layers``: the checkpointed layers of each group (ckpt_layers_for)."""
@@ -419,7 +458,7 @@ def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_
         shape = parse_model_shape(model.config)
     except UserError:  # not a Llama-like config: no memory model for it
         return
-    job = JobSettings.of_run(cfg)
+    job = JobSettings.of_run(cfg, max_micro_batches)
     groups = [{**g, "ckpt_layers": k} for g, k in zip(groups, ckpt_layers)]
     if dist_groups.rank() != 0:
         return

@@ -330,6 +330,16 @@ class PackedData:
         entries = [self._step_entry(s) for s in self.plan_steps_of(opt_step)]
         return np.asarray([i for e in entries for replica in e["replicas"] for pack in replica for i in pack], np.int64)
 
+    def max_micro_batches(self) -> int:
+        """The most micro-batches (packs) a replica runs in one optimizer step of the plan (empty packs included):
+        1 means no step sums gradients over micro-batches (build.py then lets bf16 gradients accumulate in bf16)."""
+        if self._npz is not None:  # slot-major step_packs: a plan step's packs over its group's replicas
+            a = self._npz
+            per_plan_step = np.diff(np.asarray(a["step_ptr"], np.int64)) // self._replicas[np.asarray(a["step_group"])]
+        else:
+            per_plan_step = np.array([max(len(r) for r in step["rows"]) for step in self.steps], np.int64)
+        return int(np.add.reduceat(per_plan_step, self._opt_ptr[:-1]).max())
+
     def sp_degrees(self) -> list:
         return sorted({int(g.get("sp", 1)) for g in self.groups})
 

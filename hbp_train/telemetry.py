@@ -170,10 +170,20 @@ def reset_peak_memory() -> None:
 
 
 def all_gather_floats(values: list, device: torch.device) -> torch.Tensor:
-    """[world_size, len(values)] float64 tensor of every rank's values (one collective)."""
-    local = torch.tensor(values, dtype=torch.float64, device=device)
+    """[world_size, len(values)] float64 tensor (on the host) of every rank's values (one collective).
+
+    A value is a number or a one-element tensor on ``device`` (a sum the step kept there): the row is put together
+    once on the device, gathered, and read back in one transfer; at world size 1 only the device values travel."""
+    on_device = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    host = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64)
+    kept = torch.stack([values[i].detach().reshape(()).double() for i in on_device]) if on_device else None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local[None].cpu()
+        if kept is not None:
+            host[on_device] = kept.cpu()
+        return host[None]
+    local = host.to(device, non_blocking=True)
+    if kept is not None:
+        local[on_device] = kept.to(device)
     out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local)
     return torch.stack(out).cpu()

@@ -9,12 +9,16 @@ DeepSpeed only averages gradients over its data-parallel ranks; ``loss.normalize
 one the normalizer's formula defines, whatever m (tests/test_trainer_dist.py proves it against a reference).
 
 Per step, in order: the group's activation-checkpointing depth, the SP degree (attention size switch), then per
-micro-batch the SP split of the collated pack, forward, loss normalization (the SP loss reduction hooks in there),
-backward; then the optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the
-stop and NaN flags every rank must agree on). A step that mixes packing groups (hbp step_mix="mixed": one plan step
-per group, data.py) switches the checkpointing depth and the SP degree where its micro-batches change group; the
-loss is normalized over the whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split
-the step's tokens and compute time by SP degree (step_timing.SPMixTimer).
+micro-batch the SP split of the collated pack, the normalizer's per-token loss weights (known before the forward,
+so the fused LM-head loss makes its gradients there; loss.py), forward, the SP loss reduction, backward; then the
+optimizer step and the metrics (one all-gather of a few floats per rank, which also carries the gradient norm and
+the stop and NaN flags every rank must agree on). The forward and backward read no value back from the device: the
+loss tokens are counted on the host, the step's sums stay on the device until the one transfer of its statistics,
+and the next step's batch is collated (on a GPU, into pinned memory) in a background thread while this one computes
+(prefetch.py). A step that mixes packing groups (hbp step_mix="mixed": one plan step per group, data.py) switches
+the checkpointing depth and the SP degree where its micro-batches change group; the loss is normalized over the
+whole step, each micro-batch scaled for its own group's W/sp replicas; its metrics split the step's tokens and
+compute time by SP degree (step_timing.SPMixTimer).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from hbp_train.data import StepBatch, to_device
 from hbp_train.distributed.groups import rank, world_size
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
-from hbp_train.loss import normalize_loss
+from hbp_train.loss import token_loss_weights
 from hbp_train.model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
 from hbp_train.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
+from hbp_train.prefetch import StepPrefetcher
 from hbp_train.run_summary import start_summary
 from hbp_train.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
 from hbp_train.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
@@ -81,8 +86,9 @@ class TrainConfig:
     resume: Optional[str] = None
     """Resume from a checkpoint: 'auto' (the newest in out_dir/checkpoints, if any) or a checkpoint path."""
     on_nan: str = "skip"
-    """A NaN/inf loss on any rank: 'skip' (drop the step's gradients, no optimizer step, counted in metrics) or
-    'abort' (save nothing, exit with an error)."""
+    """A NaN/inf loss or gradient on any rank: 'skip' (drop the step's gradients, no optimizer step, counted in
+    metrics; DeepSpeed checks every gradient for it, a pass over them and a host sync per step) or 'abort' (save
+    nothing, exit with an error; the loss and the gradient norm are checked, no gradient pass)."""
     max_skipped: Optional[int] = None
     """With train.on_nan=skip: when more steps than this have been skipped (NaN/inf), stop with a checkpoint and
     exit 1 instead of training on a diverged run; None = 5% of the run's steps (at least 1)."""
@@ -134,10 +140,11 @@ class TrainConfig:
 
 
 # One row per rank in the per-step all-gather. booked_tokens / sp_tokens: the live CR (tokens the SP attention
-# dispatcher booked, and those of them that went through the all-to-all). After these come the run's SP degrees'
-# columns (stat_columns).
+# dispatcher booked, and those of them that went through the all-to-all); grad_norm: the step's global gradient norm
+# (the same on every rank; NaN where DeepSpeed computed none). After these come the run's SP degrees' columns
+# (stat_columns).
 STAT_COLUMNS = ["compute_time", "loss_sum", "loss_tokens", "tokens", "flops", "nonfinite", "stop", "peak_mem_gib",
-                "booked_tokens", "sp_tokens", "aux_sum"]
+                "booked_tokens", "sp_tokens", "aux_sum", "grad_norm"]
 
 
 def stat_columns(run: Run) -> list:
@@ -194,19 +201,21 @@ def train(cfg, config_yaml: str = "") -> dict:
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, checkpoint.tag_for(next_step))}")
 
+    # Below ZeRO-2 ranks meet only at the step's end: a replica with fewer packs runs only those.
+    batches = StepPrefetcher(lambda s: run.data.step_batch(s, rank(), run.pad_token_id,
+                                                           equal_counts=cfg.deepspeed.zero_stage >= 2), run.device)
     try:
         while step < run.total_steps:
             t0 = time.perf_counter()
-            # Below ZeRO-2 ranks meet only at the step's end: a replica with fewer packs runs only those.
-            step_batch = run.data.step_batch(step, rank(), run.pad_token_id,
-                                             equal_counts=cfg.deepspeed.zero_stage >= 2)
+            step_batch = batches.get(step, step + 1 if step + 1 < run.total_steps else None)
             data_time = time.perf_counter() - t0
             gathered, skipped, lr = train_step(run, step_batch, lambda: stop.requested)
             num_skipped += int(skipped)
             step_time = time.perf_counter() - t0
+            norm = float(gathered[0, STAT_COLUMNS.index("grad_norm")])  # the same on every rank
             m = metrics.step_metrics(
                 step=step, total_steps=run.total_steps, gathered=gathered, columns=stat_columns(run),
-                lr=lr, grad_norm=None if skipped else _grad_norm(run.engine),
+                lr=lr, grad_norm=None if skipped or math.isnan(norm) else norm,
                 step_time=step_time, data_time=data_time, group=step_batch.group, sp=step_batch.sp,
                 groups=sorted({mb.get("group", step_batch.group) for mb in step_batch.micro_batches}),
                 num_micro_batches=len(step_batch.micro_batches), plan_metrics=step_batch.plan_metrics,
@@ -242,6 +251,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         if ended != "finished" and diverged is None:
             metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
     finally:
+        batches.close()
         stop.uninstall()
         metrics.close()
         run.sp.set_active(1)  # the summary's model runs on its own (no SP group, no last pack's boundaries)
@@ -259,8 +269,11 @@ def skip_limit(max_skipped: Optional[int], total_steps: int) -> int:
 def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) -> tuple:
     """One optimizer step. Returns (gathered per-rank stats [W, len(stat_columns(run))], skipped: bool, lr used).
 
-    The stats all-gather happens before the optimizer step so that every rank decides the same about a NaN/inf
-    loss (and about stopping: ``stop_requested()`` is read just before it) from the same numbers.
+    The statistics travel once, after the optimizer step: the step's sums stay on the device until then and go in
+    one all-gather with the gradient norm DeepSpeed computed in step() (at world size 1 only the device values come
+    back). Every rank decides the same about a NaN/inf loss or gradient (and about stopping: ``stop_requested()`` is
+    read just before) from the same numbers. With on_nan=skip DeepSpeed's overflow check has already dropped such a
+    step's update; with abort the run stops here, before anything could save the update.
     """
     reset_peak_memory()
     if torch.cuda.is_available():
@@ -275,26 +288,32 @@ def train_step(run: Run, step_batch: StepBatch, stop_requested=lambda: False) ->
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     compute_time = float("nan") if timing == "skip" else time.perf_counter() - start - comm_wait[0]
+    peak_mem = peak_memory_gib()  # forward and backward's peak (the optimizer step's is the memory model's)
+    lr = run.engine.get_lr()[0]  # the rate this step's update uses (the scheduler moves on inside step())
+    run.engine.step()
+    grad_norm = run.engine.get_global_grad_norm()  # a device tensor, or a number (inf: an overflow), or None
     values = [compute_time, local["loss_sum"], local["loss_tokens"], local["tokens"], local["flops"],
-              local["nonfinite"], float(stop_requested()), peak_memory_gib(), *run.sp.stats.take_step_counts(),
-              local["aux_sum"], *local["sp_mix"].values(run.sp.pstate.sp_degrees)]
+              local["nonfinite"], float(stop_requested()), peak_mem, *run.sp.stats.take_step_counts(),
+              local["aux_sum"], float("nan") if grad_norm is None else grad_norm,
+              *local["sp_mix"].values(run.sp.pstate.sp_degrees)]
     gathered = all_gather_floats(values, run.device)
     any_nonfinite = bool(gathered[:, STAT_COLUMNS.index("nonfinite")].max() > 0)
-    if any_nonfinite and run.cfg.train.on_nan == "abort":
+    norm = float(gathered[0, STAT_COLUMNS.index("grad_norm")])
+    if run.cfg.train.on_nan == "abort" and (any_nonfinite or (grad_norm is not None and not math.isfinite(norm))):
+        what = "loss" if any_nonfinite else "gradient norm"
         raise FloatingPointError(
-            f"step {step_batch.step}: the loss is NaN/inf (train.on_nan=abort); set train.on_nan=skip to skip such "
+            f"step {step_batch.step}: the {what} is NaN/inf (train.on_nan=abort); set train.on_nan=skip to skip such "
             "steps, or lower train.lr")
-    lr = run.engine.get_lr()[0]  # the rate this step's update uses (the scheduler moves on inside step())
     # A NaN/inf loss gives NaN/inf gradients: ZeRO then skips the update and clears them (see build.deepspeed_config).
-    run.engine.step()
     skipped = any_nonfinite or not run.engine.was_step_applied()
     return gathered, skipped, lr
 
 
 def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dict:
     """Forward and backward of all this rank's micro-batches of one step; gradients end up reduced and ready for
-    ``engine.step()``. Returns this rank's sums (token-loss sum, loss tokens, tokens, flops, nonfinite flag) and
-    its tokens and compute seconds per SP degree ("sp_mix"; ``waited``: seconds spent in collectives so far)."""
+    ``engine.step()``. Returns this rank's sums (token-loss sum, MoE aux sum and nonfinite flag as 0-dim tensors on
+    the device; loss tokens, tokens and flops as numbers) and its tokens and compute seconds per SP degree
+    ("sp_mix"; ``waited``: seconds spent in collectives so far). Reads nothing back from the device."""
     engine = run.engine
     active = None  # (group, sp) the model is set up for
     shape = parse_model_shape(run.model.config)
@@ -320,37 +339,44 @@ def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dic
             flops += pack_flops(shape, micro_batch["seq_lens"]) / sp
         # One boundary per step, at its last micro-batch: ZeRO accumulates gradients until then.
         engine.set_gradient_accumulation_boundary(k == num_micro - 1)
-        batch = to_device(run.sp.split(micro_batch), run.device)  # SP: this rank's slice of the pack
+        local = run.sp.split(micro_batch)  # SP: this rank's slice of the pack (on the host)
+        # Counted on the host (the collate step's count at sp=1): the loss selects its rows without a sync.
+        num_local_loss = (micro_batch["num_loss_tokens"] if sp == 1
+                          else int((local["shift_labels"] != IGNORE_INDEX).sum()))
+        loss_tokens += num_local_loss
+        batch = to_device(local, run.device)
         # SP: live CR — the attention dispatcher books this slice's real tokens as SP tokens or not.
         run.sp.begin_micro_batch(batch["num_local_tokens"] if micro_batch["num_samples"] else 0)
-        loss_tokens += (micro_batch["num_loss_tokens"] if sp == 1
-                        else float((batch["shift_labels"] != IGNORE_INDEX).sum()))
-        loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
-                        batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
+        weights_T = _loss_weights(run, batch, step_batch, sp)
+        objective, loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
+                                   batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None,
+                                   loss_weights=weights_T, num_loss_tokens=num_local_loss)
         loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
         if run.router_aux is not None:  # MoE: the pack's (or each sample's) router loss, given to its loss tokens
             aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]
                                 else 0, run.router_aux, run.sp.reduce_loss, engine.module.router_choices,
                                 batch["sample_ids"], micro_batch["num_samples"])
-            aux_T = aux * (batch["shift_labels"][0] != IGNORE_INDEX).to(loss_T.dtype)  # moe.py
-            loss_T = loss_T + run.router_aux.coef * aux_T
-            aux_sum += aux_T.detach().double().sum()
-        engine.backward(_normalized_loss(run, loss_T, batch, step_batch, sp))
+            # sum_t w_t (loss_t + coef aux_t): aux is the pack's, or each token's sample's (moe.py); w_t = 0 where
+            # there is no label
+            objective = objective + run.router_aux.coef * (aux * weights_T).sum()
+            aux_sum += (aux.detach().double() * (batch["shift_labels"][0] != IGNORE_INDEX)).sum()
+        engine.backward(run.sp.reduce_loss(objective))
     sp_mix.stop()
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
-    return {"loss_sum": float(loss_sum), "aux_sum": float(aux_sum), "loss_tokens": loss_tokens, "tokens": tokens,
-            "flops": flops, "nonfinite": float(not bool(torch.isfinite(loss_sum))), "sp_mix": sp_mix}
+    return {"loss_sum": loss_sum, "aux_sum": aux_sum, "loss_tokens": loss_tokens, "tokens": tokens,
+            "flops": flops, "nonfinite": (~torch.isfinite(loss_sum)).double(), "sp_mix": sp_mix}
 
 
-def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch, sp: int):
-    """The micro-batch's scalar for backward.
+def _loss_weights(run: Run, batch: dict, step_batch: StepBatch, sp: int):
+    """The micro-batch's per-token loss weights: sum_t w_t loss_t is its scalar for backward (loss.token_loss_weights).
 
     SP: each rank holds the token losses of its slice only. Its partial loss is scaled for the W/sp data-parallel
-    replicas and summed over the SP group with a differentiable all-reduce, so every rank back-propagates its
-    group's loss; DeepSpeed's average over all W ranks then gives the exact step gradient (docs/sequence_parallel.md).
+    replicas and summed over the SP group with a differentiable all-reduce (SequenceParallel.reduce_loss), so every
+    rank back-propagates its group's loss; DeepSpeed's average over all W ranks then gives the exact step gradient
+    (docs/sequence_parallel.md).
     """
-    return run.sp.reduce_loss(normalize_loss(
-        loss_T, batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
+    return token_loss_weights(
+        batch["shift_labels"], batch["sample_ids"], run.cfg.loss.normalizer,
         # max(.., 1): a replica (or step) may hold only empty packs; its token sum is 0 anyway.
         global_loss_tokens=max(step_batch.global_loss_tokens, 1),
         # token_mean: this rank's loss tokens (a step mixing groups gives its SP packs one divisor per SP group)
@@ -359,16 +385,9 @@ def _normalized_loss(run: Run, loss_T, batch: dict, step_batch: StepBatch, sp: i
         dp_world_size=run.grad_divisor // sp,  # SP: W/sp replicas of this micro-batch's group, see above
         num_micro_batches=1,  # gradient_accumulation_steps=1: no 1/m from DeepSpeed
         sample_loss_tokens_T=batch["sample_loss_tokens"],
-    ))
+    )
 
 
 def _eval_due(step: int, total_steps: int, eval_every: int) -> bool:
     """Held-out loss after this step: every eval_every steps, and after the run's last step."""
     return step + 1 == total_steps or (eval_every > 0 and (step + 1) % eval_every == 0)
-
-
-def _grad_norm(engine) -> Optional[float]:
-    norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)

@@ -49,7 +49,7 @@ OUT_OF_RANGE = {
     "train.grad_clip": "-1", "train.seed": "-1", "train.ckpt_layers": "[2,-1]", "train.save_every": "-1",
     "train.keep_last": "-1", "train.resume": "''", "train.on_nan": "maybe", "train.max_skipped": "-1",
     "train.exit_after_steps": "0", "train.eval_every": "-1",
-    "loss.normalizer": "mean", "loss.chunk_size": "0",
+    "loss.normalizer": "mean", "loss.chunk_size": "0", "loss.impl": "liger",
     "logging.log_every": "0", "logging.peak_flops": "-1", "logging.wandb_project": "''", "logging.comm_wait_every": "0",
     "profile.max_len": "1", "profile.min_len": "0", "profile.lengths": "[0]", "profile.world_size": "0",
     "profile.sp_degrees": "[3]", "profile.gpus_per_node": "0", "profile.headroom": "1.5",

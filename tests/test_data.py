@@ -218,3 +218,25 @@ def test_optimizer_steps_that_mix_groups(tmp_path):
         json.dump(plan, f)
     with pytest.raises(UserError, match="optimizer_step must count 0, 1, 2"):
         PackedData(shards)
+
+
+@pytest.mark.parametrize("plan_format", ["json", "npz"])
+def test_max_micro_batches_is_the_longest_step_of_a_replica(tmp_path, plan_format):
+    """The most packs a replica runs in one optimizer step (empty packs count: every replica runs the step's
+    largest count), from plan.json or the memory-mapped plan.npz: 2 for TWO_RANK_STEPS, 1 for a plan of one pack
+    per replica per step; plan steps that share an optimizer step add up."""
+    from datasets import Dataset
+
+    from hbp_train.planning.plan import Plan
+    from hbp_train.planning.shards import write_shards
+
+    lengths = np.array([len(s[0]) for s in SAMPLES])
+    Dataset.from_dict({"input_ids": [s[0] for s in SAMPLES], "labels": [s[1] for s in SAMPLES],
+                       "length": lengths.tolist()}).save_to_disk(str(tmp_path / "tok"))
+    single = [{"group": 0, "replicas": [[[2 * s]], [[2 * s + 1]]]} for s in range(7)]
+    for name, steps, want in (("two", TWO_RANK_STEPS, 2), ("single", single, 1)):
+        plan = Plan.from_dict({**_plan_dict(lengths), "steps": steps})
+        write_shards(plan, tmp_path / "tok", tmp_path / name, progress=False, plan_format=plan_format)
+        assert PackedData(str(tmp_path / name)).max_micro_batches() == want, name
+    mixed = [{**step, "optimizer_step": k} for step, k in zip(TWO_RANK_STEPS, [0, 0, 1])]
+    assert PackedData(write_packed(str(tmp_path / "mixed"), SAMPLES, mixed, world_size=2)).max_micro_batches() == 3

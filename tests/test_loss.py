@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hbp_train.errors import UserError
 from hbp_train.labels import IGNORE_INDEX
-from hbp_train.loss import NORMALIZERS, LossConfig, chunked_token_losses, normalize_loss
+from hbp_train.loss import (NORMALIZERS, LossConfig, chunked_token_losses, fused_token_losses, normalize_loss,
+                            token_loss_weights)
 
 
 def _problem(num_tokens=37, hidden=16, vocab=50, seed=0, dtype=torch.float32):
@@ -217,3 +218,186 @@ def test_loss_config_validation():
         LossConfig(normalizer="mean")
     with pytest.raises(UserError, match="loss.chunk_size"):
         LossConfig(chunk_size=0)
+
+
+# ------------------------------------------------------------------------------------------- the fused loss
+def _weights(labels_T, mode, seed=0):
+    """The normalizer's per-token weights for one micro-batch of 3-ish samples (as the trainer passes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    sample_ids_T = torch.sort(torch.randint(0, 4, labels_T.shape, generator=gen)).values
+    counts_T = torch.stack([((sample_ids_T == s) & (labels_T != IGNORE_INDEX)).sum() for s in sample_ids_T.tolist()])
+    return token_loss_weights(labels_T, sample_ids_T, mode, global_loss_tokens=91, rank_loss_tokens=40,
+                              global_num_samples=7, dp_world_size=2, sample_loss_tokens_T=counts_T)
+
+
+def _reference(hidden_TH, weight_VH, bias_V, labels_T, weights_T):
+    """Full-logits cross-entropy (F.cross_entropy), weighted."""
+    loss_T = F.cross_entropy(F.linear(hidden_TH, weight_VH, bias_V), labels_T, reduction="none")
+    return (loss_T * weights_T).sum(), loss_T
+
+
+@pytest.mark.parametrize("mode", NORMALIZERS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 37, 4096])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_loss_and_gradients_equal_full_cross_entropy(mode, dtype, tol, chunk_size, with_bias):
+    """Every normalizer's weighted sum, per-token losses and gradients of hidden, W and b against F.cross_entropy on
+    the full logits: chunk boundaries anywhere (1 token, not dividing N, one chunk), ignored labels skipped, and an
+    upstream gradient that is not 1 (SP's all-reduce and DeepSpeed's loss scale multiply it)."""
+    hidden_TH, weight_VH, bias_V, labels_T = _problem(dtype=dtype)
+    bias = bias_V if with_bias else None
+    weights_T = _weights(labels_T, mode).to(dtype)
+    total, loss_T = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk_size, lm_head_bias=bias)
+    ref_total, ref_T = _reference(hidden_TH, weight_VH, bias, labels_T, weights_T)
+    torch.testing.assert_close(total.double(), ref_total.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(loss_T.double(), torch.where(labels_T == IGNORE_INDEX, 0, ref_T).double(),
+                               atol=tol, rtol=tol)
+    assert not loss_T.requires_grad  # statistics only: the gradient goes through the weighted sum
+    inputs = (hidden_TH, weight_VH, bias_V) if with_bias else (hidden_TH, weight_VH)
+    grads = torch.autograd.grad(3.0 * total, inputs)
+    ref_grads = torch.autograd.grad(3.0 * ref_total, inputs)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_fused_loss_equals_chunked_loss_times_weights_in_bf16():
+    """bf16 weights: the fused sum and its gradients against the chunked path's weighted losses (the reference path
+    of the same precision) within bf16 rounding; the gradients come back in bf16."""
+    hidden_TH, weight_VH, bias_V, labels_T = _problem(num_tokens=300, hidden=32, vocab=97, dtype=torch.bfloat16)
+    weights_T = _weights(labels_T, "sample_mean")
+    inputs = (hidden_TH, weight_VH, bias_V)
+    total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 64, lm_head_bias=bias_V)
+    ref_total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 64, lm_head_bias=bias_V) * weights_T).sum()
+    torch.testing.assert_close(total, ref_total, atol=1e-5, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad(total, inputs), torch.autograd.grad(ref_total, inputs)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)
+
+
+def test_fused_bf16_weight_gradient_is_as_accurate_in_many_chunks_as_in_one():
+    """As for the chunked path: a bf16 LM head's weight gradient over 64 chunks is summed in fp32 (held so until
+    backward has scaled it), as close to the float64 gradient as the one-chunk result."""
+    torch.manual_seed(0)
+    hidden_NH = torch.randn(2048, 64).bfloat16()
+    weight_VH = (torch.randn(512, 64) * 0.05).bfloat16().requires_grad_()
+    labels_N = torch.randint(0, 512, (2048,))
+    exact_VH = weight_VH.detach().double().requires_grad_()
+    F.cross_entropy(hidden_NH.double() @ exact_VH.t(), labels_N, reduction="sum").backward()
+
+    def error(chunk_size):
+        total, _ = fused_token_losses(hidden_NH, weight_VH, labels_N, torch.ones(2048), chunk_size)
+        grad_VH, = torch.autograd.grad(total, weight_VH)
+        assert grad_VH.dtype == torch.bfloat16
+        return float((grad_VH.double() - exact_VH.grad).norm() / exact_VH.grad.norm())
+
+    one_chunk, many_chunks = error(2048), error(32)
+    assert many_chunks <= 1.5 * one_chunk, (one_chunk, many_chunks)
+
+
+class _OpLog(TorchDispatchMode):
+    """Every aten op run under the mode, with the shapes of its tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        self.ops.append((func, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("impl, gemms", [("chunked", 4), ("fused", 3)])
+def test_fused_loss_makes_three_gemm_passes_over_the_logits_and_no_host_sync(impl, gemms):
+    """Per chunk the fused path runs three GEMMs that touch the vocabulary (logits, d hidden, d W), the chunked one
+    four (the logits again in backward). Given the trained-token count, neither reads a value back to the host
+    (aten._local_scalar_dense, what .item() / int() / nonzero's count run) in forward or backward."""
+    vocab, chunk = 50, 8
+    hidden_TH, weight_VH, _, labels_T = _problem(num_tokens=40, hidden=16, vocab=vocab)
+    num_rows = int((labels_T != IGNORE_INDEX).sum())
+    weights_T = _weights(labels_T, "ave_token")
+    with _OpLog() as log:
+        if impl == "fused":
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk, num_rows=num_rows)
+        else:
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk, num_rows=num_rows) * weights_T).sum()
+        total.backward()
+    names = [func.__name__ for func, _ in log.ops]
+    assert not [n for n in names if n.startswith(("_local_scalar_dense", "nonzero.")) or n == "item"], names
+    vocab_gemms = [shapes for func, shapes in log.ops if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_")
+                   and any(vocab in s for s in shapes)]
+    assert len(vocab_gemms) == gemms * -(-num_rows // chunk)
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 4096])
+def test_fused_loss_holds_no_tensor_of_tokens_times_vocab(num_tokens):
+    vocab, hidden, chunk = 1000, 8, 128
+    hidden_TH, weight_VH, _, labels_T = _problem(num_tokens=num_tokens, hidden=hidden, vocab=vocab)
+    with _LargestTensor() as mode:
+        total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, torch.ones(num_tokens), chunk)
+        total.backward()
+    assert mode.max_numel == max(chunk * vocab, vocab * hidden, num_tokens * hidden)
+
+
+def test_fused_loss_edge_cases():
+    """All labels ignored: sum 0 and zero gradients; a given trained-token count selects the same rows as counting
+    them; a second backward through the stored gradients is refused."""
+    hidden_TH, weight_VH, _, labels_T = _problem()
+    ignored_T = torch.full_like(labels_T, IGNORE_INDEX)
+    total, loss_T = fused_token_losses(hidden_TH, weight_VH, ignored_T, torch.ones(37), 8, num_rows=0)
+    grad_hidden, grad_weight = torch.autograd.grad(total, (hidden_TH, weight_VH))
+    assert float(total.detach()) == 0 and (loss_T == 0).all() and (grad_hidden == 0).all() and (grad_weight == 0).all()
+    weights_T = _weights(labels_T, "sum")
+    counted, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 8)
+    given, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 8,
+                                  num_rows=int((labels_T != IGNORE_INDEX).sum()))
+    assert torch.equal(counted, given)
+    given.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        given.backward()
+
+
+def test_token_loss_weights_are_the_normalizers():
+    """normalize_loss is the weighted sum with token_loss_weights, which vanish at ignored labels, and LossConfig
+    checks loss.impl."""
+    (loss_T, labels_T, sample_ids_T), = _step(seed=5, dp_world_size=1, num_micro_batches=1)[0]
+    for mode in NORMALIZERS:
+        counts = dict(global_loss_tokens=9, rank_loss_tokens=4, global_num_samples=3, dp_world_size=2)
+        weights_T = token_loss_weights(labels_T, sample_ids_T, mode, **counts)
+        assert (weights_T[labels_T == IGNORE_INDEX] == 0).all() and (weights_T[labels_T != IGNORE_INDEX] > 0).all()
+        torch.testing.assert_close(normalize_loss(loss_T, labels_T, sample_ids_T, mode, **counts),
+                                   (loss_T * weights_T).sum())
+    assert LossConfig().impl == "auto" and not LossConfig().fused_on("cpu") and LossConfig().fused_on("cuda")
+    assert LossConfig(impl="fused").fused_on("cpu") and not LossConfig(impl="chunked").fused_on("cuda")
+    with pytest.raises(UserError, match="loss.impl"):
+        LossConfig(impl="liger")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fused", "chunked"])
+def test_gpu_loss_forward_and_backward_never_synchronise(impl):
+    """On a GPU, with the trained-token count given (as the trainer gives it), neither head + loss synchronises the
+    host with the device (CUDA's sync debug mode raises on any op that would), and the fused sum and gradients are
+    the chunked path's within bf16 rounding."""
+    cuda = torch.device("cuda")
+    hidden_TH, weight_VH, _, labels_T = (x.detach().to(cuda) for x in _problem(
+        num_tokens=3000, hidden=64, vocab=5000, dtype=torch.bfloat16))
+    hidden_TH.requires_grad_()
+    weight_VH.requires_grad_()
+    num_rows = int((labels_T != IGNORE_INDEX).sum())
+    weights_T = _weights(labels_T.cpu(), "sample_mean").to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        if impl == "fused":
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows)
+        else:
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows) * weights_T).sum()
+        grads = torch.autograd.grad(total, (hidden_TH, weight_VH))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512) * weights_T).sum()
+    torch.testing.assert_close(total, reference, atol=1e-4, rtol=1e-4)
+    for got, want in zip(grads, torch.autograd.grad(reference, (hidden_TH, weight_VH))):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)

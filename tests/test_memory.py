@@ -73,8 +73,8 @@ def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():
     shape = parse_model_shape("llama3-8b")
     job, tokens = JobSettings(zero_stage=2), 8192
     kv = shape.num_kv_heads * shape.head_dim
-    full = (2 * (4 * shape.hidden + 3 * shape.num_heads * shape.head_dim + 2 * kv + 4 * shape.ffn)  # the docstring's
-            + 8 * shape.hidden + 4 * shape.num_heads + 8)                                           # list
+    full = (2 * (4 * shape.hidden + 2 * shape.num_heads * shape.head_dim + 2 * kv + 4 * shape.ffn)  # the docstring's
+            + 8 * shape.hidden + 4 * shape.num_heads + 8)                                           # list (varlen)
     kept = 2 * shape.hidden
     mem = [analytic_memory_bytes(shape, tokens, 1, c, 8, job) for c in range(4)]
     assert mem[1] - mem[0] == tokens * kept
@@ -93,12 +93,86 @@ def test_memory_preflight_names_the_groups_that_will_not_fit():
     assert memory_preflight(groups[:1], shape, 32, job, 2**30)[0].startswith("group 0")  # a 1 GiB GPU fits nothing
 
 
-# Shapes whose saved activations are counted with autograd's hooks; MoE and MLA shapes slot in here once
-# perf/shape.py reads them (each entry: HF config fields of a Llama-style model).
+# Shapes whose saved activations are counted with autograd's hooks (HF config fields of a Llama-style model): MHA,
+# GQA, and the Llama-3.2-1B ratios (ffn = 4h, 4 query heads per kv head, head_dim h/8). MoE and MLA shapes slot in
+# here once perf/shape.py reads them.
 SAVED_TENSOR_SHAPES = {
     "dense": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4},
     "gqa": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 8, "num_key_value_heads": 2},
+    "llama3.2-1b-ratios": {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 8,
+                           "num_key_value_heads": 2},
 }
+
+
+@pytest.fixture(scope="module")
+def cpu_varlen():
+    """torch's varlen_attn (the GPU kernel behind model.attention_backend=torch_varlen) made to run on the CPU: a
+    CPU kernel for its op, computed per document in float; torch's own autograd glue around it decides what is
+    saved (q, k, v, the output, the log-sum-exp, the RNG state), so the count is the GPU path's."""
+    import torch
+
+    lib = torch.library.Library("torch_attn", "FRAGMENT")
+
+    def varlen_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                      window_size=None, enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        num_tokens, heads, head_dim = query.shape
+        out = torch.empty_like(query)
+        lse = torch.empty(heads, num_tokens, dtype=torch.float32)
+        bounds = cu_seq_q.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[a:b].transpose(0, 1).float().repeat_interleave(heads // x.shape[1], 0)
+                       for x in (query, key, value))
+            scores = (q @ k.transpose(1, 2)) * (scale or head_dim ** -0.5)
+            scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            lse[:, a:b] = torch.logsumexp(scores, -1)
+            out[a:b] = (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)
+        return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_on_cpu, lib=lib)
+    yield
+    lib._destroy()
+
+
+def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0) -> tuple[int, int]:
+    """(bytes the forward of our engine module keeps for backward, the pack's trained tokens): PackedCausalLM with
+    the fused LM-head loss on a pack of two documents. Kept = the distinct storages autograd saves (saved-tensor
+    hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward."""
+    import torch
+
+    from hbp_train import attention
+    from hbp_train.build import PackedCausalLM
+    from hbp_train.loss import token_loss_weights
+    from hbp_train.model import ModelConfig, build_model, set_checkpointed_layers
+
+    cfg = dict(SAVED_TENSOR_SHAPES[name], num_hidden_layers=num_layers, vocab_size=512, max_position_embeddings=2048)
+    model = build_model(ModelConfig(config=cfg, dtype=dtype, attention_backend="sdpa_block"), vocab_size=512)
+    set_checkpointed_layers(model, ckpt_layers)
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (1, num_tokens), generator=gen)
+    cut = num_tokens * 5 // 8
+    pos = torch.cat([torch.arange(cut), torch.arange(num_tokens - cut)])[None]
+    labels = torch.randint(0, 512, (1, num_tokens), generator=gen)
+    labels[0, [cut - 1, num_tokens - 1]] = -100  # a document's last token predicts nothing
+    trained = num_tokens - 2
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    module = PackedCausalLM(model, chunk_size=64, fused_loss=True)
+    plain = attention._BACKEND_FNS["sdpa_block"]
+    if backend == "torch_varlen":  # the varlen glue of attention.py, on the CPU kernel of the cpu_varlen fixture
+        attention._BACKEND_FNS["sdpa_block"] = attention._torch_varlen
+    try:
+        objective = None
+
+        def forward():
+            nonlocal objective
+            objective, _ = module(ids, pos, labels, torch.tensor([0, cut, num_tokens], dtype=torch.int32), cut,
+                                  loss_weights=token_loss_weights(labels, None, "sum"), num_loss_tokens=trained)
+
+        saved = _saved_bytes(forward, params)
+    finally:
+        attention._BACKEND_FNS["sdpa_block"] = plain
+    grad_hidden = objective.grad_fn.grads[0]  # the fused loss's ctx: the gradients it made in forward
+    return saved + grad_hidden.untyped_storage().nbytes(), trained
 
 
 def _saved_bytes(fn, exclude) -> int:
@@ -118,39 +192,33 @@ def _saved_bytes(fn, exclude) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("name", sorted(SAVED_TENSOR_SHAPES))
+# What a forward keeps whatever its length: varlen's RNG state per layer (16 B), the pack's boundaries.
+CONSTANT_BYTES = 64
+
+
+@pytest.mark.parametrize("name, backend", [(name, "torch_varlen") for name in sorted(SAVED_TENSOR_SHAPES)]
+                         + [("gqa", "sdpa_block")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("ckpt_layers", [0, 1, 2])
-def test_activation_bytes_match_what_autograd_saves(name, dtype, ckpt_layers):
-    """The memory model's kept activations against the bytes autograd saves (saved-tensor hooks, CPU, sdpa_block
-    backend), whole decoder, two packed documents: within 5%. A checkpointed layer keeps only its input."""
-    import torch
+def test_activation_bytes_equal_what_autograd_saves(name, dtype, backend, cpu_varlen):
+    """The memory model's per-token bytes against what our engine module's forward keeps for backward, counted
+    (saved-tensor hooks; CPU; the GPU's varlen kernel through torch's own autograd glue, and sdpa_block), exactly:
+    one decoder layer (2 layers less 1), everything outside the layers with the fused LM-head loss (1 layer less
+    one layer's bytes; the model takes every token as trained, this pack has 2 untrained), and a checkpointed layer
+    (only its input), at two pack lengths, up to bytes that do not grow with the pack."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, outside_layers_bytes_per_token
+    from hbp_train.model import ModelConfig, hf_config
 
-    from hbp_train.model import ModelConfig, build_model, forward_hidden, set_checkpointed_layers
-    from hbp_train.perf.memory import activation_bytes_per_token_layer
-
-    cfg = dict(SAVED_TENSOR_SHAPES[name], num_hidden_layers=2, vocab_size=512, max_position_embeddings=2048)
-    model = build_model(ModelConfig(config=cfg, dtype=dtype, attention_backend="sdpa_block"), vocab_size=512)
-    set_checkpointed_layers(model, ckpt_layers)
-    model.train()
-    shape, b, tokens = parse_model_shape(model.config), (4 if dtype == "fp32" else 2), 512
-    ids = torch.randint(0, 512, (1, tokens))
-    pos = torch.cat([torch.arange(320), torch.arange(192)])[None]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = model.model.layers
-
-    def decoder():  # the layers only: the embedding output is the first layer's input, counted there
-        hidden = model.model.embed_tokens(ids)
-        emb = model.model.rotary_emb(hidden, pos)
-        for layer in layers:
-            out = layer(hidden, position_ids=pos, position_embeddings=emb)
-            hidden = out[0] if isinstance(out, tuple) else out
-
-    measured = _saved_bytes(decoder, params)
-    kept = b * shape.hidden  # a checkpointed layer's input
-    full = activation_bytes_per_token_layer(shape, b)
-    predicted = tokens * ((shape.num_layers - ckpt_layers) * full + ckpt_layers * kept)
-    assert predicted == pytest.approx(measured, rel=0.05), (measured / tokens, predicted / tokens)
+    shape = parse_model_shape(hf_config(ModelConfig(config=dict(SAVED_TENSOR_SHAPES[name]), dtype=dtype)))
+    b = 4 if dtype == "fp32" else 2
+    full = activation_bytes_per_token_layer(shape, b, attention_out_shared=backend == "torch_varlen")
+    for tokens in (128, 256):
+        (one, trained), (two, _) = (_held_bytes(name, dtype, backend, tokens, n) for n in (1, 2))
+        layer = two - one
+        assert 0 <= layer - tokens * full <= CONSTANT_BYTES, (tokens, layer / tokens, full)
+        outside = tokens * outside_layers_bytes_per_token(shape, b) - (tokens - trained) * (b * shape.hidden + 8)
+        assert 0 <= (one - layer) - outside <= CONSTANT_BYTES, (tokens, (one - layer) / tokens, outside / tokens)
+        checkpointed, _ = _held_bytes(name, dtype, backend, tokens, 2, ckpt_layers=1)
+        assert abs(checkpointed - (two - layer + tokens * b * shape.hidden)) <= CONSTANT_BYTES, tokens
 
 
 # A Llama whose decoder layers outweigh its (tied) embedding, so the model states, not the transient gradients of

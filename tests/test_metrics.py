@@ -355,3 +355,10 @@ def test_a_step_whose_compute_times_were_not_taken_reports_balance_as_na(tmp_pat
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["balance/imbalance"] == pytest.approx(2.0 / 1.5) and records[1]["balance/imbalance"] is None
     assert (tmp_path / "metrics.png").stat().st_size > 0
+
+
+def test_all_gather_floats_takes_values_kept_on_the_device():
+    """0-dim (or one-element) tensors join the row where they stand, numbers around them; one host tensor out."""
+    row = all_gather_floats([1.5, torch.tensor(2.0, dtype=torch.float64), 3.0, torch.tensor([4.0])],
+                            torch.device("cpu"))
+    assert row.dtype == torch.float64 and row.tolist() == [[1.5, 2.0, 3.0, 4.0]]

@@ -299,6 +299,29 @@ def test_deepspeed_config_follows_the_run_config():
         DeepSpeedConfig(zero_stage=1, grad_accum_dtype="fp32")
 
 
+def test_deepspeed_config_of_a_lean_step():
+    """Nothing in DeepSpeed's config times or synchronises the step (its throughput timer is on by default); the
+    bf16 overflow check (a pass over every gradient, a host sync) only where on_nan=skip needs it; bf16 gradients
+    summed in fp32 under auto only where a step of the plan has several micro-batches per replica (DeepSpeed fixes
+    the dtype at initialize; with one micro-batch there is no sum to round)."""
+    from deepspeed.runtime.config import DeepSpeedConfig as DSConfig
+
+    from hbp_train.build import DeepSpeedConfig, deepspeed_config
+    from hbp_train.trainer import TrainConfig
+
+    config = deepspeed_config(DeepSpeedConfig(), TrainConfig(), 100, 1, bf16=True)
+    parsed = DSConfig(config)  # DeepSpeed reads the keys as meant (world size 1: this process's)
+    assert not parsed.timers_config.enabled and not parsed.timers_config.synchronized
+    assert not parsed.wall_clock_breakdown
+    assert config["bf16"]["check_grad_overflow"] is True
+    assert deepspeed_config(DeepSpeedConfig(), TrainConfig(on_nan="abort"), 100, 4, True)["bf16"] == \
+        {"enabled": True, "check_grad_overflow": False}
+    for stage, micro_batches, fp32 in ((2, None, True), (2, 4, True), (2, 1, False), (3, 1, False), (3, 2, True)):
+        got = deepspeed_config(DeepSpeedConfig(zero_stage=stage), TrainConfig(), 100, 4, True, micro_batches)
+        assert ("data_types" in got) == fp32 == DeepSpeedConfig(zero_stage=stage).grad_accum_fp32(micro_batches)
+    assert "data_types" in deepspeed_config(DeepSpeedConfig(grad_accum_dtype="fp32"), TrainConfig(), 100, 4, True, 1)
+
+
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
     import shutil
 
@@ -405,3 +428,66 @@ def test_build_refuses_ckpt_layers_that_do_not_match_the_plan_or_model(shards, t
     too_many = TINY_LLAMA["num_hidden_layers"] + 1
     with pytest.raises(UserError, match=f"the model has only {TINY_LLAMA['num_hidden_layers']} decoder layers"):
         build(config.load(overrides(shards, str(tmp_path / "b"), f"train.ckpt_layers=[{too_many}]")))
+
+
+def _lean_step_worker(rank, world_size, shards, out):
+    """Three train_steps: which values the forward and backward read back to the host (aten ops that do: on a GPU
+    each is a sync), how often DeepSpeed synchronises the device per step, and the gathered gradient norm against
+    the engine's; then three with DeepSpeed's default throughput timer (it synchronises from its third step)."""
+    import collections
+    import traceback
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hbp_train import config, trainer
+    from hbp_train.build import build
+    from hbp_train.distributed.groups import init_distributed
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.origins = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("_local_scalar_dense", "nonzero.", "is_nonzero")):
+                ours = [f for f in traceback.extract_stack() if "hbp_train" in f.filename]
+                self.origins[(func.__name__, ours[-1].line if ours else None)] += 1
+            return func(*args, **(kwargs or {}))
+
+    init_distributed()
+    run = build(config.load(overrides(shards, out)))
+    syncs, plain_sync = [], get_accelerator().synchronize
+    get_accelerator().synchronize = lambda *a, **k: syncs.append(1) or plain_sync(*a, **k)
+    reads, plain_fb = HostReads(), trainer.forward_backward
+
+    def forward_backward(*args, **kwargs):
+        with reads:
+            return plain_fb(*args, **kwargs)
+
+    trainer.forward_backward = forward_backward
+    result = {"syncs": [], "norms": []}
+    for step in range(6):
+        if step == 3:  # DeepSpeed's default throughput timer, synchronising
+            run.engine.tput_timer.config = DeepSpeedThroughputTimerConfig()
+        syncs.clear()
+        gathered, skipped, _ = trainer.train_step(run, run.data.step_batch(step, 0))
+        result["syncs"].append(len(syncs))
+        result["norms"].append((float(gathered[0, trainer.STAT_COLUMNS.index("grad_norm")]),
+                                float(run.engine.get_global_grad_norm())))
+    trainer.forward_backward = plain_fb
+    result["reads"] = dict(reads.origins)
+    return result
+
+
+@pytest.mark.slow
+def test_the_step_reads_nothing_back_in_forward_backward_and_deepspeed_never_synchronises(shards, tmp_path):
+    """A lean step on the CPU: forward and backward read no value back to the host (on a GPU each would be a sync)
+    except attention.py's CPU-only boundary check; DeepSpeed synchronises the device at no step, while its default
+    throughput timer would at every one from its third; the gradient norm rides in the step's one stats transfer."""
+    result = run_distributed(_lean_step_worker, 1, shards, str(tmp_path / "lean"), timeout=300)[0]
+    assert result["syncs"][:3] == [0, 0, 0] and result["syncs"][5] >= 2, result["syncs"]
+    cpu_only = "assert int(cu_seqlens[-1]) == q_THD.shape[0], \"cu_seqlens[-1] must equal the number of tokens\""
+    assert set(result["reads"]) == {("_local_scalar_dense.default", cpu_only)}, result["reads"]
+    assert all(g == pytest.approx(e, rel=1e-6) and g > 0 for g, e in result["norms"]), result["norms"]

@@ -216,3 +216,120 @@ def test_bf16_gradients_are_summed_in_fp32_over_many_micro_batches(tmp_path):
     error = {case: float((summed - exact).norm() / exact.norm()) for case, (summed, exact) in results.items()}
     for stage in (2, 3):
         assert error[stage, "auto"] < 1e-3 < error[stage, "bf16"], error
+
+
+# ------------------------------------------------------------------------------ the fused LM-head loss, SP > 1
+# (ZeRO stage, normalizer, model dtype) of the fused runs; the plan of tests/test_ulysses.py (group 1 at sp=2 with a
+# checkpointed layer); a 16-token LM-head chunk, so a pack's loss runs in several chunks.
+FUSED_CASES = [(2, "ave_token", "fp32"), (2, "token_mean", "fp32"), (2, "sample_mean", "fp32"), (2, "sum", "fp32"),
+               (3, "sample_mean", "fp32"), (2, "ave_token", "bf16")]
+
+
+def _fused_worker(rank, world_size, shards, out):
+    """Per case: every optimizer step's weights before it and its gradients through trainer.forward_backward with
+    loss.impl=fused (and, for bf16, the same with loss.impl=chunked at a learning rate that leaves the weights as
+    they are), and how often the fused loss ran."""
+    from hbp_train import build as builder
+    from hbp_train import config
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    calls, plain = [], builder.fused_token_losses
+    builder.fused_token_losses = lambda *a, **k: calls.append(1) or plain(*a, **k)
+    results = {}
+    model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
+    for zero_stage, normalizer, dtype in FUSED_CASES:
+        for impl in ("fused", "chunked") if dtype == "bf16" else ("fused",):
+            calls.clear()
+            cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}/{impl}",
+                               "logging=quiet", f"model.config={model_cfg}", f"deepspeed.zero_stage={zero_stage}",
+                               f"loss.normalizer={normalizer}", f"loss.impl={impl}", "loss.chunk_size=16",
+                               f"model.dtype={dtype}", "train.warmup_steps=0", "train.grad_clip=0",
+                               # bf16: both paths' gradients at the same (unchanged) weights
+                               f"train.lr={1e-2 if dtype == 'fp32' else 1e-30}"])
+            run = builder.build(cfg)
+            results[zero_stage, normalizer, dtype, impl] = _steps_with_grads(run, rank), len(calls)
+            run.engine.destroy()
+    return results if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_fused_loss_gradients_match_reference_through_the_trainer_with_sp(tmp_path):
+    """2 ranks, steps at sp=1 and sp=2 (the SP loss all-reduce hands the fused loss's backward an upstream gradient
+    of 2), ZeRO-2 and 3, every normalizer: with loss.impl=fused every step's gradient is the normalizer's
+    single-process gradient; in bf16 it is the chunked path's within bf16 rounding."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.test_ulysses import SP_TRAINER_STEPS
+
+    torch.set_num_threads(1)
+    samples = synthetic_samples(14, VOCAB, seed=5)
+    shards = write_packed(str(tmp_path / "packed"), samples, SP_TRAINER_STEPS, world_size=2,
+                          groups={1: {"sp": 2, "ckpt_layers": 1}})
+    results = run_distributed(_fused_worker, 2, shards, str(tmp_path / "runs"), timeout=600)[0]
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY_LLAMA, vocab_size=VOCAB, use_cache=False), attn_implementation="eager")
+    for (zero_stage, normalizer, dtype, impl), (per_step, fused_calls) in results.items():
+        micro_batches = sum(len(s["replicas"][0]) for s in SP_TRAINER_STEPS)  # rank 0's packs, all steps
+        assert fused_calls == (micro_batches if impl == "fused" else 0), (zero_stage, normalizer, impl)
+        if dtype == "bf16":
+            continue
+        for k, got in enumerate(per_step):
+            model.load_state_dict({n.removeprefix("model."): v for n, v in got["params"].items()})
+            model.zero_grad()
+            reference_normalized_loss(model, samples, SP_TRAINER_STEPS[k], normalizer).backward()
+            for name, param in model.named_parameters():
+                rel = float((got["grads"]["model." + name] - param.grad).norm() / param.grad.norm())
+                assert rel <= 1e-5, (zero_stage, normalizer, k, name, rel)
+    fused, chunked = results[2, "ave_token", "bf16", "fused"][0], results[2, "ave_token", "bf16", "chunked"][0]
+    for k, (a, b) in enumerate(zip(fused, chunked)):
+        for name in b["grads"]:
+            rel = float((a["grads"][name].float() - b["grads"][name].float()).norm() / b["grads"][name].float().norm())
+            assert rel <= 2e-2, (k, name, rel)
+
+
+# ------------------------------------------------------------------ bf16 gradients of one micro-batch per step
+def _one_micro_batch_worker(rank, world_size, shards, out):
+    """Per ZeRO stage and deepspeed.grad_accum_dtype (fp32, auto): the accumulation dtype DeepSpeed was given and the
+    full weights after every step of a plan with one pack per replica per step (bf16 model)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from hbp_train import build as builder
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    results = {}
+    model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
+    for zero_stage in (2, 3):
+        for accum in ("fp32", "auto"):
+            cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}",
+                               f"train.out_dir={out}/{zero_stage}{accum}", "logging=quiet", f"model.config={model_cfg}", "model.dtype=bf16",
+                               f"deepspeed.zero_stage={zero_stage}", f"deepspeed.grad_accum_dtype={accum}",
+                               "train.warmup_steps=0", "train.lr=1e-2"])
+            run = builder.build(cfg)
+            weights = []
+            for step in range(run.data.num_steps):
+                trainer.train_step(run, run.data.step_batch(step, rank))
+                weights.append({n: safe_get_full_fp32_param(p).clone()
+                                for n, p in run.engine.module.named_parameters()})
+            results[zero_stage, accum] = str(run.engine._config.grad_accum_dtype), weights
+            run.engine.destroy()
+    return results if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_one_micro_batch_steps_accumulate_bf16_gradients_in_bf16_with_the_same_updates(tmp_path):
+    """A plan whose steps have one pack per replica: deepspeed.grad_accum_dtype=auto gives DeepSpeed bf16 (no zeroed
+    fp32 partition to fill every step), and the fp32 master weights after each of 3 steps are bit for bit those of
+    fp32 accumulation (one micro-batch: nothing is summed), at ZeRO-2 and 3."""
+    samples = synthetic_samples(6, VOCAB, seed=11)
+    steps = [{"group": 0, "replicas": [[[2 * s]], [[2 * s + 1]]]} for s in range(3)]
+    shards = write_packed(str(tmp_path / "packed"), samples, steps, world_size=2)
+    results = run_distributed(_one_micro_batch_worker, 2, shards, str(tmp_path / "runs"), timeout=600)[0]
+    for zero_stage in (2, 3):
+        (fp32_dtype, fp32), (auto_dtype, auto) = results[zero_stage, "fp32"], results[zero_stage, "auto"]
+        assert (fp32_dtype, auto_dtype) == ("fp32", "None")  # None: the weights' dtype, bf16
+        assert any(not torch.equal(fp32[0][k], fp32[-1][k]) for k in fp32[0])  # the weights did move
+        for step, (a, b) in enumerate(zip(fp32, auto)):
+            assert all(torch.equal(a[k], b[k]) for k in a), (zero_stage, step)

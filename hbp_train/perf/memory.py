@@ -27,14 +27,22 @@ class JobSettings:
     """loss.chunk_size: tokens per chunk of the chunked LM-head loss."""
     grad_accum_fp32: bool = True
     """DeepSpeed sums gradients in fp32 across micro-batches (deepspeed.grad_accum_dtype, fp32 by default at
-    ZeRO-2/3): 4 B per gradient element instead of bf16's 2 B, held from a step's first backward to its
-    optimizer step."""
+    ZeRO-2/3 when a step has several micro-batches): 4 B per gradient element instead of bf16's 2 B, held from a
+    step's first backward to its optimizer step."""
+    attention_out_shared: bool = True
+    """The attention kernel's output is the o_proj input itself (flash_varlen, torch_varlen: they return it laid out
+    per token), rather than a per-token copy of it (flex, sdpa_block): one activation of the output's width less
+    per token and layer (model.attention_backend; auto on a GPU picks a varlen kernel)."""
 
     @classmethod
-    def of_run(cls, cfg) -> "JobSettings":
-        """The settings of a composed run config (its ``deepspeed`` and ``loss`` sections)."""
+    def of_run(cls, cfg, max_micro_batches=None) -> "JobSettings":
+        """The settings of a composed run config (its ``deepspeed`` and ``loss`` sections) for a plan whose steps
+        have at most ``max_micro_batches`` per replica (None = unknown)."""
+        backend = getattr(getattr(cfg, "model", None), "attention_backend", "auto")
         return cls(zero_stage=cfg.deepspeed.zero_stage, offload_optimizer=cfg.deepspeed.offload_optimizer,
-                   loss_chunk_tokens=cfg.loss.chunk_size, grad_accum_fp32=cfg.deepspeed.grad_accum_fp32())
+                   loss_chunk_tokens=cfg.loss.chunk_size,
+                   grad_accum_fp32=cfg.deepspeed.grad_accum_fp32(max_micro_batches),
+                   attention_out_shared=backend in ("auto", "flash_varlen", "torch_varlen"))
 
 
 def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
@@ -64,17 +72,29 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: b
     return int(weights + optimizer + fp32_grads)
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2) -> int:
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2, attention_out_shared: bool = True) -> int:
     """Bytes one non-checkpointed decoder layer keeps per (rank-local) token for backward, as autograd saves them
-    (counted with saved-tensor hooks in tests/test_memory.py): in the activation dtype (``dtype_bytes``, bf16 = 2)
-    the two RMSNorms' normalised input and output (4h), q after RoPE, the attention output and the o_proj input
-    (3 x heads*head_dim), k after RoPE and v (2 x kv width), and the gated MLP's gate, up, act(gate) and product
-    (4 x the width a token goes through: ffn, or an MoE layer's top-k experts plus shared experts,
-    ``active_ffn``); in fp32, whatever the dtype, each RMSNorm's fp32 input (2 x 4h: HF norms compute in fp32),
-    the attention's log-sum-exp (4 per head) and each norm's 1/rms (2 x 4). Ulysses moves heads, not tokens, so
-    per rank it is the same count at any SP degree. Model states count every expert (``num_params``)."""
-    width = 4 * shape.hidden + 3 * shape.attn_width + 2 * shape.kv_width + 4 * shape.active_ffn
+    (counted with saved-tensor hooks in tests/test_memory.py, exactly, for each term): in the activation dtype
+    (``dtype_bytes``, bf16 = 2) each RMSNorm's normalised input and its output (2 x 2h), q (heads*head_dim), k and
+    v (2 x kv width), the attention output (heads*v_head_dim; a second copy of it as the o_proj input unless the
+    kernel's output is that input, ``attention_out_shared``: the varlen kernels), and the gated MLP's gate, up,
+    act(gate) and product (4 x the width a token goes through: ffn, or an MoE layer's top-k experts plus shared
+    experts, ``active_ffn``); in fp32, whatever the dtype, each RMSNorm's fp32 input (2 x 4h: HF norms compute in
+    fp32), the attention's log-sum-exp (4 per head) and each norm's 1/rms (2 x 4). Ulysses moves heads, not tokens,
+    so per rank it is the same count at any SP degree. Model states count every expert (``num_params``).
+    For the Llama-3.2-1B shape in bf16: 108,680 B (106.1 KiB) with a varlen kernel, 112,776 B with flex/sdpa_block."""
+    outputs = 1 if attention_out_shared else 2
+    width = 4 * shape.hidden + shape.attn_width + outputs * shape.out_width + 2 * shape.kv_width + 4 * shape.active_ffn
     return dtype_bytes * width + 8 * shape.hidden + 4 * shape.num_heads + 8
+
+
+def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
+    """Bytes per (rank-local) token kept from the forward to the backward outside the decoder layers (counted in
+    tests/test_memory.py): the final RMSNorm's fp32 input (4h), 1/rms (4) and normalised input (h in the dtype),
+    RoPE's cos and sin (2 x head_dim in the dtype), the input ids (8), and the LM-head loss's (d) hidden rows (h in
+    the dtype; chunked saves the rows, fused the gradient it made in forward) with their row index (8), every token
+    taken as trained. The final norm's output is not kept: the loss copies the rows it trains on."""
+    return 4 * shape.hidden + 4 + dtype_bytes * (2 * shape.hidden + 2 * shape.head_dim) + 8 + 8
 
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,
@@ -83,21 +103,21 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     recomputed layer + loss chunk) and the optimizer step (model states in ``step()``, no activations).
 
     A checkpointed layer keeps only its bf16 input (2h bytes per token); in backward one checkpointed layer at a
-    time is rebuilt in full. The chunked loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy),
+    time is rebuilt in full. The LM-head loss holds one chunk of fp32 logits and their gradient (plus a bf16 copy),
     and when the tokens span several chunks it sums the LM-head weight gradient in an fp32 vocab x hidden buffer.
     """
     tokens = -(-pack_len // sp)
-    full = activation_bytes_per_token_layer(shape)
+    full = activation_bytes_per_token_layer(shape, attention_out_shared=job.attention_out_shared)
     kept = 2 * shape.hidden
     layers = shape.num_layers
     acts = tokens * ((layers - ckpt_layers) * full + ckpt_layers * kept)
     recompute = tokens * full if ckpt_layers > 0 else 0
-    embed_and_final = tokens * 2 * shape.hidden * 3  # embedding output, final norm in/out
+    outside = tokens * outside_layers_bytes_per_token(shape)
     chunk = min(job.loss_chunk_tokens, tokens)
     loss = chunk * shape.vocab * (4 + 4 + 2) + (4 * shape.vocab * shape.hidden if tokens > chunk else 0)
     states = model_state_bytes(shape.num_params, world_size, job)
     in_step = model_state_bytes(shape.num_params, world_size, job, in_step=True)
-    return int(max(states + acts + recompute + embed_and_final + loss, in_step))
+    return int(max(states + acts + recompute + outside + loss, in_step))
 
 
 def memory_preflight(groups: list[dict], shape: ModelShape, world_size: int, job: JobSettings,

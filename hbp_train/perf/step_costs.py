@@ -177,7 +177,8 @@ def main(argv=None) -> int:
         model = CostModel.from_calibration(args.calibration)
         plan = read_plan(args.plan)
         costs, record = fit_step_costs(plan, read_metrics(Path(args.run)), model, args.zero_stage, args.skip_steps,
-                                       source=f"fitted on {Path(args.run).name}, {date.today().isoformat()}")
+                                       source=f"fitted on {'/'.join(Path(args.run).resolve().parts[-2:])}, "
+                                              f"{date.today().isoformat()}")
         data = json.loads(Path(args.calibration).read_text())
         data["step_costs"] = {**costs.to_dict(), "fit": {"run": str(args.run), "plan": str(args.plan), **record}}
         write_output("--out", args.out, lambda path: path.write_text(json.dumps(data, indent=1)))

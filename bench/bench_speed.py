@@ -108,9 +108,9 @@ class Setup:
 
 SETUPS = {
     "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, pool_samples=3000,
-                  train_samples=220, calib_samples=120, heldout_tokens=24576,
+                  train_samples=200, calib_samples=120, heldout_tokens=16384,
                   budgets=(Budget(1, 3, True), Budget(4, 2, False)), eval_every=2, calib_iters=2, calib_rounds=3,
-                  min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=240, wall_limit_s=2400),
+                  min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=210, wall_limit_s=2400),
     "quick": Setup(chain.Shape(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64), max_len=1024, pool_samples=600,
                    train_samples=120, calib_samples=60, heldout_tokens=2048,
                    budgets=(Budget(1, 1, True), Budget(4, 1, False)), eval_every=2, calib_iters=1, calib_rounds=1,

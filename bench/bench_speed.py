@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     calibration, validation = chain.calibrate(work, shape_json, setup.max_len, setup.calib_iters,
                                               setup.calib_rounds, reuse=not args.recalibrate)
     from hbp_train.perf.cost_model import CostModel
-    from hbp_train.planning.simulator import SimConfig, simulate
+    from hbp_train.planning.simulator import SimConfig
 
     stage("profile")
     profile = chain.profile(work, data, setup.shape, calibration, setup.max_len, setup.min_len, setup.profile_dry_run,
@@ -178,36 +178,15 @@ def main(argv=None) -> int:
     model = CostModel.from_calibration(costs_file)
     sim_config = SimConfig(zero_stage=chain.ZERO_STAGE)
     fingerprint = {"setup": repr(setup), "calibration": costs_file.read_text(), "groups": profile["groups"]}
-    runs, steps, total = {}, {}, sum(len(strategies) * b.rounds for b in setup.budgets)
-    done = 0
+    runs, steps = {}, {}
+    total = sum(len(strategies) * b.rounds for b in setup.budgets)
+    count = iter(range(1, total + 1))
     for budget in setup.budgets:
         key = budget.packs_per_rank
-        step_tokens = key * chain.NPROC * setup.max_len
-        stage(f"plans, {key} pack(s) per rank per step ({step_tokens} tokens): {budget.rounds} round(s) x "
-              f"{len(strategies)} strategies")
-        plans = {(s, r): chain.plan(data.train, work / "shards" / f"b{key}-{s}-r{r}", s, r, "auto", calibration,
-                                    work / "profile.json", step_tokens)
-                 for r in range(budget.rounds) for s in strategies}
-        steps[key] = report.check_equal_steps(
-            {s: [report.step_tokens(plans[s, r]) for r in range(budget.rounds)] for s in strategies},
-            chain.NPROC, setup.max_len)
-        runs[key] = {s: [] for s in strategies}
-        for r in range(budget.rounds):
-            for s in round_order(strategies, r):
-                done += 1
-                run_dir = work / "runs" / f"b{key}-{s}-r{r}"
-                stamp = {**fingerprint, "packs_per_rank": key, "strategy": s, "round": r, "evaluate": budget.evaluate}
-                figures = _reused(run_dir, stamp) if not args.fresh else None
-                stage(f"run {done}/{total}: {key} pack(s)/rank, round {r + 1}/{budget.rounds}, {s}"
-                      + (" (reused from an earlier bench)" if figures else ""))
-                if figures is None:
-                    rows = chain.train(work / "shards" / f"b{key}-{s}-r{r}", data, setup.shape, run_dir / "train", r,
-                                       setup.eval_every if budget.evaluate else 0)
-                    figures = {**report.run_figures(plans[s, r], rows, simulate(plans[s, r], model, sim_config)),
-                               "strategy": s, "round": r, "seed": r, "order": done}
-                    (run_dir / "figures.json").write_text(json.dumps({"stamp": stamp, "figures": figures}))
-                shutil.rmtree(work / "shards" / f"b{key}-{s}-r{r}", ignore_errors=True)
-                runs[key][s].append(figures)
+        stage(f"plans, {key} pack(s) per rank per step ({key * chain.NPROC * setup.max_len} tokens): "
+              f"{budget.rounds} round(s) x {len(strategies)} strategies")
+        runs[key], steps[key] = _measure_budget(work, data, setup, budget, strategies, calibration, model,
+                                                sim_config, fingerprint, args.fresh, stage, (count, total))
     budgets = {key: report.budget_figures(r) for key, r in runs.items()}
     stage(f"replay: W={', '.join(map(str, setup.replay_worlds))}, steps drawn for about {setup.replay_budget_s:.0f}s "
           "of timing")
@@ -226,6 +205,40 @@ def main(argv=None) -> int:
     print(f"\nwrote {work / 'results.json'} and {work / 'speed.png'}; bench wall time {wall:.0f}s (target "
           f"{setup.wall_limit_s}s: {'met' if wall <= setup.wall_limit_s else 'MISSED'})")
     return 0
+
+
+def _measure_budget(work, data, setup, budget, strategies, calibration, model, sim_config, fingerprint, fresh,
+                    stage, progress) -> tuple[dict, dict]:
+    """Every strategy's plan of every round at one budget, checked for equal optimisation, then trained round by
+    round (round_order); a run an earlier bench made with the same settings is reused. ``progress``: (the runs'
+    counter, their number). Returns ({strategy: [figures per round]}, the equal-steps check)."""
+    from hbp_train.planning.simulator import simulate
+
+    key = budget.packs_per_rank
+    shards = {(s, r): work / "shards" / f"b{key}-{s}-r{r}" for r in range(budget.rounds) for s in strategies}
+    plans = {(s, r): chain.plan(data.train, shards[s, r], s, r, "auto", calibration, work / "profile.json",
+                                key * chain.NPROC * setup.max_len) for s, r in shards}
+    steps = report.check_equal_steps(
+        {s: [report.step_tokens(plans[s, r]) for r in range(budget.rounds)] for s in strategies},
+        chain.NPROC, setup.max_len)
+    runs = {s: [] for s in strategies}
+    for r in range(budget.rounds):
+        for s in round_order(strategies, r):
+            done = next(progress[0])
+            run_dir = work / "runs" / f"b{key}-{s}-r{r}"
+            stamp = {**fingerprint, "packs_per_rank": key, "strategy": s, "round": r, "evaluate": budget.evaluate}
+            figures = None if fresh else _reused(run_dir, stamp)
+            stage(f"run {done}/{progress[1]}: {key} pack(s)/rank, round {r + 1}/{budget.rounds}, {s}"
+                  + (" (reused from an earlier bench)" if figures else ""))
+            if figures is None:
+                rows = chain.train(shards[s, r], data, setup.shape, run_dir / "train", r,
+                                   setup.eval_every if budget.evaluate else 0)
+                figures = {**report.run_figures(plans[s, r], rows, simulate(plans[s, r], model, sim_config)),
+                           "strategy": s, "round": r, "seed": r, "order": done}
+                (run_dir / "figures.json").write_text(json.dumps({"stamp": stamp, "figures": figures}))
+            shutil.rmtree(shards[s, r], ignore_errors=True)
+            runs[s].append(figures)
+    return runs, steps
 
 
 def _reused(run_dir: Path, stamp: dict):
@@ -293,8 +306,8 @@ def _validation(val: dict) -> dict:
 def summary(results: dict, setup: Setup, model) -> str:
     val, d, costs = results["validation"], results["describe"], results["step_costs"]
     fit = costs.get("fit", {})
-    lines = [f"\nMEASURED on this CPU ({d['nproc']} gloo ranks x {d['threads']} thread, real trainer, ZeRO-2 fp32, data: "
-             f"{d['data']}) beside PREDICTED (simulator: CPU calibration, its step costs, ZeRO-2 collectives)",
+    lines = [f"\nMEASURED on this CPU ({d['nproc']} gloo ranks x {d['threads']} thread, real trainer, ZeRO-2 fp32, "
+             f"data: {d['data']}) beside PREDICTED (simulator: CPU calibration, its step costs, ZeRO-2 collectives)",
              f"model {model.shape.name}: a one-document {setup.max_len}-token pack costs "
              f"{val['one_doc_over_short_docs']:.2f}x a pack of {val['short_docs']} short samples (measured); "
              f"calibration vs whole packs: mean |error| {100 * val['mean_abs_error']:.1f}%, max "

@@ -4,10 +4,11 @@ training runs.
 Every stage is the project's own command: the data tools, ``python -m hbp_train.perf.calibrate --device cpu``,
 ``python -m hbp_train.profiler profile.device=cpu``, ``data_tools.pack --groups auto --profile ... --calibration
 ...`` (its ``main``, in this process: planning is cheap, a new interpreter is not), the trainer through
-``python -m hbp_train.launch`` (torchrun, gloo, the real DeepSpeed engine) and ``python -m hbp_train.perf.step_costs``
-(the simulator's step costs, fitted on a run of samples the measured runs do not train on). The processes compute with one torch
-thread each (OMP_NUM_THREADS=1: two ranks on two cores), the calibration with as many processes at once as the
-training has ranks, so each measures what a rank meets: a neighbour using the other core.
+``python -m hbp_train.launch`` (torchrun, gloo, the real DeepSpeed engine) and
+``python -m hbp_train.perf.step_costs`` (the simulator's step costs, fitted on a run of samples the measured runs do
+not train on). The processes compute with one torch thread each (OMP_NUM_THREADS=1: two ranks on two cores), the
+calibration with as many processes at once as the training has ranks, so each measures what a rank meets: a
+neighbour using the other core.
 """
 
 from __future__ import annotations

@@ -258,7 +258,8 @@ def targets(budgets: dict, replay: dict | None, steps: dict, first: int) -> list
             if over:
                 name, worst = min(over, key=lambda o: o[1]["median"])
                 rows.append((f"hbp >= every baseline, {key} pack(s)/rank (lowest over {name}; best baseline "
-                             f"{h['best_baseline']})", worst["median"], worst["median"] >= TARGETS["over_every_baseline"]))
+                             f"{h['best_baseline']})", worst["median"],
+                             worst["median"] >= TARGETS["over_every_baseline"]))
         if hbp["heldout_mean"] is not None and isf["heldout_mean"] is not None:
             bound = isf["heldout_mean"] + isf["heldout_std"]
             rows.append(("hbp held-out loss <= isf mean + std (value: hbp - bound)", hbp["heldout_mean"] - bound,

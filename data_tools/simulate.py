@@ -272,8 +272,9 @@ def run(argv=None) -> int:
           f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node; "
           f"{sim_cfg.comm_model()}; {model.step_costs.note()}")
     if files[0] is None:
-        print(f"baseline: isf planned here on the plan's {plans[0].num_samples} lengths (W={plans[0].config.world_size}, "
-              f"pack length {plans[0].config.groups[-1].pack_len}, the plan's step budget and seed)")
+        base = plans[0].config
+        print(f"baseline: isf planned here on the plan's {plans[0].num_samples} lengths (W={base.world_size}, pack "
+              f"length {base.groups[-1].pack_len}, the plan's step budget and seed)")
     for row in rows:
         row["zero_stage"] = sim_cfg.zero_stage
     print(format_table(rows, SIM_COLUMNS[:-3] + comm_columns(sim_cfg) + SIM_COLUMNS[-3:]))

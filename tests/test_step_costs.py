@@ -89,7 +89,8 @@ def test_the_cli_writes_a_calibration_the_simulator_then_uses(tmp_path, capsys):
     written = json.loads(out.read_text())
     assert written["what"] == "analytic stand-in" and written["step_costs"]["fit"]["steps"] > 0
     fitted = CostModel.from_calibration(out)
-    assert fitted.step_costs.step_s == pytest.approx(TRUE.step_s) and f"fitted on {tmp_path.name}/run" in fitted.step_costs.source
+    assert fitted.step_costs.step_s == pytest.approx(TRUE.step_s)
+    assert f"fitted on {tmp_path.name}/run" in fitted.step_costs.source
     want = simulate(plan, model, SimConfig(zero_stage=2, step_costs=TRUE)).total_seconds
     assert simulate(plan, fitted, SimConfig(zero_stage=2)).total_seconds == pytest.approx(want)
     # Bad input: one line, exit 2.

@@ -45,20 +45,21 @@ RANK_COMPUTE = "time/compute_s/rank"
 
 
 def rank_work(plan: Plan, pack_seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per optimizer step and rank, what the plan gives it to compute: (predicted compute seconds [S, W], packs run
-    [S, W]), and the micro-batches of every optimizer step [S]. Rank r runs replica r // sp of a plan step."""
+    """Per optimizer step and rank, what the plan gives it: (predicted compute seconds [S, W], packs it runs
+    [S, W]: every pack of its replica, an empty one too (the trainer's dummy), but under unequal micro-batch counts
+    only its own), and the micro-batches (slots) of every optimizer step [S]. Rank r runs replica r // sp."""
     world = plan.config.world_size
     opt = plan.optimizer_steps()
     steps = plan.num_optimizer_steps
     compute, packs, micro = np.zeros((steps, world)), np.zeros((steps, world)), np.zeros(steps)
     rank = np.arange(world)
+    runs = np.diff(plan.pack_ptr) > 0 if plan.unequal_micro_batches else np.ones(plan.num_packs, bool)
     for p in range(plan.num_steps):
         group = plan.config.groups[plan.step_group[p]]
-        replicas = plan.config.replicas(int(plan.step_group[p]))
-        slots = plan.step_packs[plan.step_ptr[p]:plan.step_ptr[p + 1]].reshape(-1, replicas)
-        per_replica = pack_seconds[slots].sum(axis=0)
-        compute[opt[p]] += per_replica[rank // group.sp]
-        packs[opt[p]] += len(slots)
+        slots = plan.step_packs[plan.step_ptr[p]:plan.step_ptr[p + 1]].reshape(-1, plan.config.replicas(
+            int(plan.step_group[p])))
+        compute[opt[p]] += pack_seconds[slots].sum(axis=0)[rank // group.sp]
+        packs[opt[p]] += runs[slots].sum(axis=0)[rank // group.sp]
         micro[opt[p]] += len(slots)
     return compute, packs, micro
 

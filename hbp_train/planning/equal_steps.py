@@ -14,9 +14,9 @@ in run order are cut at the unit boundaries nearest to tau, 2 tau, ..., (N - 1) 
 the slots of a plan (the R packs its replicas run in lock-step; a tail step's empty packs lie in one slot, else
 that step stays one unit, so they stay in one step), or, for the strategies that make steps from samples (kk,
 bytescale), the samples. Every step then holds tau +- u real tokens, u the largest unit (R * pack_len for a slot,
-the longest sample for kk and bytescale), whenever u < tau; with fewer units than N, every unit is a step. The units of one
-group in an optimizer step form one plan step (``Plan.optimizer_step`` when a step spans groups; the trainer
-switches the SP degree between them).
+the longest sample for kk and bytescale), whenever u < tau; with fewer units than N, every unit is a step. The
+units of one group in an optimizer step form one plan step (``Plan.optimizer_step`` when a step spans groups; the
+trainer switches the SP degree between them).
 
 Smaller groups fill (``filled_cuts``): a plan whose units come in two sizes (hbp: the largest group's slots, R
 long packs, and the smaller groups' slots) is cut finer than its big units allow. The big units, in run order, are

@@ -5,7 +5,9 @@ For each W (8 and 32) every strategy plans the same samples (the bench's pool, l
 W = 32 a one-pack step is 32 long packs) with the measured runs' groups, one long pack per rank per step and seed 0.
 Optimizer steps are drawn (seeded, the same number for every strategy of a W) until timing them would take the
 replay's time budget by the calibrated cost model (``draw_steps``). Every non-empty pack of every
-rank in those steps is run once through the real model, the trainer's program without DeepSpeed (the decoder with
+rank in those steps is run through the real model ``repeats`` times, in passes of different orders, and its
+fastest time kept (a shared machine's bursts of other work, which would otherwise raise the maximum of a slot's
+many packs, rarely hit every pass), the trainer's program without DeepSpeed (the decoder with
 packed attention, the chunked LM-head loss, backward: calibrate's ``--validate`` step), by NPROC processes side by
 side with one torch thread each, as the calibration measured and the training ranks run; the packs of all
 strategies are dealt to the processes in one shuffled order, so a drift of the machine's speed spreads over every
@@ -116,9 +118,11 @@ def jobs_for(plans: dict, drawn: dict, world: int) -> list:
     return jobs
 
 
-def time_jobs(jobs: list, dataset: Path, shape_json: str, work: Path, nproc: int, env: dict, seed: int = 0) -> dict:
-    """Run ``jobs`` (every W's, every strategy's) in ``nproc`` worker processes side by side: {key: seconds}. The
-    jobs are shuffled, then dealt longest first to the process with the fewest tokens, so both end together."""
+def time_jobs(jobs: list, dataset: Path, shape_json: str, work: Path, nproc: int, env: dict, repeats: int,
+              seed: int = 0) -> dict:
+    """Run ``jobs`` (every W's, every strategy's) in ``nproc`` worker processes side by side, each ``repeats``
+    times: {key: the fastest seconds}. The jobs are dealt longest first to the process with the fewest tokens, so
+    both end together, and each process runs its share in a new shuffled order every pass."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(jobs))
     tokens = np.zeros(nproc)
@@ -132,9 +136,9 @@ def time_jobs(jobs: list, dataset: Path, shape_json: str, work: Path, nproc: int
     work.mkdir(parents=True, exist_ok=True)
     procs = []
     for k, share in enumerate(shares):
-        share = [share[i] for i in rng.permutation(len(share))]  # long and short packs mixed over the run
         spec = work / f"jobs{k}.json"
-        spec.write_text(json.dumps({"dataset": str(dataset), "shape": shape_json, "seed": seed, "jobs": share}))
+        spec.write_text(json.dumps({"dataset": str(dataset), "shape": shape_json, "seed": seed, "repeats": repeats,
+                                    "jobs": share}))
         log = open(work / f"worker{k}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "bench.speed_replay", "--worker", str(spec),
                                         str(work / f"times{k}.json")], cwd=REPO, env=env, stdout=log,
@@ -163,7 +167,8 @@ def _lengths(dataset: Path) -> np.ndarray:
 
 def _worker(spec_path: str, out_path: str) -> None:
     """One timing process: the model of the shape, every job's pack (the samples' real tokens, positions restarting
-    per sample) run forward and backward once after WARMUP_PACKS untimed ones; {key: seconds} to ``out_path``."""
+    per sample) run forward and backward after WARMUP_PACKS untimed ones, in ``repeats`` passes of a new shuffled
+    order each (long and short packs mixed over the run); {key: its fastest seconds} to ``out_path``."""
     import datasets
     import torch
     from transformers import LlamaForCausalLM
@@ -199,11 +204,14 @@ def _worker(spec_path: str, out_path: str) -> None:
     jobs = spec["jobs"]
     for job in jobs[:WARMUP_PACKS]:
         run(job["samples"])
+    rng = np.random.default_rng(spec["seed"])
     times = {}
-    for job in jobs:
-        t0 = time.perf_counter()
-        run(job["samples"])
-        times[job["key"]] = time.perf_counter() - t0
+    for _ in range(spec["repeats"]):
+        for i in rng.permutation(len(jobs)).tolist():
+            t0 = time.perf_counter()
+            run(jobs[i]["samples"])
+            seconds = time.perf_counter() - t0
+            times[jobs[i]["key"]] = min(seconds, times.get(jobs[i]["key"], seconds))
     Path(out_path).write_text(json.dumps(times))
 
 

@@ -4,14 +4,13 @@ CPU. MEASURED COMPUTE, MODELLED WAITING: a replayed step is not a cluster run.
 For each W (8 and 32) every strategy plans the same samples (the bench's pool, larger than a measured run's: at
 W = 32 a one-pack step is 32 long packs) with the measured runs' groups, one long pack per rank per step and seed 0.
 Optimizer steps are drawn (seeded, the same number for every strategy of a W) until timing them would take the
-replay's time budget by the calibrated cost model (``draw_steps``). Every non-empty pack of every
-rank in those steps is run through the real model ``repeats`` times, in passes of different orders, and its
-fastest time kept (a shared machine's bursts of other work, which would otherwise raise the maximum of a slot's
-many packs, rarely hit every pass), the trainer's program without DeepSpeed (the decoder with
-packed attention, the chunked LM-head loss, backward: calibrate's ``--validate`` step), by NPROC processes side by
-side with one torch thread each, as the calibration measured and the training ranks run; the packs of all
-strategies are dealt to the processes in one shuffled order, so a drift of the machine's speed spreads over every
-strategy. Then (``replay_step_seconds``), per drawn step:
+replay's time budget by the calibrated cost model (``draw_steps``). Every non-empty pack of every rank in those
+steps runs through the real model, the trainer's program without DeepSpeed (the decoder with packed attention, the
+chunked LM-head loss, backward: calibrate's ``--validate`` step), in NPROC processes side by side with one torch
+thread each, as the calibration measured and the training ranks run. Each process runs its share ``repeats``
+times, every pass in a new shuffled order of all strategies' packs (a drift of the machine's speed spreads over
+every strategy), and keeps each pack's fastest time (a burst of other work on a shared machine, which would raise
+the maximum of a slot's many packs, rarely hits every pass). Then (``replay_step_seconds``), per drawn step:
 
     replayed = simulated - Σ_slots simulated slot + Σ_slots max over replicas (scale x measured + pack cost)
 

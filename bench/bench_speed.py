@@ -113,7 +113,7 @@ class Setup:
 
 SETUPS = {
     "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, pool_samples=3000,
-                  train_samples=200, calib_samples=120, heldout_tokens=16384,
+                  train_samples=200, calib_samples=200, heldout_tokens=16384,
                   budgets=(Budget(1, 3, True), Budget(4, 3, False)), eval_every=2, calib_iters=2, calib_rounds=3,
                   min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=300, replay_repeats=2,
                   wall_limit_s=2400),

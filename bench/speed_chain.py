@@ -262,18 +262,17 @@ def plan(dataset: Path, out: Path, strategy: str, seed: int, groups: str, calibr
 def fit_step_costs(work: Path, data: Data, shape: Shape, calibration: Path, profile_json: Path, pack_len: int,
                    reuse: bool) -> Path:
     """The calibration with its step costs (hbp_train.perf.step_costs), fitted on a training run of the calibration
-    set (samples no measured run trains on): hbp at half a long pack per rank per step, whose steps range from one
-    micro-batch (a slot of long packs, alone in its step) to many (short packs filling a step) and whose packs from
-    the shortest group's to the longest: what the fit needs to tell the per-pack, per-micro-batch and per-step costs
-    apart, over twice the steps the one-pack budget would give. Reused when made from this calibration and
-    profile."""
+    set (samples no measured run trains on): hbp at one long pack per rank per step, whose steps range from one
+    micro-batch (a slot of long packs with a few short ones) to many (short packs only) and whose packs from the
+    shortest group's to the longest: what the fit needs to tell the per-pack, per-micro-batch and per-step costs
+    apart. Reused when made from this calibration and profile."""
     out = work / "calibration_step_costs.json"
     key = {"calibration": calibration.read_text(), "profile": profile_json.read_text(), "data": str(data.calib)}
     stamp = work / "calibration_step_costs.key.json"
     if reuse and out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
         return out
     run = work / "step_costs_run"
-    plan(data.calib, run / "shards", "hbp", 99, "auto", calibration, profile_json, NPROC * pack_len // 2)
+    plan(data.calib, run / "shards", "hbp", 99, "auto", calibration, profile_json, NPROC * pack_len)
     train(run / "shards", data, shape, run / "train", seed=99, eval_every=0)
     call([sys.executable, "-m", "hbp_train.perf.step_costs", "--run", run / "train", "--plan", run / "shards",
           "--calibration", calibration, "--out", out, "--zero-stage", ZERO_STAGE], work / "step_costs.log")

@@ -63,6 +63,9 @@ def test_the_fit_recovers_the_costs_a_run_was_made_of():
 def test_a_cost_that_is_not_there_is_fitted_as_zero_not_negative():
     assert nonneg_lstsq({"a": np.array([1.0, 1, 1]), "b": np.array([1.0, 2, 3])}, np.array([3.0, 2, 1])) == \
         {"a": pytest.approx(2.0), "b": 0.0}
+    # Steps that all have 2 micro-batches: the per-micro-batch column is the per-step one twice; all goes to the first.
+    assert nonneg_lstsq({"step_s": np.ones(3), "micro_batch_s": np.full(3, 2.0)}, np.array([5.0, 5, 5])) == \
+        {"step_s": pytest.approx(5.0), "micro_batch_s": 0.0}
     plan, model = plan_and_model()
     # A run with no costs but compute, measured with 2% noise: every term >= 0 and tiny beside the steps.
     rows = rows_from(plan, model, StepCosts(), noise=0.02, seed=3)

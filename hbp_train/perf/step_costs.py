@@ -16,6 +16,9 @@ warm-up: allocations, first calls) are left out. Three least-squares fits, each 
    its slowest replica) - the collectives and optimizer step ``--zero-stage`` models = step_s + micro_batch_s x
    (micro-batches).
 
+The per-micro-batch terms need steps of different micro-batch counts; a run whose steps all have the same count
+cannot tell them from the per-step ones, and they are then 0 (the record says the range of counts).
+
 A term that comes out negative (noise on a cost that is about 0) is set to 0 and its fit redone without it. The
 output is the calibration with a ``"step_costs"`` entry: the terms, and the fit's record (run, plan, steps used,
 the median error of each fit and of the whole step time predicted with them). Fit on a run the predictions are not
@@ -66,8 +69,11 @@ def rank_work(plan: Plan, pack_seconds: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def nonneg_lstsq(columns: dict, target: np.ndarray) -> dict:
     """Least squares of ``target`` on the named ``columns``, every coefficient >= 0: a negative one is set to 0 and
-    the rest fitted again. Returns {name: coefficient}."""
+    the rest fitted again. Columns the run cannot tell apart (a micro-batch count that never varies is the per-step
+    constant again) keep the first of them, the later ones 0. Returns {name: coefficient}."""
     names = list(columns)
+    while names and np.linalg.matrix_rank(np.column_stack([columns[n] for n in names])) < len(names):
+        names.pop()
     while True:
         matrix = np.column_stack([columns[n] for n in names]) if names else np.zeros((len(target), 0))
         coef = np.linalg.lstsq(matrix, target, rcond=None)[0] if names else np.zeros(0)
@@ -113,6 +119,7 @@ def fit_step_costs(plan: Plan, rows: list, model: CostModel, zero_stage: int | N
         return float(np.median(np.abs(got / np.maximum(want, 1e-12) - 1)))
 
     record = {"steps": int(len(keep)), "skipped_steps": int(skip_steps), "zero_stage": zero_stage,
+              "micro_batches": [int(m.min()), int(m.max())],
               "world_size": world, "median_compute_error": median_error(fitted_compute[timed], measured[timed]),
               "median_data_error": median_error(data_fit, data_time),
               "median_step_error": median_error(predicted, step_time),

@@ -1,11 +1,14 @@
-"""bench/bench_speed.py's chain on this machine's CPU: data, calibration, profile, plans and shards, training runs.
+"""bench/bench_speed.py's chain on this machine's CPU: data, calibration, profile, step costs, plans and shards,
+training runs.
 
 Every stage is the project's own command: the data tools, ``python -m hbp_train.perf.calibrate --device cpu``,
 ``python -m hbp_train.profiler profile.device=cpu``, ``data_tools.pack --groups auto --profile ... --calibration
-...`` (its ``main``, in this process: planning is cheap, a new interpreter is not) and the trainer through
-``python -m hbp_train.launch`` (torchrun, gloo, the real DeepSpeed engine). The processes compute with one torch
-thread each (OMP_NUM_THREADS=1: two ranks on two cores), the calibration with as many processes at once as the
-training has ranks, so each measures what a rank meets: a neighbour using the other core.
+...`` (its ``main``, in this process: planning is cheap, a new interpreter is not), the trainer through
+``python -m hbp_train.launch`` (torchrun, gloo, the real DeepSpeed engine) and
+``python -m hbp_train.perf.step_costs`` (the simulator's step costs, fitted on a run of samples the measured runs do
+not train on). The processes compute with one torch thread each (OMP_NUM_THREADS=1: two ranks on two cores), the
+calibration with as many processes at once as the training has ranks, so each measures what a rank meets: a
+neighbour using the other core.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 NPROC = 2  # training processes (ranks): one per core of a 2-core machine
+ZERO_STAGE = 2  # experiment=cpu_demo's DeepSpeed stage: the simulator models its collectives
 THREADS = 1  # torch threads per rank: cores // NPROC
 SHIPPED_TOKENIZER = REPO / "data_tools" / "assets" / "tokenizer"
 # The code data's BPE vocabulary: small, so that the LM head (vocab x hidden per token) does not outweigh the
@@ -74,21 +78,27 @@ class Shape:
 # ============================================================================================================ data
 @dataclass
 class Data:
-    """A training set and its held-out split, tokenized, and the held-out set packed for the trainer's eval."""
+    """The bench's samples, tokenized: a pool, the measured runs' training set and the step-cost calibration run's
+    set drawn from it (disjoint), the held-out split, and the held-out eval set packed for the trainer."""
 
     kind: str
     """"code" (real text: data_tools.make_code_data) or "demo" (generated chats: data_tools.make_demo_data)."""
+    pool: Path
+    """Every training-split sample: the replay plans these (more than a measured run trains)."""
     train: Path
+    """The measured runs' samples."""
+    calib: Path
+    """The step-cost calibration run's samples (none of them in ``train``)."""
     heldout: Path
     eval_shards: Path
     tokenizer: Path
 
-    def lengths(self) -> np.ndarray:
+    def lengths(self, which: str = "train") -> np.ndarray:
         import datasets
 
         from hbp_train.columns import int_column
 
-        return int_column(datasets.load_from_disk(str(self.train)), "length")
+        return int_column(datasets.load_from_disk(str(getattr(self, which))), "length")
 
     def vocab(self) -> int:
         from transformers import AutoTokenizer
@@ -96,36 +106,63 @@ class Data:
         return len(AutoTokenizer.from_pretrained(str(self.tokenizer)))
 
 
-def make_data(root: Path, max_len: int, num_samples: int, heldout_tokens: int) -> Data:
+def make_data(root: Path, max_len: int, pool_samples: int, train_samples: int, calib_samples: int,
+              heldout_tokens: int) -> Data:
     """Real text from the Python standard library when the code data tool is there, else the generated demo
-    chats with a long tail up to ``max_len``; made once under ``root``. The held-out eval set is the first held-out
-    samples up to ``heldout_tokens`` tokens, packed for 2 ranks."""
+    chats with a long tail up to ``max_len``: a pool of ``pool_samples``, from which ``train_samples`` (the measured
+    runs') and ``calib_samples`` others (the step-cost calibration run's) are drawn (seeded); made once under
+    ``root``. The held-out eval set is the first held-out samples up to ``heldout_tokens`` tokens, packed for NPROC
+    ranks."""
     code = (REPO / "data_tools" / "make_code_data.py").is_file()
-    data = make_code_data(root / "code", max_len, num_samples) if code else \
-        make_demo_data(root / "demo", max_len, num_samples)
+    data = make_code_data(root / "code", max_len, pool_samples) if code else \
+        make_demo_data(root / "demo", max_len, pool_samples)
+    marker = data.train.parent / "subsets.json"
+    wanted = {"train": train_samples, "calib": calib_samples}
+    if not marker.is_file() or json.loads(marker.read_text()) != wanted:
+        _draw_subsets(data, train_samples, calib_samples)
+        marker.write_text(json.dumps(wanted))
     if not (data.eval_shards / "plan.json").is_file():
         _pack_heldout(data, max_len, heldout_tokens)
     return data
 
 
-def make_code_data(root: Path, max_len: int, num_samples: int) -> Data:
+def _draw_subsets(data: Data, train_samples: int, calib_samples: int) -> None:
+    import datasets
+
+    datasets.disable_progress_bars()
+    pool = datasets.load_from_disk(str(data.pool))
+    if train_samples + calib_samples > len(pool):
+        sys.exit(f"bench_speed: the pool has {len(pool)} samples, fewer than the {train_samples} + {calib_samples} "
+                 "the runs need")
+    order = np.random.default_rng(0).permutation(len(pool))
+    for path, rows in ((data.train, order[:train_samples]), (data.calib, order[train_samples:][:calib_samples])):
+        shutil.rmtree(path, ignore_errors=True)
+        pool.select(np.sort(rows).tolist()).save_to_disk(str(path))
+
+
+def make_code_data(root: Path, max_len: int, pool_samples: int) -> Data:
     tok = root / "tokenized"
-    data = Data("code", tok / "train", tok / "heldout", root / "heldout_packed", root / "tokenizer")
-    if not (data.train / "report.json").is_file():
+    data = Data("code", tok / "train", root / "train_runs", root / "calib_run", tok / "heldout",
+                root / "heldout_packed", root / "tokenizer")
+    report = root / "report.json"
+    made = json.loads(report.read_text()) if report.is_file() else {}
+    if not (data.pool / "report.json").is_file() or (made.get("max_samples"), made.get("max_tokens")) != \
+            (pool_samples, max_len):
         shutil.rmtree(root, ignore_errors=True)
         call([sys.executable, "-m", "data_tools.make_code_data", "--out", root, "--max-tokens", max_len,
-              "--max-samples", num_samples, "--vocab-size", CODE_VOCAB, "--seed", 0, "--tokenize"],
+              "--max-samples", pool_samples, "--vocab-size", CODE_VOCAB, "--seed", 0, "--tokenize"],
              root.parent / "make_code_data.log")
     return data
 
 
-def make_demo_data(root: Path, max_len: int, num_samples: int) -> Data:
-    data = Data("demo", root / "train", root / "heldout", root / "heldout_packed", SHIPPED_TOKENIZER)
-    if (data.train / "report.json").is_file():
+def make_demo_data(root: Path, max_len: int, pool_samples: int) -> Data:
+    data = Data("demo", root / "pool", root / "train_runs", root / "calib_run", root / "heldout",
+                root / "heldout_packed", SHIPPED_TOKENIZER)
+    if (data.pool / "report.json").is_file():
         return data
     root.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    for name, n, seed in (("train", num_samples, 0), ("heldout", max(16, num_samples // 8), 1)):
+    for name, n, seed in (("pool", pool_samples, 0), ("heldout", max(16, pool_samples // 8), 1)):
         raw = root / f"{name}.jsonl"
         call([py, "-m", "data_tools.make_demo_data", "--out", raw, "--num-samples", n, "--max-tokens", max_len,
               "--seed", seed, "--long-fraction", "0.15"])
@@ -188,33 +225,59 @@ def calibrate(work: Path, shape_json: str, max_len: int, iters: int, rounds: int
 
 
 def profile(work: Path, data: Data, shape: Shape, calibration: Path, max_len: int, min_len: int,
-            dry_run: bool) -> dict:
+            dry_run: bool, reuse: bool) -> dict:
     """profile.json of the profiler's CPU back-end (the real model, sp=2 measured by NPROC ranks) or, with
-    ``dry_run``, its analytic back-end on the CPU calibration; the groups it chose."""
-    out = work / "profile.json"
-    call([sys.executable, "-m", "hbp_train.profiler", "experiment=cpu_demo", *shape.overrides(),
-          f"model.tokenizer={data.tokenizer}", "profile.device=cpu", f"profile.world_size={NPROC}",
-          f"profile.measure_devices={NPROC}", f"profile.gpus_per_node={NPROC}", f"profile.max_len={max_len}",
-          f"profile.min_len={min_len}", f"profile.docs={data.train}", f"profile.calibration={calibration}",
-          "profile.iters=1", "profile.warmup_iters=1", "profile.memory_metric=torch", "profile.device_memory_gb=8",
-          f"profile.dry_run={str(dry_run).lower()}", "profile.progress=false", f"profile.output={out}"],
-         work / "profile.log")
+    ``dry_run``, its analytic back-end on the CPU calibration; the groups it chose. Reused when made with the same
+    command and calibration."""
+    out, stamp = work / "profile.json", work / "profile.key.json"
+    cmd = [sys.executable, "-m", "hbp_train.profiler", "experiment=cpu_demo", *shape.overrides(),
+           f"model.tokenizer={data.tokenizer}", "profile.device=cpu", f"profile.world_size={NPROC}",
+           f"profile.measure_devices={NPROC}", f"profile.gpus_per_node={NPROC}", f"profile.max_len={max_len}",
+           f"profile.min_len={min_len}", f"profile.docs={data.train}", f"profile.calibration={calibration}",
+           "profile.iters=1", "profile.warmup_iters=1", "profile.memory_metric=torch", "profile.device_memory_gb=8",
+           f"profile.dry_run={str(dry_run).lower()}", "profile.progress=false", f"profile.output={out}"]
+    key = {"cmd": [str(c) for c in cmd[1:]], "calibration": calibration.read_text()}
+    if not (reuse and out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key):
+        call(cmd, work / "profile.log")
+        stamp.write_text(json.dumps(key))
     return json.loads(out.read_text())
 
 
-def plan(data: Data, out: Path, strategy: str, seed: int, groups: str, calibration: Path, profile_json: Path,
+def plan(dataset: Path, out: Path, strategy: str, seed: int, groups: str, calibration: Path, profile_json: Path,
          step_tokens: int):
-    """Packed shards of one strategy's plan through data_tools.pack (``groups`` "auto" reads the profile); hbp
-    balances the calibrated pack time (hbp-cost). Returns the Plan."""
+    """Packed shards of one strategy's plan of ``dataset`` through data_tools.pack (``groups`` "auto" reads the
+    profile); hbp balances the calibrated pack time, kk veRL's workload 24576·s + s² (as veRL runs it: not our
+    calibration). Returns the Plan."""
     from data_tools import pack
     from hbp_train.planning.plan_npz import load_plan
 
     shutil.rmtree(out, ignore_errors=True)
-    _quiet(pack.main, ["--dataset", str(data.train), "--shards", str(out), "--world-size", str(NPROC), "--groups",
-                       groups, "--profile", str(profile_json), "--calibration", str(calibration), "--strategy",
-                       strategy, "--seed", str(seed), "--global-tokens", str(step_tokens), "--no-baseline",
-                       "--quiet"])
+    cost = [] if strategy == "kk" else ["--calibration", str(calibration)]
+    _quiet(pack.main, ["--dataset", str(dataset), "--shards", str(out), "--world-size", str(NPROC), "--groups",
+                       groups, "--profile", str(profile_json), *cost, "--strategy", strategy, "--seed", str(seed),
+                       "--global-tokens", str(step_tokens), "--no-baseline", "--quiet"])
     return load_plan(out / "plan.json")  # with its metrics, recomputed from the steps
+
+
+def fit_step_costs(work: Path, data: Data, shape: Shape, calibration: Path, profile_json: Path, pack_len: int,
+                   reuse: bool) -> Path:
+    """The calibration with its step costs (hbp_train.perf.step_costs), fitted on a training run of the calibration
+    set (samples no measured run trains on): hbp at one long pack per rank per step, whose steps range from one
+    micro-batch (a slot of long packs with a few short ones) to many (short packs only) and whose packs from the
+    shortest group's to the longest: what the fit needs to tell the per-pack, per-micro-batch and per-step costs
+    apart. Reused when made from this calibration and profile."""
+    out = work / "calibration_step_costs.json"
+    key = {"calibration": calibration.read_text(), "profile": profile_json.read_text(), "data": str(data.calib)}
+    stamp = work / "calibration_step_costs.key.json"
+    if reuse and out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
+        return out
+    run = work / "step_costs_run"
+    plan(data.calib, run / "shards", "hbp", 99, "auto", calibration, profile_json, NPROC * pack_len)
+    train(run / "shards", data, shape, run / "train", seed=99, eval_every=0)
+    call([sys.executable, "-m", "hbp_train.perf.step_costs", "--run", run / "train", "--plan", run / "shards",
+          "--calibration", calibration, "--out", out, "--zero-stage", ZERO_STAGE], work / "step_costs.log")
+    stamp.write_text(json.dumps(key))
+    return out
 
 
 # =================================================================================================== training

@@ -38,7 +38,7 @@ STRATEGIES = ("isf", "bfd", "sorted", "kk", "kk-cost", "hbp", "hbp-cost", "wlb",
 COLUMNS = [("name", "strategy", "s"), ("ABR", "ABR", ".4f"), ("DBR", "DBR", ".4f"), ("PR", "PR", ".4f"),
            ("CR", "CR", ".3f"), ("num_steps", "steps", "d"), ("num_slots", "slots", "d"), ("planning_seconds", "plan s", ".2f"),
            ("mean_deferred_wait_steps", "wait", ".2f"), ("sync", "sync", "s"),
-           ("simulated_hours", "sim hours", ".3f"), ("idle_fraction", "idle", ".3f"),
+           ("simulated_seconds", "sim time", "time"), ("idle_fraction", "idle", ".3f"),
            ("speedup", "speed-up", ".3f"), ("speedup_best", "vs best", ".3f")]
 
 # The single-group baselines users actually run (naive packing, TRL/ms-swift best fit, LongAlign sorting, veRL's
@@ -135,7 +135,7 @@ def table_columns(sim_config) -> list[tuple[str, str, str]]:
     """COLUMNS, with the communication columns before the simulated time when a ZeRO stage is modelled."""
     from data_tools.simulate import comm_columns
 
-    at = [k for k, _, _ in COLUMNS].index("simulated_hours")
+    at = [k for k, _, _ in COLUMNS].index("simulated_seconds")
     return COLUMNS[:at] + comm_columns(sim_config) + COLUMNS[at:]
 
 

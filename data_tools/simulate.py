@@ -1,14 +1,18 @@
-"""Simulator CLI: predicted (SIMULATED) training time of one or more plan.json files, and speed-ups over the first.
+"""Simulator CLI: predicted (SIMULATED) training time of one or more plan.json files, and speed-ups.
 
-    python -m data_tools.simulate --plan isf.json --plan hbp.json [--calibration FILE] [--model-shape llama3-8b]
+    python -m data_tools.simulate --plan hbp.json [--calibration FILE] [--model-shape llama3-8b]
         [--intra-node-gbps 200] [--inter-node-gbps 40] [--gpus-per-node 8] [--zero-stage 2 --comm-overlap 0]
         [--out report.json] [--plot sim.png]
+    python -m data_tools.simulate --plan isf.json --plan hbp.json ...     # speed-ups over the first plan
 
 For every plan: every pack's predicted time (hbp_train.perf.cost_model), per micro-batch slot each replica's time and
 the slot time (the slowest replica: ZeRO-2/3 synchronise every micro-batch), the idle fraction, the total time
-and the speed-up over the first plan. By default compute only (an upper bound of the speed-up); --zero-stage adds
-ZeRO's collectives and the optimizer step (--comm-overlap 0: all exposed, the pessimistic bound). Nothing runs on
-a GPU: every figure is a model prediction (docs/simulator.md).
+and the speed-up. One plan is compared with isf planned here on the same lengths, world size, largest group, step
+budget and seed (as data_tools.compare does); several plans with the first. By default compute only (an upper
+bound of the speed-up); --zero-stage adds ZeRO's collectives and the optimizer step (--comm-overlap 0: all
+exposed, the pessimistic bound); a calibration with fitted step costs (hbp_train.perf.step_costs) adds what a step
+costs besides its packs, so the times are absolute. Times print with the unit that shows them (µs to h). Nothing
+runs on a GPU: every figure is a model prediction (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ def comm_columns(config) -> list[tuple[str, str, str]]:
     """Table columns for the communication model: none when it is not modelled."""
     if config.zero_stage is None:
         return []
-    return [("zero_stage", "ZeRO", "d"), ("comm_seconds_per_step", "comm s/step", ".3f"),
-            ("optimizer_seconds_per_step", "opt s/step", ".4f")]
+    return [("zero_stage", "ZeRO", "d"), ("comm_seconds_per_step", "comm/step", "time"),
+            ("optimizer_seconds_per_step", "opt/step", "time")]
 
 
 def cost_model_from_args(args) -> CostModel:
@@ -167,11 +171,27 @@ def load_plan(path: str):
         raise UserError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
 
 
+def format_seconds(seconds: float) -> str:
+    """A duration with 3 significant digits in the unit that shows it: µs, ms, s, min or h (a tiny model's step
+    is microseconds, an 8B model's run hours: one fixed unit would print 0.000 for one of them)."""
+    if seconds == 0:
+        return "0 s"
+    for unit, scale, below in (("µs", 1e-6, 1e-3), ("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0)):
+        if abs(seconds) < below:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 3600:.3g} h"
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A fixed-width text table; columns are (key, header, format)."""
+    """A fixed-width text table; columns are (key, header, format), format "time" for seconds (format_seconds)."""
+    def cell(value, f):
+        if value is None:
+            return "-"
+        return format_seconds(value) if f == "time" else format(value, f)
+
     cells = [[h for _, h, _ in columns]]
     for r in rows:
-        cells.append([("-" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
+        cells.append([cell(r.get(k), f) for k, _, f in columns])
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = ["  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(columns)))
              for c in cells]
@@ -180,9 +200,19 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps", "steps", "d"),
-               ("num_slots", "slots", "d"), ("sync", "sync", "s"), ("simulated_hours", "sim hours", ".3f"),
+               ("num_slots", "slots", "d"), ("sync", "sync", "s"), ("simulated_seconds", "sim time", "time"),
                ("idle_fraction", "idle", ".3f"), ("simulated_tokens_per_second", "sim tok/s", ".4g"),
                ("speedup", "speed-up", ".3f")]
+
+
+def isf_baseline(plan):
+    """isf planned on ``plan``'s lengths with its world size, largest group, step budget, curriculum and seed: what
+    the plan is compared with when it is simulated alone (data_tools.compare's baseline)."""
+    from dataclasses import replace
+
+    from hbp_train.planning import make_plan
+
+    return make_plan(plan.lengths, replace(plan.config, strategy="isf", pack_cost=None, progress=False))
 
 
 def main(argv=None) -> int:
@@ -220,7 +250,12 @@ def run(argv=None) -> int:
             print(f"note: {path}: groups with ckpt_layers {over} are simulated with all {model.shape.num_layers} "
                   f"layers of {model.shape.name} checkpointed (the plan was made for a deeper model?)",
                   file=sys.stderr)
-    names = args.name or [f"{pl.config.strategy}:{Path(p).name}" for pl, p in zip(plans, args.plan)]
+    names = list(args.name or [f"{pl.config.strategy}:{Path(p).name}" for pl, p in zip(plans, args.plan)])
+    files = list(args.plan)
+    if len(plans) == 1:  # alone, a plan is its own baseline (speed-up 1): compare it with isf on its lengths
+        plans.insert(0, isf_baseline(plans[0]))
+        names.insert(0, "isf (planned here)")
+        files.insert(0, None)
     results, rows = [], []
     for name, plan in zip(names, plans):
         t0 = time.perf_counter()
@@ -235,14 +270,19 @@ def run(argv=None) -> int:
               "tokens/s", file=sys.stderr)
     print(f"SIMULATED with cost model: {model.source} ({model.note}); shape {model.shape.name}; links "
           f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node; "
-          f"{sim_cfg.comm_model()}")
+          f"{sim_cfg.comm_model()}; {model.step_costs.note()}")
+    if files[0] is None:
+        base = plans[0].config
+        print(f"baseline: isf planned here on the plan's {plans[0].num_samples} lengths (W={base.world_size}, pack "
+              f"length {base.groups[-1].pack_len}, the plan's step budget and seed)")
     for row in rows:
         row["zero_stage"] = sim_cfg.zero_stage
     print(format_table(rows, SIM_COLUMNS[:-3] + comm_columns(sim_cfg) + SIM_COLUMNS[-3:]))
     for name, res in zip(names, results):
         for s in res.slots(args.show_slots):
             print(f"  {name} step {s['step']} slot {s['slot']}: replicas "
-                  f"{', '.join(f'{x:.3f}' for x in s['replica_seconds'])} s -> slot {s['slot_seconds']:.3f} s")
+                  f"{', '.join(format_seconds(x) for x in s['replica_seconds'])} -> slot "
+                  f"{format_seconds(s['slot_seconds'])}")
     if args.out:
         report = {"simulated": True, "cost_model": model.describe(),
                   "links": {"intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps,
@@ -250,7 +290,7 @@ def run(argv=None) -> int:
                   "comm": {"model": sim_cfg.comm_model(), "zero_stage": sim_cfg.zero_stage,
                            "comm_overlap": sim_cfg.comm_overlap, "hbm_gbps": sim_cfg.hbm_gbps},
                   "baseline": names[0],
-                  "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, args.plan, results)]}
+                  "plans": [{**row, "file": p, "slots": res.slots()} for row, p, res in zip(rows, files, results)]}
     if args.out:
         write_output("--out", args.out, lambda path: path.write_text(json.dumps(report)))
         print(f"wrote {args.out}")

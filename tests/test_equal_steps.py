@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hbp_train.errors import UserError
 from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
-from hbp_train.planning.equal_steps import even_positions, nearest_cuts, step_budget
+from hbp_train.planning.equal_steps import even_positions, filled_cuts, nearest_cuts, step_budget
 
 
 def largest_unit(cfg: PlanConfig) -> int:
@@ -172,6 +172,40 @@ def test_nearest_cuts():
     assert nearest_cuts(np.zeros(0, np.int64), even_positions(0, 3)).tolist() == [0]
     assert nearest_cuts(tokens, even_positions(18, 3), forced=(1, 1)).tolist() == [0, 1, 4, 6]
     assert step_budget(100, 30) == (3, 100 / 3) and step_budget(5, 100) == (1, 5.0)
+
+
+def test_filled_cuts():
+    """Big units cut by their share of the data, small ones fill each step to its target; one size: nearest cuts."""
+    # 2 big units of 10 and 8 small units of 2 (36 tokens), 3 steps of 12. The bigs' share is 20/3 a step: by the
+    # end of step 1 the nearest is one big (6.7 -> 10), by the end of step 2 still one (13.3 -> 10), so the second
+    # waits for step 3; the smalls, in order, fill each step to 12.
+    tokens = np.array([10, 10, 2, 2, 2, 2, 2, 2, 2, 2])
+    big = tokens == 10
+    steps = filled_cuts(tokens, big, 3)
+    assert np.bincount(steps, tokens).tolist() == [12, 12, 12]
+    assert steps.tolist() == [0, 2, 0, 1, 1, 1, 1, 1, 1, 2]
+    # Nearest cuts alone, in run order: 10 | 10 + 2 + 2 | the rest.
+    bounds = nearest_cuts(tokens, even_positions(36, 3))
+    assert np.add.reduceat(tokens, bounds[:-1]).tolist() == [10, 14, 12]
+    assert filled_cuts(tokens, np.ones(10, bool), 3).tolist() == np.repeat([0, 1, 2], np.diff(bounds)).tolist()
+    assert filled_cuts(np.array([5, 1]), np.array([True, False]), 3).tolist() == [0, 1]  # fewer units than steps
+
+
+@pytest.mark.parametrize("slots_per_rank", [1, 4])
+def test_hbp_steps_stay_within_one_pack_of_the_target_at_both_budgets(slots_per_rank):
+    """The bench's two budgets (one long pack per rank per step, and four): a slot of the long group is W packs, as
+    large as the whole step at the first budget, yet every hbp step holds the target +- one long pack, because its
+    short group's slots fill around the long ones (equal_steps.filled_cuts). isf, whose slots are all long, cannot."""
+    world, long_len = 2, 8192
+    lengths = long_tailed(1500, long_len, 5)
+    for seed in range(3):
+        cfg = PlanConfig(world_size=world, groups=[GroupSpec(512, 1), GroupSpec(long_len, 1)], strategy="hbp",
+                         global_tokens=slots_per_rank * world * long_len, seed=seed)
+        plan = make_plan(lengths, cfg)
+        plan.validate()
+        check_equal_steps(plan)
+        tokens = optimizer_step_tokens(plan)
+        assert np.abs(tokens - plan.metrics["step_tokens_target"]).max() <= long_len, (seed, tokens)
 
 
 def test_plan_files_record_how_steps_are_counted(tmp_path):

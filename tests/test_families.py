@@ -240,6 +240,7 @@ def _train_worker(rank, world_size, shards, out):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # every family through the trainer; test_sp2_equals_sp1_for_every_family stays in the default tier
 def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
     """10 steps of the trainer on 2 ranks for a dense, an MoE and the MLA family over a plan whose groups run at
     sp=1 and sp=2: every step finite, the SP degree switches, the loss falls, both MoE families log their router
@@ -267,6 +268,7 @@ def test_trainer_runs_every_kind_over_an_sp1_sp2_plan(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # tests/test_compat.py proves the refusal itself
 def test_an_unsupported_feature_stops_the_trainer_before_the_model_in_one_line(tmp_path, tokenizer_dir):
     """python -m hbp_train.train with a window shorter than the plan's samples: exit 2, one line, nothing built."""
     import os

@@ -138,6 +138,7 @@ def test_the_categories_of_a_real_trace_cover_its_whole_op_time():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the acceptance dry run profiles in the default tier
 def test_cpu_command_profiles_hf_and_ours_and_writes_the_table(tmp_path):
     """The command as a user runs it (its own process: one torch.distributed world and DeepSpeed's groups)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -177,6 +177,7 @@ def _assert_same(eager, compiled, tol):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # inductor's first compile; the aot_eager tests stay in the default tier
 def test_compiled_layers_with_inductor_give_eager_losses_and_gradients_on_the_cpu():
     """model.kernels=compile with the real inductor (C++ kernels on the CPU: ~30-45 s of compiling here)."""
     eager, compiled = _compiled_vs_eager(ModelConfig(config=tiny_config("llama"), dtype="fp32"), "inductor")

@@ -142,3 +142,25 @@ def test_data_too_small_for_one_step_is_planned_like_isf():
                                               global_tokens=1000))
     plan.validate()
     assert plan.config.strategy == "kk" and plan.num_steps == 1 and plan.num_empty_packs == 1
+
+
+def test_a_step_short_of_samples_borrows_them_and_the_step_count_stays():
+    """A step whose replicas cannot all get m non-empty packs takes the samples it lacks from the next step (the last
+    from the one before), instead of being merged (which made kk train fewer optimizer steps than the others at the
+    one-pack-per-rank budget); two steps pulling one cut both ways merge."""
+    from hbp_train.planning.baselines.kk import borrow_samples
+    from hbp_train.planning.equal_steps import step_budget
+
+    moved = {}
+    # Step 0 (3 samples) needs 2 x 2: one more from step 1; step 2 (the last, 4 samples) needs 2 x 3: two from step 1.
+    assert borrow_samples(np.array([0, 3, 8, 12]), np.array([0, 2]), np.array([2, 3]), 2, moved).tolist() == \
+        [0, 4, 6, 12]
+    assert moved == {1: 1, 2: -1}
+    # Step 1 now lacks samples and would pull cut 2 back the other way: the two steps merge.
+    assert borrow_samples(np.array([0, 4, 6, 12]), np.array([1]), np.array([2]), 2, moved).tolist() == [0, 4, 12]
+    # Long-tailed samples up to the pack length, one pack per rank per step: the plain rule's step count.
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(3.2, 1.0, int(rng.integers(20, 200))).astype(int) + 1, 64)
+    plan = make_plan(lengths, PlanConfig(world_size=2, groups=[GroupSpec(64, 1)], strategy="kk", global_tokens=128))
+    plan.validate()
+    assert plan.num_optimizer_steps == step_budget(int(lengths.sum()), 128)[0] == 43  # merging left 34

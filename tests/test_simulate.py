@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hbp_train.errors import UserError
-from hbp_train.perf.cost_model import CostModel
+from hbp_train.perf.cost_model import CostModel, StepCosts
 from hbp_train.planning.csr import pack_csr
 from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import GroupSpec, Plan, PlanConfig
@@ -19,9 +19,11 @@ from tests.cli_exit import exit_code
 
 
 class SquareCost:
-    """Toy cost model: a pack costs sum(len^2) / sp + 10 * ckpt_layers seconds (no comm); 1e9 parameters."""
+    """Toy cost model: a pack costs sum(len^2) / sp + 10 * ckpt_layers seconds (no comm); 1e9 parameters; no step
+    costs."""
 
     shape = SimpleNamespace(num_layers=4, num_params=10**9)
+    step_costs = StepCosts()
 
     def pack_times(self, lengths, offsets, sp, ckpt_layers=0, *args):
         lengths = np.asarray(lengths, np.float64)
@@ -110,6 +112,53 @@ def test_hand_computed_step_sync_unequal_micro_batches():
     assert res.idle_fraction == pytest.approx(1 - 17.5 / 19)
     # The same plan under per-micro-batch sync: slots max(16,4) + max(0,9) + max(0,6) = 31.
     assert simulate(p, SquareCost(), SimConfig(sync="micro")).total_seconds == pytest.approx(31)
+
+
+# Step costs on plan_a: compute x2, 1 s per pack (the empty one too: the trainer's dummy), 0.5 s per micro-batch,
+# 3 s per step, data 0.25 s per step + 0.125 s per micro-batch.
+COSTS = StepCosts(compute_scale=2.0, pack_s=1.0, micro_batch_s=0.5, step_s=3.0, data_step_s=0.25,
+                  data_micro_batch_s=0.125, source="test")
+
+
+def test_step_costs_hand_computed():
+    res = simulate(plan_a(), SquareCost(), SimConfig(step_costs=COSTS))
+    # Replicas: step 0 slot 0: 2*16+1 = 33 | 2*9+1 = 19; slot 1: 2*4+1 = 9 | 2*2+1 = 5; step 1: 2*4+1 = 9 | 0+1 = 1.
+    np.testing.assert_allclose(res.replica_seconds, [33, 19, 9, 5, 9, 1])
+    np.testing.assert_allclose(res.slot_seconds, [33, 9, 9])
+    # Per step: (0.5 + 0.125) per micro-batch, 3 + 0.25 per step.
+    np.testing.assert_allclose(res.step_cost_seconds, [2 * 0.625 + 3.25, 0.625 + 3.25])
+    np.testing.assert_allclose(res.step_seconds, [33 + 9 + 4.5, 9 + 3.875])
+    # Busy: the replicas' mean time (33 + 19 + 9 + 5) / 2 + (9 + 1) / 2 and every step cost.
+    assert res.idle_fraction == pytest.approx(1 - (38 + 8.375) / 59.375)
+    assert res.summary()["step_cost_seconds"] == pytest.approx(8.375) and "1e+03 ms/pack" in res.summary()["step_costs"]
+    # The cost model's own step costs are used unless the config gives others; none: compute only, as before.
+    model = SquareCost()
+    model.step_costs = COSTS
+    assert simulate(plan_a(), model).total_seconds == pytest.approx(59.375)
+    assert simulate(plan_a(), model, SimConfig(step_costs=StepCosts())).total_seconds == pytest.approx(24)
+    assert simulate(plan_a(), SquareCost()).step_cost_seconds is None
+    # With ZeRO-2 on top (INTRA below: 1 s per reduce-scatter per slot, 1 s all-gather and 1 s optimizer per step).
+    zero = simulate(plan_a(), SquareCost(), SimConfig(step_costs=COSTS, zero_stage=2, **INTRA))
+    np.testing.assert_allclose(zero.step_seconds, [46.5 + 2 + 1 + 1, 12.875 + 1 + 1 + 1])
+
+
+def test_step_costs_skip_the_packs_a_replica_does_not_run():
+    """Unequal micro-batch counts (ZeRO-0/1): a replica runs only its own packs, no dummy for the padding."""
+    p = make_plan(LENGTHS, [(10, 1, 0)], 2, [(0, [[[0]], [[1], [2], [3, 4, 5]]])],
+                  extra={"unequal_micro_batches": True})
+    res = simulate(p, SquareCost(), SimConfig(step_costs=StepCosts(pack_s=1.0, micro_batch_s=0.5)))
+    # Replica sums: 16 + 1 vs (4 + 1) + (9 + 1) + (6 + 1) = 22; 3 micro-batches of 0.5.
+    assert res.total_seconds == pytest.approx(22 + 1.5)
+
+
+def test_step_costs_refuse_bad_values():
+    with pytest.raises(UserError, match="step_costs.pack_s must be a number >= 0"):
+        StepCosts(pack_s=-1.0)
+    with pytest.raises(UserError, match="compute_scale must be > 0"):
+        StepCosts(compute_scale=0.0)
+    with pytest.raises(UserError, match="calibration X: step_costs: step_costs.step_s must be"):
+        StepCosts.from_dict({"step_s": "fast"}, "calibration X: step_costs")
+    assert StepCosts.from_dict({"step_s": 0.5, "fitted_steps": 20}).step_s == 0.5  # the fit's record is ignored
 
 
 # ZeRO model on plan_a (W=2): P = 1e9 bf16 params = 2e9 bytes. Within a node at 1 GB/s one ring reduce-scatter or
@@ -238,7 +287,7 @@ def test_cli_zero_stage(tmp_path, capsys):
     assert cli.main(["--plan", str(path), "--zero-stage", "3", "--comm-overlap", "0.5", "--intra-node-gbps", "100",
                      "--hbm-gbps", "2000", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "comm s/step" in text and "ZeRO-3 collectives (overlap 0.5)" in text
+    assert "comm/step" in text and "ZeRO-3 collectives (overlap 0.5)" in text
     model = CostModel.from_calibration()
     p = model.shape.num_params
     ring = 2 * p * 3 / 4 / 100e9  # W=4 within an 8-GPU node
@@ -247,7 +296,7 @@ def test_cli_zero_stage(tmp_path, capsys):
     compute = (max(model.pack_time([30000, 2000, 1000], 2, 0, 100.0), model.pack_time([64000, 500, 500], 2, 0, 100.0))
                + max(model.pack_time([64000], 2, 0, 100.0), model.pack_time([30000], 2, 0, 100.0)))
     report = json.loads(out.read_text())
-    row = report["plans"][0]
+    row = report["plans"][1]  # the first is isf, planned on the plan's lengths to compare it with
     assert report["comm"]["zero_stage"] == 3 and row["sync"] == "micro"
     assert row["simulated_seconds"] == pytest.approx(compute + 2 * per_step, rel=1e-9)
     assert row["comm_seconds_per_step"] == pytest.approx(0.5 * 3 * ring, rel=1e-9)
@@ -265,6 +314,52 @@ def test_cli_zero_stage(tmp_path, capsys):
     assert cli.main(["--plan", str(path), "--zero-stage", "1"]) == 0
 
 
+def test_cli_one_plan_is_compared_with_isf_on_its_lengths_and_tiny_times_show(tmp_path, capsys):
+    """hbp-simulate --plan P alone: isf is planned on P's lengths (W, largest group, step budget, seed) and P's
+    speed-up is over it, as data_tools.compare computes it; a tiny model's times print in a unit that shows them
+    (no 0.000 in a time column)."""
+    from data_tools import simulate as cli
+    from data_tools.compare import plan_strategies, simulate_strategies
+
+    rng = np.random.default_rng(4)
+    lengths = np.minimum(rng.lognormal(5, 1.2, 400).astype(int) + 1, 2048)
+    cfg = dict(world_size=4, groups=[GroupSpec(256, 1), GroupSpec(2048, 1)], global_tokens=4 * 2048, seed=3)
+    from hbp_train.planning import make_plan as plan_lengths
+
+    path = tmp_path / "hbp.json"
+    plan_lengths(lengths, PlanConfig(strategy="hbp", **cfg)).to_json(path)
+    tiny = json.dumps({"name": "tiny", "hidden": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn": 64,
+                       "vocab": 512})
+    out = tmp_path / "r.json"
+    assert cli.main(["--plan", str(path), "--model-shape", tiny, "--zero-stage", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["plans"]
+    assert [r["name"] for r in rows] == ["isf (planned here)", "hbp:hbp.json"] and rows[0]["strategy"] == "isf"
+    # The same speed-up as compare's, which plans isf and hbp on the same lengths itself.
+    model = CostModel.from_calibration(None, tiny)
+    kwargs = {k: v for k, v in cfg.items()}
+    cmp_rows, _ = simulate_strategies(plan_strategies(lengths, kwargs, model, SimConfig(zero_stage=2), ("isf", "hbp"),
+                                                      progress=False), model, SimConfig(zero_stage=2))
+    want = {r["name"]: r for r in cmp_rows}
+    assert rows[0]["simulated_seconds"] == pytest.approx(want["isf"]["simulated_seconds"], rel=1e-9)
+    assert rows[1]["speedup"] == pytest.approx(want["hbp"]["speedup"], rel=1e-9) and rows[1]["speedup"] != 1.0
+    assert "baseline: isf planned here on the plan's 400 lengths" in text
+    # The step time is microseconds to milliseconds here: every time column shows it, none reads 0.000.
+    assert 0 < rows[1]["simulated_seconds"] < 1.0
+    for r in rows:
+        for key in ("simulated_seconds", "comm_seconds_per_step", "optimizer_seconds_per_step"):
+            assert cli.format_seconds(r[key]) in text and float(cli.format_seconds(r[key]).split()[0]) > 0
+    table_rows = [line for line in text.splitlines() if line.startswith(("isf (planned here) ", "hbp:hbp.json "))]
+    assert len(table_rows) == 2 and not any("0.000" in line for line in table_rows)
+
+
+def test_format_seconds_picks_the_unit_that_shows_the_figure():
+    from data_tools.simulate import format_seconds
+
+    assert [format_seconds(x) for x in (3.2e-5, 0.0123, 4.5, 600.0, 9000.0, 0.0)] == \
+        ["32 µs", "12.3 ms", "4.5 s", "10 min", "2.5 h", "0 s"]
+
+
 def test_compare_cli_zero_stage(tmp_path, capsys):
     from data_tools import compare
 
@@ -276,10 +371,10 @@ def test_compare_cli_zero_stage(tmp_path, capsys):
             str(16384 * 4), "--quiet", "--strategies", "isf,hbp,bytescale", "--out", str(out)]
     assert compare.main(base) == 0
     upper = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert "comm s/step" not in capsys.readouterr().out
+    assert "comm/step" not in capsys.readouterr().out
     assert compare.main(base + ["--zero-stage", "2"]) == 0
     captured = capsys.readouterr()
-    assert "comm s/step" in captured.out and "simulated at ZeRO-1" in captured.err
+    assert "comm/step" in captured.out and "simulated at ZeRO-1" in captured.err
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["isf"]["zero_stage"] == 2 and rows["hbp"]["sync"] == "micro"
     assert rows["bytescale"]["zero_stage"] == 1 and rows["bytescale"]["sync"] == "step"
@@ -367,7 +462,7 @@ def test_cli_plan_folder_and_outputs_it_may_replace(tmp_path, capsys):
     out = tmp_path / "r.json"
     for _ in range(2):  # the second run replaces the first run's report
         assert cli.main(["--plan", str(folder), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["plans"][0]["num_steps"] == plan_a().num_steps
+    assert json.loads(out.read_text())["plans"][-1]["num_steps"] == plan_a().num_steps
     capsys.readouterr()
     raw = tmp_path / "train.jsonl"
     raw.write_text('{"messages": []}\n')

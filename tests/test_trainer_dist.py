@@ -202,6 +202,7 @@ def _accum_worker(rank, world_size, shards, out):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 32 micro-batches on 2 ranks
 def test_bf16_gradients_are_summed_in_fp32_over_many_micro_batches(tmp_path):
     """2 ranks, bf16 weights, a step of 32 micro-batches per rank, then the same packs one per step: DeepSpeed's
     sum over the micro-batches matches the float64 sum of the one-pack gradients (normalizer sum, unchanged

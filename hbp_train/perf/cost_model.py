@@ -19,6 +19,11 @@ forward move q, k, v (before attention) and the attention output (after), four m
 each recomputed layer. docs/simulator.md states the model and its limits (no compute/comm overlap; the optimizer
 step and ZeRO's collectives are per step / per micro-batch, not per pack: hbp_train.planning.simulator adds them).
 
+``StepCosts``: what a training step costs besides its packs' compute (a fixed cost per pack, per micro-batch and per
+step, the data loading, and the trainer's compute over this model's), a calibration's optional ``"step_costs"``
+entry, fitted from a training run by hbp_train.perf.step_costs; the simulator adds them. Without the entry (the
+shipped H100 file) every term is 0: unknown, not measured.
+
 ``source`` says where the numbers come from: "measured" (the calibration's own shape), "scaled" (a calibration
 measured on another shape, scaled by FLOPs), "analytic" (FLOPs at a stated efficiency of peak, no measurement).
 Shapes come from hbp_train.perf.shape and FLOPs from hbp_train.perf.flops (the formula MFU uses too). A bad
@@ -28,7 +33,8 @@ calibration file or shape is the user's: UserError naming the file or field.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import math
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +59,78 @@ ATTN_FWDBWD_OVER_FWD = 3.5
 HEAD_MATMULS = 4
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """What a training step costs besides its packs' compute, in seconds, on the machine a calibration measured
+    (fitted from a training run by ``python -m hbp_train.perf.step_costs``). All terms 0 and the scale 1 (the
+    default, and the shipped H100 calibration's): unknown, so the simulator predicts compute only, plus the
+    collectives and optimizer step ``--zero-stage`` models."""
+
+    compute_scale: float = 1.0
+    """The trainer's compute of a pack over the cost model's prediction (its whole program around the layers the
+    calibration timed: embedding, loss, DeepSpeed's gradient hooks)."""
+    pack_s: float = 0.0
+    """Seconds every pack costs its rank beyond its compute, the one-token dummy the trainer runs for an empty pack
+    included (launches, Python, the collate)."""
+    micro_batch_s: float = 0.0
+    """Seconds every micro-batch (slot) costs beyond its slowest pack: the engine's micro-step and whatever of ZeRO's
+    per-micro-batch gradient reduction ``--zero-stage`` does not model."""
+    step_s: float = 0.0
+    """Seconds every optimizer step costs beyond its micro-batches: the optimizer step, ZeRO's per-step all-gather
+    and the step's bookkeeping, beyond what ``--zero-stage`` models."""
+    data_step_s: float = 0.0
+    """Seconds of loading a step's packs, once per optimizer step."""
+    data_micro_batch_s: float = 0.0
+    """Seconds of loading each micro-batch a rank runs."""
+    source: str = "none"
+    """Where the terms come from (the run they were fitted on), or "none"."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "source" and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise UserError(f"step_costs.{f.name} must be a number >= 0, got {value!r}")
+        if not self.compute_scale > 0:
+            raise UserError(f"step_costs.compute_scale must be > 0, got {self.compute_scale!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "step_costs") -> "StepCosts":
+        """The terms of a calibration's "step_costs" entry (its other keys are the fit's record); UserError names
+        ``where``."""
+        if not isinstance(data, dict):
+            raise UserError(f"{where}: must be an object of seconds, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        try:
+            return cls(**{k: data[k] for k in names if k in data})
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def known(self) -> bool:
+        """True when any term was measured."""
+        return self != StepCosts(source=self.source)
+
+    def note(self) -> str:
+        """One line for tables: the terms in milliseconds, or that there are none."""
+        if not self.known:
+            return "no step costs (compute only)"
+        ms = lambda s: f"{1e3 * s:.3g} ms"  # noqa: E731
+        return (f"step costs: compute x{self.compute_scale:.3g}, {ms(self.pack_s)}/pack, "
+                f"{ms(self.micro_batch_s)}/micro-batch, {ms(self.step_s)}/step, data {ms(self.data_step_s)}/step + "
+                f"{ms(self.data_micro_batch_s)}/micro-batch ({self.source})")
+
+
 class CostModel:
     """Pack-time predictor. Build it with ``from_calibration`` or ``analytic``; times are in seconds."""
 
     def __init__(self, shape: ModelShape, table_lens, attn_fb_ms, attn_f_ms, linear_fb_ms_per_table: float,
-                 source: str, note: str = "", dtype_bytes: int = 2, head_fb_ms_per_table: float | None = None):
+                 source: str, note: str = "", dtype_bytes: int = 2, head_fb_ms_per_table: float | None = None,
+                 step_costs: StepCosts | None = None):
         lens = np.asarray(table_lens, dtype=np.float64)
+        self.step_costs = step_costs or StepCosts()
         order = np.argsort(lens)
         self.shape = shape
         self.source = source
@@ -134,7 +206,10 @@ class CostModel:
                 linear = linear * linear_fwd_flops_per_token(shape) / linear_fwd_flops_per_token(measured_shape)
                 source = "scaled"
                 note += f", scaled from {measured_shape.name} to {shape.name} by FLOPs"
-        return cls(shape, lens, fb, f, linear, source, note, dtype_bytes, head_fb_ms_per_table=head)
+        step_costs = StepCosts.from_dict(data["step_costs"], f"calibration {path}: step_costs") \
+            if "step_costs" in data else None
+        return cls(shape, lens, fb, f, linear, source, note, dtype_bytes, head_fb_ms_per_table=head,
+                   step_costs=step_costs)
 
     @classmethod
     def analytic(cls, model_shape, peak_tflops: float = 989.0, efficiency: float = 0.5) -> "CostModel":
@@ -237,7 +312,8 @@ class CostModel:
 
     def describe(self) -> dict:
         """What this model is, for reports."""
-        return {"source": self.source, "note": self.note, "model_shape": asdict(self.shape)}
+        return {"source": self.source, "note": self.note, "model_shape": asdict(self.shape),
+                "step_costs": self.step_costs.to_dict()}
 
 
 def _same_layer(a: ModelShape, b: ModelShape) -> bool:

@@ -14,9 +14,17 @@ in run order are cut at the unit boundaries nearest to tau, 2 tau, ..., (N - 1) 
 the slots of a plan (the R packs its replicas run in lock-step; a tail step's empty packs lie in one slot, else
 that step stays one unit, so they stay in one step), or, for the strategies that make steps from samples (kk,
 bytescale), the samples. Every step then holds tau +- u real tokens, u the largest unit (R * pack_len for a slot,
-the longest sample for kk and bytescale), whenever u < tau; with fewer units than N, every unit is a step. The units of one
-group in an optimizer step form one plan step (``Plan.optimizer_step`` when a step spans groups; the trainer
-switches the SP degree between them).
+the longest sample for kk and bytescale), whenever u < tau; with fewer units than N, every unit is a step. The
+units of one group in an optimizer step form one plan step (``Plan.optimizer_step`` when a step spans groups; the
+trainer switches the SP degree between them).
+
+Smaller groups fill (``filled_cuts``): a plan whose units come in two sizes (hbp: the largest group's slots, R
+long packs, and the smaller groups' slots) is cut finer than its big units allow. The big units, in run order, are
+cut where the data's share of them says (step j ends nearest to j x their tokens / N, so the long samples stay
+spread over the run), never past the step's cumulative target j tau by more than half a unit; then the small
+units, in run order, fill the step to the boundary nearest to j tau. Each step then holds tau +- one small unit
+while the small units last (tau +- one pack at the one-pack-per-rank budget, where a big unit is as large as tau
+and nearest cuts alone allow a step anywhere in 0..2 tau); single-size plans (every baseline) are cut as before.
 
 Curriculum (``curriculum_steps`` K): the units whose samples all fit the smallest group (GroupData level 0, or
 the lowest level present), in run order, up to the boundary nearest K tau, move to the front, and a cut is forced
@@ -98,6 +106,56 @@ def nearest_cuts(unit_tokens: np.ndarray, positions: np.ndarray, forced: tuple[i
     return np.concatenate([[0], shifted + j, [num_units]]).astype(np.int64)
 
 
+def filled_cuts(unit_tokens: np.ndarray, big: np.ndarray, num_steps: int) -> np.ndarray:
+    """The step (0-based) of every unit, given in run order: ``num_steps`` steps of about T / num_steps tokens,
+    the small units (``big`` False) filling around the big ones (module docstring, "Smaller groups fill"). Each
+    class keeps its run order; a step's units are contiguous in each. Plans of one size, and any cut that would
+    leave a step empty, are cut by ``nearest_cuts`` (the plain rule) instead."""
+    unit_tokens = np.asarray(unit_tokens, np.float64)
+    big = np.asarray(big, bool)
+
+    def nearest_rule():
+        bounds = nearest_cuts(unit_tokens, even_positions(unit_tokens.sum(), num_steps))
+        return np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+
+    if num_steps <= 1 or big.all() or not big.any() or len(unit_tokens) < num_steps:
+        return nearest_rule()
+    big_cum = np.concatenate([[0.0], np.cumsum(unit_tokens[big])])
+    small_cum = np.concatenate([[0.0], np.cumsum(unit_tokens[~big])])
+    total_big, total_small = big_cum[-1], small_cum[-1]
+    target = (big_cum[-1] + small_cum[-1]) / num_steps
+    big_end, small_end = np.zeros(num_steps + 1, np.int64), np.zeros(num_steps + 1, np.int64)
+    big_end[-1], small_end[-1] = len(big_cum) - 1, len(small_cum) - 1
+    done = 0.0  # tokens in steps 0..j-1
+    for j in range(1, num_steps):
+        goal = j * target
+        # The big units' share of the first j steps (at least what the small ones cannot make up), then no
+        # further than half the last unit past the goal.
+        start = big_end[j - 1]
+        end = _nearest_index(big_cum, min(goal, max(j * total_big / num_steps, goal - total_small)), start)
+        while end > start and done + big_cum[end] - big_cum[start] - goal > (big_cum[end] - big_cum[end - 1]) / 2:
+            end -= 1
+        done += big_cum[end] - big_cum[start]
+        big_end[j] = end
+        start_s = small_end[j - 1]
+        small_end[j] = _nearest_index(small_cum, small_cum[start_s] + goal - done, start_s)
+        done += small_cum[small_end[j]] - small_cum[start_s]
+    if (np.diff(big_end) + np.diff(small_end) == 0).any():  # a step with no unit: too few units for the sizes
+        return nearest_rule()
+    step = np.empty(len(unit_tokens), np.int64)
+    step[big] = np.repeat(np.arange(num_steps), np.diff(big_end))
+    step[~big] = np.repeat(np.arange(num_steps), np.diff(small_end))
+    return step
+
+
+def _nearest_index(cum: np.ndarray, position: float, low: int) -> int:
+    """The index i >= low of the prefix sum ``cum`` (cum[0] = 0, ascending) nearest to ``position``."""
+    i = int(np.clip(np.searchsorted(cum, position), low, len(cum) - 1))
+    if i > low and position - cum[i - 1] <= cum[i] - position:
+        i -= 1
+    return i
+
+
 def plan_units(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The plan's units in run order: (unit_ptr into plan.step_packs, unit_group, unit_tokens). A unit is a slot
     (R packs), or a whole plan step when that step's empty packs (a tail step's) lie in more than one slot: a
@@ -172,6 +230,14 @@ def equal_steps(plan: Plan, curriculum_steps: int = 0) -> Plan:
                                     tokens + even_positions(total - tokens, num_steps - j)])
     bounds = nearest_cuts(unit_tokens[order], positions, forced)
     unit_step = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    big = (unit_group == unit_group.max())[order]  # the largest group's slots; the smaller groups' fill
+    head = forced[0] if forced is not None and 1 <= forced[1] <= num_steps - 1 else 0
+    first = unit_step[head] if head < len(unit_step) else num_steps  # the steps after the curriculum's
+    if big[head:].any() and not big[head:].all() and len(unit_step) - head >= num_steps - first:
+        unit_step[head:] = first + filled_cuts(unit_tokens[order][head:], big[head:], num_steps - first)
+    # Units in step order, each step's in run order.
+    regroup = np.argsort(unit_step, kind="stable")
+    order, unit_step = order[regroup], unit_step[regroup]
     # Units in their new run order as CSR over the old step_packs.
     sizes = np.diff(unit_ptr)[order]
     new_ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -31,9 +31,17 @@ per-step collectives and the optimizer add to every step in full. overlap 0 is t
 With a stage given, sync defaults to "step" for stages 0/1 and "micro" for 2/3, and a plan with unequal
 micro-batch counts is refused for stages 2/3 (``bytescale.check_zero_stage``).
 
+Step costs (``CostModel.step_costs``, a calibration's measured "step_costs", or ``SimConfig.step_costs``; all 0
+when unknown, as in the shipped H100 calibration): every pack's predicted compute is multiplied by
+``compute_scale`` and each pack a replica runs costs ``pack_s`` more (an empty pack too: the trainer runs a
+one-token dummy for it; not under unequal micro-batch counts, where a replica runs only its own packs); every
+micro-batch (slot) adds ``micro_batch_s`` and ``data_micro_batch_s``, every optimizer step ``step_s`` and
+``data_step_s``. With them, and ``zero_stage`` for the collectives, a step's time is the absolute time the
+calibrated machine takes, not only a ratio between plans (docs/simulator.md, "Absolute time").
+
 Idle fraction = Σ (synchronised time − a replica's busy time) / (replicas · Σ synchronised time) — the share of
-GPU time spent waiting for a slower replica (modelled collectives and optimizer count as busy). All times are
-*simulated* and labelled so in reports.
+GPU time spent waiting for a slower replica (modelled collectives, optimizer and step costs count as busy). All
+times are *simulated* and labelled so in reports.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hbp_train.errors import UserError
-from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
+from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, StepCosts
 from hbp_train.planning.plan import Plan
 
 SYNC_MODES = ("micro", "step")
@@ -83,6 +91,9 @@ class SimConfig:
     them all (the pessimistic bound). Per-step collectives and the optimizer are never hidden."""
     hbm_gbps: float = DEFAULT_HBM_GBPS
     """GPU memory bandwidth in GB/s for the memory-bound optimizer step (default: H100 SXM HBM3)."""
+    step_costs: StepCosts | None = None
+    """The per-pack, per-micro-batch, per-step and data costs (module docstring), or None: the cost model's own
+    (its calibration's "step_costs"; all 0 when it has none)."""
 
     def __post_init__(self):
         if not (self.intra_node_gbps > 0 and self.inter_node_gbps > 0):  # also refuses NaN
@@ -160,6 +171,11 @@ class SimResult:
     not modelled."""
     optimizer_seconds_per_step: float = 0.0
     """Seconds of the optimizer step, added to every step (included in step_seconds)."""
+    step_cost_seconds: np.ndarray | None = None
+    """float64 [num_steps]: the step costs outside the slots' packs in every step (per micro-batch, per step,
+    data; included in step_seconds); None when there are none."""
+    step_costs: str = "no step costs (compute only)"
+    """The step costs used (StepCosts.note)."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -177,9 +193,14 @@ class SimResult:
         return self.optimizer_seconds_per_step * len(self.step_seconds)
 
     @property
+    def step_cost_total(self) -> float:
+        """Σ over all steps of the step costs outside the slots' packs."""
+        return 0.0 if self.step_cost_seconds is None else float(self.step_cost_seconds.sum())
+
+    @property
     def idle_fraction(self) -> float:
         total = self.total_seconds
-        busy = self.busy_seconds + self.comm_seconds + self.optimizer_seconds
+        busy = self.busy_seconds + self.comm_seconds + self.optimizer_seconds + self.step_cost_total
         return float(1.0 - busy / total) if total > 0 else 0.0
 
     def summary(self) -> dict:
@@ -199,6 +220,8 @@ class SimResult:
             "comm_seconds_per_step": self.comm_seconds / max(len(self.step_seconds), 1),
             "optimizer_seconds": self.optimizer_seconds,
             "optimizer_seconds_per_step": self.optimizer_seconds_per_step,
+            "step_cost_seconds": self.step_cost_total,
+            "step_costs": self.step_costs,
             **self.extra,
         }
 
@@ -206,14 +229,14 @@ class SimResult:
         """Per-slot records {"step", "slot", "replica_seconds", "slot_seconds"} (the first ``limit``)."""
         n = len(self.slot_seconds) if limit is None else min(limit, len(self.slot_seconds))
         out, k, prev = [], 0, -1
-        rs = np.round(self.replica_seconds, 6).tolist()
+        rs = [float(f"{x:.6g}") for x in self.replica_seconds.tolist()]  # 6 digits: a tiny model's are µs
         ptr = self.slot_ptr.tolist()
         for i in range(n):
             step = int(self.slot_step[i])
             k = k + 1 if step == prev else 0
             prev = step
             out.append({"step": step, "slot": k, "replica_seconds": rs[ptr[i]:ptr[i + 1]],
-                        "slot_seconds": round(float(self.slot_seconds[i]), 6)})
+                        "slot_seconds": float(f"{self.slot_seconds[i]:.6g}")})
         return out
 
 
@@ -238,6 +261,7 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
         sync = config.sync or stage_sync(config.zero_stage)
     else:
         sync = config.sync or ("step" if unequal else "micro")
+    costs = config.step_costs if config.step_costs is not None else model.step_costs
     pack_s = plan_pack_seconds(plan, model, config)
     reps = np.array([plan.config.replicas(g) for g in range(len(plan.config.groups))], np.int64)
     step_r = reps[plan.step_group]
@@ -247,7 +271,12 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
     slots_per_step = step_sizes // step_r
     slot_step = np.repeat(np.arange(num_steps), slots_per_step)
     slot_ptr = np.concatenate([[0], np.cumsum(np.repeat(step_r, slots_per_step))]).astype(np.int64)
-    replica_s = pack_s[plan.step_packs]
+    replica_s = costs.compute_scale * pack_s[plan.step_packs]
+    if costs.pack_s:
+        # Every pack a replica runs, an empty one too (the trainer's dummy micro-batch), unless replicas run only
+        # their own packs (unequal micro-batch counts).
+        runs = (np.diff(plan.pack_ptr)[plan.step_packs] > 0) if unequal else np.ones(len(replica_s), bool)
+        replica_s = replica_s + costs.pack_s * runs
     if len(replica_s):
         slot_s = np.maximum.reduceat(replica_s, slot_ptr[:-1]) if len(slot_ptr) > 1 else np.zeros(0)
     else:
@@ -273,6 +302,11 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
         step_s = np.bincount(opt, step_s, minlength=num_steps)
         slots_per_step = np.bincount(opt, slots_per_step, minlength=num_steps)
         slot_step = opt[slot_step]
+    step_cost = None
+    if costs.known:
+        step_cost = (costs.micro_batch_s + costs.data_micro_batch_s) * slots_per_step + costs.step_s \
+            + costs.data_step_s
+        step_s = step_s + step_cost
     step_comm, optimizer = None, 0.0
     if config.zero_stage is not None:
         comm = zero_comm_seconds(model.shape.num_params, plan.config.world_size, config)
@@ -284,7 +318,7 @@ def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> S
     return SimResult(sync=sync, pack_seconds=pack_s, step_seconds=step_s, slot_step=slot_step, slot_ptr=slot_ptr,
                      replica_seconds=replica_s, slot_seconds=slot_s, busy_seconds=float(busy_per_step.sum()),
                      tokens=tokens, comm_model=config.comm_model(), step_comm_seconds=step_comm,
-                     optimizer_seconds_per_step=optimizer)
+                     optimizer_seconds_per_step=optimizer, step_cost_seconds=step_cost, step_costs=costs.note())
 
 
 def speedup(baseline: SimResult, other: SimResult) -> float:

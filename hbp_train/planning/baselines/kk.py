@@ -18,8 +18,10 @@ degree, like isf):
    pack they fit (``fill_packs``), and a step where that leaves a sample out gets m + 1. Every replica's packs
    run heaviest workload first (veRL's dynamic-batch balance), so slot k pairs the k-th heaviest pack of every
    replica. A step too small to give every replica m non-empty packs (fewer samples than R·m, only when steps
-   hold a few samples near pack_len) is merged with the next one; data too small for even one such step is
-   planned as isf plans it (its tail rule may then add empty packs).
+   hold a few samples near pack_len) takes the samples it lacks from the next step (the last one from the step
+   before), so the plan keeps every strategy's step count; where that cannot work (a step left with no sample),
+   it is merged with the next one, and data too small for even one such step is planned as isf plans it (its
+   tail rule may then add empty packs).
 4. **Curriculum**: as isf, the first ``curriculum_steps`` steps whose longest sample fits the smallest group move
    to the front.
 
@@ -165,8 +167,8 @@ def fill_packs(tokens: np.ndarray, num_packs: int, cap: int) -> tuple[np.ndarray
 
 def partition_steps(stream, bounds, lengths, work, num_r: int, cap: int):
     """Replica and pack of every sample of ``stream`` (steps ``bounds``). Returns ((replica, pack rank within the
-    replica (0 = heaviest workload), m per step), None), or (None, the steps that cannot give every replica m
-    non-empty packs)."""
+    replica (0 = heaviest workload), m per step), None), or (None, (the steps that cannot give every replica m
+    non-empty packs, their m))."""
     num_steps = len(bounds) - 1
     if num_steps == 0:  # nothing kept
         return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), None
@@ -185,7 +187,7 @@ def partition_steps(stream, bounds, lengths, work, num_r: int, cap: int):
     while len(todo):
         bad = todo[m[todo] > owner_count[todo].min(axis=1)]
         if len(bad):
-            return None, bad
+            return None, (bad, m[bad])
         failed = []
         for mv in np.unique(m[todo]).tolist():
             steps = todo[m[todo] == mv]
@@ -207,6 +209,30 @@ def partition_steps(stream, bounds, lengths, work, num_r: int, cap: int):
     return (replica, rank.ravel()[pack_key], m), None
 
 
+def borrow_samples(bounds: np.ndarray, bad: np.ndarray, micro: np.ndarray, num_r: int, moved: dict) -> np.ndarray:
+    """New step bounds for the ``bad`` steps, whose ``micro`` (m) packs per replica need R·m samples (equal counts)
+    and which have fewer (partition_steps): each takes the samples it lacks from the next step (the last step
+    from the one before) by moving the cut between them. A cut moved the other way before (two steps pulling at
+    it), or a move that would empty the lending step, merges the two steps instead. ``moved`` (cut -> direction
+    it moved) is updated."""
+    bounds = bounds.copy()
+    merge = []
+    last = len(bounds) - 2
+    for step, m in zip(bad.tolist(), micro.tolist()):
+        need = num_r * m - (bounds[step + 1] - bounds[step])
+        cut, way = (step + 1, 1) if step < last else (step, -1)
+        new = bounds[cut] + way * need
+        if moved.get(cut, way) != way or not bounds[cut - 1] < new < bounds[cut + 1]:
+            merge.append(cut)
+        else:
+            bounds[cut] = new
+            moved[cut] = way
+    if merge:  # drop those cuts: fewer steps, and the cuts after them are renumbered
+        bounds = np.delete(bounds, np.unique(merge))
+        moved.clear()
+    return bounds
+
+
 def plan_kk(lengths: np.ndarray, config: PlanConfig) -> Plan:
     """The kk strategy (see the module docstring). ``lengths`` already checked (int64, all >= 1)."""
     t0 = time.perf_counter()
@@ -221,6 +247,7 @@ def plan_kk(lengths: np.ndarray, config: PlanConfig) -> Plan:
     budget = config.global_tokens if config.step_tokens == "real" else num_r * config.micro_batches(g) * cap
     total = int(lengths[stream].sum())
     bounds = nearest_cuts(lengths[stream], even_positions(total, step_budget(total, budget)[0]))
+    moved = {}  # cut -> the way it moved (+1 later, -1 earlier): a pull the other way merges instead
     while True:
         result, bad = partition_steps(stream, bounds, lengths, work, num_r, cap)
         if result is not None:
@@ -230,9 +257,7 @@ def plan_kk(lengths: np.ndarray, config: PlanConfig) -> Plan:
 
             plan = plan_isf(lengths, config)
             return equal_steps(plan, config.curriculum_steps) if config.step_tokens == "real" else plan
-        # Merge each such step with the next one (the last with the one before): drop the cut after it.
-        cut = np.where(bad < len(bounds) - 2, bad + 1, bad)
-        bounds = np.delete(bounds, np.unique(cut))
+        bounds = borrow_samples(bounds, *bad, num_r, moved)
     replica, rank, m = result
     num_steps = len(bounds) - 1
     step_of = np.repeat(np.arange(num_steps), np.diff(bounds))

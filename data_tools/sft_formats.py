@@ -287,14 +287,19 @@ def _add_turn(sample: Sample, turn: dict, where: str, field: str, role: str, con
     sample.turns.append(out)
 
 
+def _json_text(value: object, where: str, fix: str) -> object:
+    """``value`` parsed when it is a string (a field given as its JSON text), else as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise FormatError("bad_field_value", f"{where} is not JSON ({e.msg} at column {e.colno})", fix) from None
+
+
 def _arguments(value: object, where: str) -> object:
     """A tool call's arguments as chat templates expect them: an object (OpenAI writes its JSON text)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise FormatError("bad_field_value", f"{where} is not JSON ({e.msg} at column {e.colno})",
-                              "write the arguments as an object or as its JSON text") from None
+    value = _json_text(value, where, "write the arguments as an object or as its JSON text")
     if not isinstance(value, dict):
         raise FormatError("bad_field_type", f"{where} is {json_kind(value)}, expected an object",
                           "write the arguments as an object or as its JSON text")
@@ -334,12 +339,7 @@ def _function_call(value: object, where: str) -> list[dict]:
 
 def _tools(value: object) -> list | None:
     """Tool definitions: a list of objects, or its JSON text; None when there are none."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise FormatError("bad_field_value", f"field 'tools' is not JSON ({e.msg} at column {e.colno})",
-                              "give 'tools' as a list of definitions or its JSON text") from None
+    value = _json_text(value, "field 'tools'", "give 'tools' as a list of definitions or its JSON text")
     if value is None or value == []:
         return None
     if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):

@@ -83,9 +83,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         lse_N = torch.empty_like(loss_N)
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
-            logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, bias_V)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            target_C = logits_CV.gather(1, labels_N[start:end, None])[:, 0]
+            logits_CV, lse_C, target_C = _chunk_cross_entropy(hidden_NH[start:end], weight_VH, bias_V,
+                                                              labels_N[start:end])
             loss_N[start:end] = lse_C - target_C
             lse_N[start:end] = lse_C
             del logits_CV
@@ -142,6 +141,12 @@ def _chunk_logits(hidden_CH, weight_VH, bias_V):
     return logits_CV.to(_loss_dtype(weight_VH.dtype))
 
 
+def _chunk_cross_entropy(hidden_CH, weight_VH, bias_V, labels_C):
+    """One chunk's (logits, log-sum-exp, target logit): its cross-entropy is lse - target."""
+    logits_CV = _chunk_logits(hidden_CH, weight_VH, bias_V)
+    return logits_CV, torch.logsumexp(logits_CV, dim=-1), logits_CV.gather(1, labels_C[:, None])[:, 0]
+
+
 def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the losses are computed in: fp32, or the weights' dtype if wider (float64 in exactness tests)."""
     return torch.promote_types(dtype, torch.float32)
@@ -171,9 +176,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         grad_bias_V = torch.zeros(weight_VH.shape[0], dtype=wide_dtype, device=weight_VH.device) if need_bias else None
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
-            logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, bias_V)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            target_C = logits_CV.gather(1, labels_N[start:end, None])[:, 0]
+            logits_CV, lse_C, target_C = _chunk_cross_entropy(hidden_NH[start:end], weight_VH, bias_V,
+                                                              labels_N[start:end])
             loss_N[start:end] = lse_C - target_C
             if not (need_hidden or need_weight or need_bias):
                 continue

@@ -115,7 +115,7 @@ SETUPS = {
     "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, pool_samples=3000,
                   train_samples=200, calib_samples=200, heldout_tokens=16384,
                   budgets=(Budget(1, 3, True), Budget(4, 3, False)), eval_every=2, calib_iters=2, calib_rounds=3,
-                  min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=300, replay_repeats=2,
+                  min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=420, replay_repeats=2,
                   wall_limit_s=2400),
     "quick": Setup(chain.Shape(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64), max_len=1024, pool_samples=600,
                    train_samples=120, calib_samples=60, heldout_tokens=2048,
@@ -271,7 +271,7 @@ def _replay(work, data, setup, strategies, profile, model, sim_config, shape_jso
              for w in setup.replay_worlds}
     seconds = {w: {s: plan_pack_seconds(p, layer_model, sim_config) for s, p in by.items()} for w, by in plans.items()}
     drawn = replay.draw_steps(plans, seconds, setup.replay_budget_s / setup.replay_repeats, chain.NPROC, seed=0)
-    jobs = [job for w in plans for job in replay.jobs_for(plans[w], drawn[w], w)]
+    jobs = list({job["key"]: job for w in plans for job in replay.jobs_for(plans[w], drawn[w])}.values())
     stamp = {**fingerprint, "jobs": [j["key"] for j in jobs]}
     saved = work / "replay" / "times.json"
     times = None
@@ -285,10 +285,7 @@ def _replay(work, data, setup, strategies, profile, model, sim_config, shape_jso
     for world, by_strategy in plans.items():
         out[world] = {}
         for s, plan in by_strategy.items():
-            measured = np.full(plan.num_packs, np.nan)
-            measured[np.diff(plan.pack_ptr) == 0] = 0.0
-            for p in range(plan.num_packs):
-                measured[p] = times.get(f"{world}/{s}/{p}", measured[p])
+            measured = replay.measured_pack_seconds(plan, times)
             sim = simulate(plan, model, sim_config)
             steps = drawn[world][s]
             out[world][s] = {"tokens": report.step_tokens(plan)[steps].tolist(), "plan_steps": plan.num_optimizer_steps,

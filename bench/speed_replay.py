@@ -4,8 +4,9 @@ CPU. MEASURED COMPUTE, MODELLED WAITING: a replayed step is not a cluster run.
 For each W (8 and 32) every strategy plans the same samples (the bench's pool, larger than a measured run's: at
 W = 32 a one-pack step is 32 long packs) with the measured runs' groups, one long pack per rank per step and seed 0.
 Optimizer steps are drawn (seeded, the same number for every strategy of a W) until timing them would take the
-replay's time budget by the calibrated cost model (``draw_steps``). Every non-empty pack of every rank in those
-steps runs through the real model, the trainer's program without DeepSpeed (the decoder with packed attention, the
+replay's time budget by the calibrated cost model (``draw_steps``). Every distinct non-empty pack of every rank in
+those steps (a pack of the same samples in two plans, e.g. one long document alone, is timed once) runs through the
+real model, the trainer's program without DeepSpeed (the decoder with packed attention, the
 chunked LM-head loss, backward: calibrate's ``--validate`` step), in NPROC processes side by side with one torch
 thread each, as the calibration measured and the training ranks run. Each process runs its share ``repeats``
 times, every pass in a new shuffled order of all strategies' packs (a drift of the machine's speed spreads over
@@ -17,7 +18,10 @@ the maximum of a slot's many packs, rarely hits every pass). Then (``replay_step
 where simulated is the simulator's step time with this machine's fitted step costs (scale, per pack, per
 micro-batch, per step, data) and ZeRO-2's collectives at W: the replay puts the measured pack times where the
 simulator puts the cost model's, and keeps everything else (the collectives at W are modelled, never measured).
-The simulator's figure for the same steps is ``simulated``; its figure for the whole plan is beside it.
+The simulator's figure for the same steps is ``simulated``. The drawn steps differ from strategy to strategy, so
+their own tokens/s are not compared across strategies (a drawn step of short documents is fast whatever the
+strategy): bench/speed_report.py's ``replay_figures`` scales each strategy's whole simulated plan by its measured
+over simulated time on its drawn steps (a ratio estimate) and compares those.
 
 ``python -m bench.speed_replay --worker JOBS.json OUT.json`` is one timing process (the bench starts them).
 """
@@ -55,26 +59,52 @@ def plan_all(lengths: np.ndarray, strategies: list, world: int, groups: list, mo
 
 def draw_steps(plans: dict, pack_seconds: dict, budget_s: float, nproc: int, seed: int) -> dict:
     """Optimizer steps to replay, {W: {strategy: ascending step indices}} of ``plans`` ({W: {strategy: Plan}}):
-    every (W, strategy) in turn draws its next step (a seeded random order of its steps) while the predicted time
+    every W in turn draws each strategy's next step (a seeded random order of its steps) while the predicted time
     of timing them all (``pack_seconds``: {W: {strategy: predicted seconds of every pack}}, shared by ``nproc``
-    processes) stays within ``budget_s``; at least one step each, and the same number for every strategy of a W
-    (so the strategies of a W are measured alike)."""
+    processes; a pack already timed for another step or plan costs nothing more) stays within ``budget_s``; at
+    least one step each, and the same number for every strategy of a W (so the strategies of a W are measured
+    alike)."""
     rng = np.random.default_rng(seed)
     order = {(w, s): rng.permutation(p.num_optimizer_steps) for w, by in plans.items() for s, p in by.items()}
-    cost = {(w, s): [pack_seconds[w][s][step_packs(p, int(k))].sum() for k in order[w, s]]
-            for w, by in plans.items() for s, p in by.items()}
+    timed = set()
+
+    def cost(w, s, n) -> tuple[float, set]:
+        plan = plans[w][s]
+        new = {}
+        for p in step_packs(plan, int(order[w, s][n])).tolist():
+            key = pack_key(plan.pack(p))
+            if key is not None and key not in timed:
+                new[key] = float(pack_seconds[w][s][p])
+        return sum(new.values()), set(new)
+
+    def take(w, n) -> float:
+        seconds = 0.0
+        for s in plans[w]:
+            extra, keys = cost(w, s, n)
+            seconds += extra
+            timed.update(keys)
+        return seconds / nproc
+
     count = {w: 1 for w in plans}
-    spent = sum(cost[w, s][0] for w, s in cost) / nproc
+    spent = sum(take(w, 0) for w in plans)
     growing = True
     while growing:
         growing = False
         for w, by in plans.items():
             n = count[w]
             if all(n < len(order[w, s]) for s in by):
-                extra = sum(cost[w, s][n] for s in by) / nproc
+                extra = sum(cost(w, s, n)[0] for s in by) / nproc  # an upper bound: packs shared by two strategies
                 if spent + extra <= budget_s:
-                    count[w], spent, growing = n + 1, spent + extra, True
+                    spent += take(w, n)
+                    count[w], growing = n + 1, True
     return {w: {s: np.sort(order[w, s][:count[w]]) for s in by} for w, by in plans.items()}
+
+
+def pack_key(samples) -> str | None:
+    """What a pack's measured time is kept under: its samples, in order (their lengths and tokens are all that its
+    time depends on); None for an empty pack, which is never run."""
+    samples = [int(i) for i in samples]
+    return ",".join(map(str, samples)) if samples else None
 
 
 def step_packs(plan, step: int) -> np.ndarray:
@@ -105,16 +135,27 @@ def replay_step_seconds(plan, sim, steps: np.ndarray, measured: np.ndarray, cost
     return np.array(out)
 
 
-def jobs_for(plans: dict, drawn: dict, world: int) -> list:
-    """One job per non-empty pack of the drawn steps: {"key", "samples"} (key: "W/strategy/pack")."""
-    jobs = []
+def jobs_for(plans: dict, drawn: dict) -> list:
+    """One job per distinct non-empty pack of the drawn steps of ``plans`` ({strategy: Plan}, or several W's plans
+    through ``drawn`` {strategy: steps} of each): {"key": pack_key, "samples"}."""
+    jobs = {}
     for strategy, plan in plans.items():
         packs = np.unique(np.concatenate([step_packs(plan, s) for s in drawn[strategy].tolist()]))
         for p in packs.tolist():
             samples = plan.pack(p).tolist()
-            if samples:
-                jobs.append({"key": f"{world}/{strategy}/{p}", "samples": samples})
-    return jobs
+            key = pack_key(samples)
+            if key is not None:
+                jobs.setdefault(key, {"key": key, "samples": samples})
+    return list(jobs.values())
+
+
+def measured_pack_seconds(plan, times: dict) -> np.ndarray:
+    """Every pack's measured seconds from ``times`` ({pack_key: seconds}): 0 for an empty pack, NaN where none."""
+    out = np.full(plan.num_packs, np.nan)
+    for p in range(plan.num_packs):
+        key = pack_key(plan.pack(p))
+        out[p] = 0.0 if key is None else times.get(key, np.nan)
+    return out
 
 
 def time_jobs(jobs: list, dataset: Path, shape_json: str, work: Path, nproc: int, env: dict, repeats: int,

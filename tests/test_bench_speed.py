@@ -151,8 +151,15 @@ def test_replay_puts_measured_pack_times_where_the_simulator_puts_the_cost_model
         twice = replay.replay_step_seconds(plan, sim, steps, 2 * seconds[8][name], costs)
         extra = np.bincount(sim.slot_step, sim.slot_seconds - costs.pack_s, minlength=len(sim.step_seconds))
         np.testing.assert_allclose(twice, sim.step_seconds[steps] + extra[steps], rtol=1e-9)
-        jobs = replay.jobs_for({name: plan}, {name: steps[:1]}, 8)
-        assert jobs and all(job["key"].startswith(f"8/{name}/") and job["samples"] for job in jobs)
+        jobs = replay.jobs_for({name: plan}, {name: steps[:1]})
+        assert jobs and all(job["key"] == replay.pack_key(job["samples"]) and job["samples"] for job in jobs)
+        # Measured times are found again under each pack's samples; a pack timed for no drawn step stays NaN.
+        times = {job["key"]: 1.5 for job in jobs}
+        got = replay.measured_pack_seconds(plan, times)
+        drawn_packs = replay.step_packs(plan, int(steps[0]))
+        assert np.all(np.isin(got[drawn_packs], [0.0, 1.5]))
+        assert np.isnan(got).sum() == sum(1 for p in range(plan.num_packs) if len(plan.pack(p))
+                                          and replay.pack_key(plan.pack(p)) not in times)
         unmeasured = np.full(plan.num_packs, np.nan)
         with pytest.raises(ValueError, match="not measured"):
             replay.replay_step_seconds(plan, sim, steps[:1], unmeasured, costs)
@@ -160,10 +167,14 @@ def test_replay_puts_measured_pack_times_where_the_simulator_puts_the_cost_model
                                               "plan_steps": 9, "plan_simulated_tokens_per_s": 40.0},
                                       "hbp": {"tokens": [100, 100], "replayed_s": [1, 1], "simulated_s": [1, 1.5],
                                               "plan_steps": 9, "plan_simulated_tokens_per_s": 50.0}}})
-    hbp = figs[8]["hbp"]
-    assert (hbp["replayed_speedup"], hbp["simulated_speedup"], hbp["plan_simulated_speedup"]) == \
-        pytest.approx((2.0, 1.6, 1.25))
-    assert hbp["speedup_error"] == pytest.approx(1.6 / 2.0 - 1)
+    hbp, isf = figs[8]["hbp"], figs[8]["isf"]
+    # measured over simulated on the drawn steps: isf 4/4 = 1, hbp 2/2.5 = 0.8; the whole plans scaled by it
+    assert (isf["measured_over_simulated"], hbp["measured_over_simulated"]) == pytest.approx((1.0, 0.8))
+    assert (isf["replayed_tokens_per_s"], hbp["replayed_tokens_per_s"]) == pytest.approx((40.0, 62.5))
+    assert (hbp["replayed_speedup"], hbp["plan_simulated_speedup"]) == pytest.approx((62.5 / 40, 1.25))
+    # the error is the two strategies' measured over simulated ratios, whatever the drawn steps' own tokens/s
+    assert hbp["speedup_error"] == pytest.approx(0.8 / 1.0 - 1)
+    assert hbp["drawn_replayed_tokens_per_s"] == pytest.approx(100.0)
 
 
 def test_rounds_put_isf_in_the_middle_and_rotate_the_others():

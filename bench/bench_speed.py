@@ -47,7 +47,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -184,7 +184,10 @@ def main(argv=None) -> int:
                                       reuse=not (args.fresh or args.recalibrate))
     model = CostModel.from_calibration(costs_file)
     sim_config = SimConfig(zero_stage=chain.ZERO_STAGE)
-    fingerprint = {"setup": repr(setup), "calibration": costs_file.read_text(), "groups": profile["groups"]}
+    # What a finished run's figures depend on (the replay's settings are not among them: its times are stamped with
+    # its own jobs, so changing the replay never re-measures the runs).
+    run_setup = replace(setup, replay_worlds=(), replay_budget_s=0, replay_repeats=0)
+    fingerprint = {"setup": repr(run_setup), "calibration": costs_file.read_text(), "groups": profile["groups"]}
     runs, steps = {}, {}
     total = sum(len(strategies) * b.rounds for b in setup.budgets)
     count = iter(range(1, total + 1))
@@ -272,7 +275,7 @@ def _replay(work, data, setup, strategies, profile, model, sim_config, shape_jso
     seconds = {w: {s: plan_pack_seconds(p, layer_model, sim_config) for s, p in by.items()} for w, by in plans.items()}
     drawn = replay.draw_steps(plans, seconds, setup.replay_budget_s / setup.replay_repeats, chain.NPROC, seed=0)
     jobs = list({job["key"]: job for w in plans for job in replay.jobs_for(plans[w], drawn[w])}.values())
-    stamp = {**fingerprint, "jobs": [j["key"] for j in jobs]}
+    stamp = {**fingerprint, "repeats": setup.replay_repeats, "jobs": [j["key"] for j in jobs]}
     saved = work / "replay" / "times.json"
     times = None
     if not fresh and saved.is_file() and json.loads(saved.read_text()).get("stamp") == stamp:

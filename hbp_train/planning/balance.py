@@ -12,10 +12,11 @@ ones, so steps are not homogeneous in length (#16); the slots, hence the balance
 
 Tail rule (every sample is trained, no step has uneven replicas): a group whose pack count is not a multiple of
 R*m gets one smaller final step with m' = ceil(r/R) micro-batches built from the r least-filled packs (with
-balancing, whole slots of cost neighbours but for r mod R packs: ``split_tail``). With balancing, their samples are dealt afresh into R*m' packs by attention cost (``_lpt_repack``); otherwise (or if
-that cannot fill every pack) the R*m' - r missing packs are made by splitting multi-sample packs of that step in
-two (largest first); only when
-no pack of the step has two samples left does the step get empty packs ([]), counted in plan["empty_packs"] —
+balancing, whole slots of cost neighbours but for r mod R packs: ``split_tail``). With balancing, their samples
+are dealt afresh into R*m' packs by attention cost (``_lpt_repack``); otherwise (or if that cannot fill every
+pack) the R*m' - r missing packs are made by splitting multi-sample packs of that step in two (largest first);
+only when no pack of the step has two samples left does the step get empty packs ([]), counted in
+plan["empty_packs"] —
 the trainer runs a zero-loss dummy micro-batch for them.
 """
 

@@ -16,8 +16,7 @@ balancing, whole slots of cost neighbours but for r mod R packs: ``split_tail``)
 are dealt afresh into R*m' packs by attention cost (``_lpt_repack``); otherwise (or if that cannot fill every
 pack) the R*m' - r missing packs are made by splitting multi-sample packs of that step in two (largest first);
 only when no pack of the step has two samples left does the step get empty packs ([]), counted in
-plan["empty_packs"] —
-the trainer runs a zero-loss dummy micro-batch for them.
+plan["empty_packs"] — the trainer runs a zero-loss dummy micro-batch for them.
 """
 
 from __future__ import annotations

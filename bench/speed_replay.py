@@ -68,34 +68,39 @@ def draw_steps(plans: dict, pack_seconds: dict, budget_s: float, nproc: int, see
     order = {(w, s): rng.permutation(p.num_optimizer_steps) for w, by in plans.items() for s, p in by.items()}
     timed = set()
 
-    def cost(w, s, n) -> tuple[float, set]:
-        plan = plans[w][s]
-        new = {}
-        for p in step_packs(plan, int(order[w, s][n])).tolist():
-            key = pack_key(plan.pack(p))
-            if key is not None and key not in timed:
-                new[key] = float(pack_seconds[w][s][p])
-        return sum(new.values()), set(new)
+    def untimed(w, n) -> list[dict]:
+        """Per strategy of W, {pack_key: predicted seconds} of its n-th drawn step's packs not timed yet."""
+        out = []
+        for s, plan in plans[w].items():
+            new = {}
+            for p in step_packs(plan, int(order[w, s][n])).tolist():
+                key = pack_key(plan.pack(p))
+                if key is not None and key not in timed:
+                    new[key] = float(pack_seconds[w][s][p])
+            out.append(new)
+        return out
 
-    def take(w, n) -> float:
-        seconds = 0.0
-        for s in plans[w]:
-            extra, keys = cost(w, s, n)
-            seconds += extra
-            timed.update(keys)
-        return seconds / nproc
+    def take(per_strategy: list[dict]) -> float:
+        """Mark the packs timed; their seconds (a pack two strategies share counted once) per process."""
+        merged = {}
+        for new in per_strategy:
+            for key, seconds in new.items():
+                merged.setdefault(key, seconds)
+        timed.update(merged)
+        return sum(merged.values()) / nproc
 
     count = {w: 1 for w in plans}
-    spent = sum(take(w, 0) for w in plans)
+    spent = sum(take(untimed(w, 0)) for w in plans)
     growing = True
     while growing:
         growing = False
         for w, by in plans.items():
             n = count[w]
             if all(n < len(order[w, s]) for s in by):
-                extra = sum(cost(w, s, n)[0] for s in by) / nproc  # an upper bound: packs shared by two strategies
-                if spent + extra <= budget_s:
-                    spent += take(w, n)
+                per_strategy = untimed(w, n)
+                # An upper bound: a pack shared by two strategies counted twice.
+                if spent + sum(sum(new.values()) for new in per_strategy) / nproc <= budget_s:
+                    spent += take(per_strategy)
                     count[w], growing = n + 1, True
     return {w: {s: np.sort(order[w, s][:count[w]]) for s in by} for w, by in plans.items()}
 

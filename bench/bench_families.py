@@ -1,11 +1,11 @@
-"""Families table: every family of the support matrix (hbp_train/families.py) at its tiny test shape, in one process.
+"""Families table: every family of the support matrix (hbp_train/model/families.py) at its tiny test shape, in one process.
 
     .venv/bin/python bench/bench_families.py [--tokens 512] [--repeats 3]
 
 Per family: parameters (the HF module's), active parameters per token (perf/shape.py: MoE top-k), training
 throughput on this machine (forward + backward of one packed pack of --tokens tokens in 4 samples, through the
 trainer's module: packed attention + chunked loss; best of --repeats) and its ratio to llama's in the same run, and
-the packed attention backends usable here for it (hbp_train/compat.py accepts it; on a GPU also flash/torch
+the packed attention backends usable here for it (hbp_train/model/compat.py accepts it; on a GPU also flash/torch
 varlen and flex). A CPU figure at a tiny shape compares the families' code paths, not their real-size speed.
 """
 
@@ -20,12 +20,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hbp_train.attention import available_backends  # noqa: E402
+from hbp_train.model.attention_setup import available_backends  # noqa: E402
 from hbp_train.build import PackedCausalLM  # noqa: E402
-from hbp_train.compat import check_model_support  # noqa: E402
-from hbp_train.errors import UserError  # noqa: E402
-from hbp_train.families import FAMILIES, tiny_config  # noqa: E402
-from hbp_train.model import ModelConfig, build_model, hf_config_for, num_params  # noqa: E402
+from hbp_train.model.compat import check_model_support  # noqa: E402
+from hbp_train.common.errors import UserError  # noqa: E402
+from hbp_train.model.families import FAMILIES, tiny_config  # noqa: E402
+from hbp_train.model.hf_model import ModelConfig, build_model, hf_config_for, num_params  # noqa: E402
 from hbp_train.perf.shape import parse_model_shape  # noqa: E402
 
 VOCAB = 4096

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan  # noqa: E402
 
 
@@ -168,7 +168,7 @@ def plan_files(plan, tmp: str) -> list[tuple[str, float, float, float]]:
             load_plan(path)
             opened = time.perf_counter() - t0
         out.append((form, written, os.path.getsize(path) / 1e6, opened))
-        if form == "npz":  # what the loader does (hbp_train/data.py): map the arrays, parse only the header
+        if form == "npz":  # what the loader does (hbp_train/batches/loader.py): map the arrays, parse only the header
             t0 = time.perf_counter()
             open_npz(path)
             out.append(("npz, mapped", 0.0, os.path.getsize(path) / 1e6, time.perf_counter() - t0))

@@ -50,7 +50,7 @@ def plain_datasets(jsonl: str, out: str, num_proc: int, cache_dir: str) -> None:
     import datasets
     from transformers import AutoTokenizer
 
-    from hbp_train.labels import IGNORE_INDEX
+    from hbp_train.common.labels import IGNORE_INDEX
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER, local_files_only=True)
 

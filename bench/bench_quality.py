@@ -55,7 +55,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hbp_train.columns import int_column  # noqa: E402
+from hbp_train.batches.columns import int_column  # noqa: E402
 from hbp_train.planning import GroupSpec, PlanConfig, make_plan  # noqa: E402
 from hbp_train.planning.metrics import with_metrics  # noqa: E402
 
@@ -228,7 +228,7 @@ def simulated_speedups(plans: dict) -> dict:
 
 def train(plan, tok: Path, held_packed: Path, run_dir: Path, epochs: int, overrides: list[str]) -> float:
     """Packed shards of ``plan`` + a 2-process CPU training; returns the final held-out loss."""
-    from hbp_train.planning.shards import write_shards
+    from hbp_train.batches.shards import write_shards
 
     import datasets
 

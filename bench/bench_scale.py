@@ -88,7 +88,7 @@ def synthetic_tokenized(path: str, n: int, seed: int = 0) -> None:
     import pyarrow as pa
 
     from data_tools.preprocess import _features
-    from hbp_train.labels import IGNORE_INDEX
+    from hbp_train.common.labels import IGNORE_INDEX
 
     rng = np.random.default_rng(seed)
     chunk = 1 << 21
@@ -123,7 +123,7 @@ def read_rss() -> dict:
 def rank_worker(report_dir: str, overrides: list[str]) -> None:
     """One rank of the first-step run: the trainer as ``python -m hbp_train.train`` runs it, timed at the end of
     its first optimizer step (trainer.train_step) and when its packed data is open (data.PackedData)."""
-    import hbp_train.data as data
+    import hbp_train.batches.loader as data
     import hbp_train.trainer as trainer
 
     launched = float(os.environ["BENCH_SCALE_LAUNCHED"])

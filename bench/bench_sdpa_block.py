@@ -6,7 +6,7 @@ defect 8), forward+backward, on the packs of several layouts, in one process.
 
 The mask path materialises a T x T mask per pack and, with GQA or a mask, SDPA falls back to its math kernel on
 GPUs; the loop runs the flash/efficient kernel per document. Prints each layout's time per path and the ratio
-mask/loop (> 1: the loop is faster). hbp_train.attention's sdpa_block runs the loop (the mask path is kept here
+mask/loop (> 1: the loop is faster). hbp_train.model.attention's sdpa_block runs the loop (the mask path is kept here
 only as the baseline being compared).
 """
 
@@ -35,7 +35,7 @@ def mask_path(q, k, v, cu, scale):
     import torch
     import torch.nn.functional as F
 
-    from hbp_train.attention import _document_ids
+    from hbp_train.model.attention import _document_ids
 
     num_tokens = q.shape[0]
     doc = _document_ids(cu, num_tokens)
@@ -49,7 +49,7 @@ def mask_path(q, k, v, cu, scale):
 def main(argv=None) -> int:
     import torch
 
-    from hbp_train.attention import packed_attention
+    from hbp_train.model.attention import packed_attention
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))

@@ -32,7 +32,7 @@ from dataclasses import replace  # noqa: E402
 
 from data_tools.compare import BASELINES, STRATEGIES, compare_strategies, simulate_strategies, table_columns  # noqa: E402
 from data_tools.simulate import format_table  # noqa: E402
-from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.perf.cost_model import CostModel  # noqa: E402
 from hbp_train.planning import GroupSpec  # noqa: E402
 from hbp_train.planning.simulator import SimConfig, plot_comparison  # noqa: E402

@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.sft_formats import FormatError, Sample, one_line
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"

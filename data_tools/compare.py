@@ -27,9 +27,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from hbp_train.cli import ArgumentParser, existing_dir, existing_file, nonneg_int, output_file, positive_int
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.common.cli import ArgumentParser, existing_dir, existing_file, nonneg_int, output_file, positive_int
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
                                  format_table, sim_config_from_args)
 

@@ -56,9 +56,9 @@ import numpy as np
 
 from data_tools import train_tokenizer
 from data_tools.code_tasks import TASKS, Task, make_tasks, module_name
-from hbp_train.cli import ArgumentParser, existing_dir, float_range, int_range, nonneg_int, output_dir, positive_int
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import interrupted, replace_dir, staging_dir
+from hbp_train.common.cli import ArgumentParser, existing_dir, float_range, int_range, nonneg_int, output_dir, positive_int
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import interrupted, replace_dir, staging_dir
 
 SKIP_REASONS = {
     "site_packages": "installed third-party code (a site-packages or dist-packages folder)",

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hbp_train.cli import ArgumentParser, fraction, int_range, nonneg_int, output_file, positive_int
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import atomic_write, interrupted
+from hbp_train.common.cli import ArgumentParser, fraction, int_range, nonneg_int, output_file, positive_int
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import atomic_write, interrupted
 
 # Tokens per pseudo-word (word + its leading space) under the shipped tokenizer, slightly above the real ~1.0
 # (demo words are mostly single tokens), so planned lengths err short; tests check none passes --max-tokens.

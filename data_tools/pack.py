@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from data_tools.pack_report import metrics_table, replicas_note, step_line, warn_if_few_steps
-from hbp_train.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
+from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
                            output_file, positive_int)
-from hbp_train.columns import int_column
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.batches.columns import int_column
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import check_output_file, interrupted, write_output
 from hbp_train.planning.equal_steps import AUTO_MAX_TOKENS, AUTO_STEPS, auto_global_tokens, slot_tokens
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
-from hbp_train.vocab import recorded_tokenizer
+from hbp_train.batches.vocab import recorded_tokenizer
 
 
 MAX_PACK_LEN = 2**31 - 1
@@ -386,7 +386,7 @@ def run(argv=None) -> int:
         print(f"wrote {args.out} ({plan.num_optimizer_steps} optimizer steps, {plan.num_packs} packs, "
               f"{Path(args.out).stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.2f}s")
     if args.shards:
-        from hbp_train.planning.shards import write_shards
+        from hbp_train.batches.shards import write_shards
 
         import datasets
 

@@ -51,11 +51,11 @@ from data_tools.preprocess_report import Counts, format_report
 from data_tools.sft_formats import FORMATS, REASONS, FormatError, parse_record
 from data_tools.sft_inputs import (FILE_REASONS, KINDS, input_kind, iter_records, jsonl_blocks, parse_jsonl_block,
                                    resolve_input)
-from hbp_train.cli import ArgumentParser, existing_dir, int_range, output_dir, positive_int
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.outputs import interrupted, replace_dir, staging_dir
-from hbp_train.vocab import data_record
+from hbp_train.common.cli import ArgumentParser, existing_dir, int_range, output_dir, positive_int
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.common.outputs import interrupted, replace_dir, staging_dir
+from hbp_train.batches.vocab import data_record
 
 POLICY_DROPS = ("overlong", "no_loss_tokens", "no_loss_tokens_after_truncation")
 # Every drop that means bad input: record shapes, lines and files, conversations the template cannot label.

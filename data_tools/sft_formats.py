@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "text")
 

@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from hbp_train.cli import (ArgumentParser, existing_file, existing_path, float_range, fraction, nonneg_int,
+from hbp_train.common.cli import (ArgumentParser, existing_file, existing_path, float_range, fraction, nonneg_int,
                            output_file, positive_float, positive_int)
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import check_output_file, interrupted, write_output
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import check_output_file, interrupted, write_output
 from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
 from hbp_train.perf.shape import MODEL_SHAPES
 from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig

@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 
 from data_tools.chat_labels import DEFAULT_CHAT_TEMPLATE
-from hbp_train.cli import ArgumentParser, int_range, output_dir
-from hbp_train.errors import EXIT_USER_ERROR
+from hbp_train.common.cli import ArgumentParser, int_range, output_dir
+from hbp_train.common.errors import EXIT_USER_ERROR
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tokenizer"
 BOS, EOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 DATA_HOST = "opencompass.oss-cn-shanghai.aliyuncs.com"
 DATA_URL = f"http://{DATA_HOST}/datasets/data/{{name}}.zip"  # OpenCompass's own archive URLs (datasets_info.py)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from eval.report import markdown_table
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 MAX_PLOTTED = 30
 UNSCALED = ("loss", "perplexity")  # metrics that are not percentages

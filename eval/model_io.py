@@ -1,6 +1,6 @@
 """Loading an exported checkpoint (HF safetensors directory + tokenizer) for evaluation.
 
-User mistakes (a missing directory, no config.json, no tokenizer) raise ``UserError`` (hbp_train/errors.py) with one
+User mistakes (a missing directory, no config.json, no tokenizer) raise ``UserError`` (hbp_train/common/errors.py) with one
 line that names the path and the fix; ``eval/run.py`` prints it and exits with code 2.
 """
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 # torch is imported inside the functions that need it: the opencompass subcommand never does, and starts fast.
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from eval import benchmarks, suite
 from eval.report import make_out
 from eval.opencompass_venv import DEFAULT_VENV, check_install
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 LOG_NAME = "opencompass.log"
 CONFIG_NAME = "opencompass_config.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 from eval import opencompass as oc
 from eval.opencompass_venv import (DEFAULT_VENV, REPO, REQUIREMENTS, SETUP_COMMAND, STAMP, fingerprint,
                                    install_compat, is_ready, torch_requirement)
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 def setup(venv: Path = DEFAULT_VENV) -> int:

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-opencompass"

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
 
 REQUIRED_COLUMNS = ("input_ids", "labels")
 # Config fields that change logits after the LM head; models with any of them take the plain forward path.

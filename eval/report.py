@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 def make_out(path: Path) -> Path:

@@ -2,7 +2,7 @@
 
 ``build(cfg)`` is what the trainer runs: it opens the packed shards (and the held-out shards), checks them against
 the run (world size, ZeRO stage), loads the tokenizer and hands the plan's packing groups to ``build_run``.
-``build_run(cfg, groups, total_steps)`` is the part that needs no shards on disk (bench/bench_trainer.py calls it
+``build_run(cfg, groups, total_steps)`` is the part that needs no shards on disk (bench/trainer/bench_trainer.py calls it
 with in-memory packs): the SP groups of every degree, the model (partitioned as it is built under ZeRO-3), the
 run's ``SequenceParallel`` (Ulysses attention when a group uses sp > 1), the checkpointed-layer checks, the GPU
 memory preflight, and the DeepSpeed engine around ``PackedCausalLM``. Every check of user input raises UserError
@@ -21,16 +21,16 @@ from typing import Optional
 
 import torch
 
-from hbp_train import model as modeling
-from hbp_train.compat import check_model_support, check_positions
-from hbp_train.data import PackedData
+from hbp_train.model import hf_model as modeling
+from hbp_train.model.compat import check_model_support, check_positions
+from hbp_train.batches.loader import PackedData
 from hbp_train.distributed import groups as dist_groups
-from hbp_train.distributed.ulysses import SequenceParallel, setup_sequence_parallel
-from hbp_train.errors import UserError
-from hbp_train.lora import zero3_external_parameters
-from hbp_train.loss import chunked_token_losses, fused_token_losses
-from hbp_train.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
-from hbp_train.vocab import vocab_to_build
+from hbp_train.model.ulysses import SequenceParallel, setup_sequence_parallel
+from hbp_train.common.errors import UserError
+from hbp_train.model.lora import zero3_external_parameters
+from hbp_train.model.loss import chunked_token_losses, fused_token_losses
+from hbp_train.model.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
+from hbp_train.batches.vocab import vocab_to_build
 
 # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; nothing a user can act on, so keep its
 # FutureWarning out of every rank's training log.
@@ -106,7 +106,7 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     if ds.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
-    warmup_steps = capped_warmup_steps(train.warmup_steps, total_steps)
+    warmup_steps = train.warmup_for(total_steps)
     warmup = max(1, warmup_steps)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -141,12 +141,6 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
     if ds.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
     return _merge(config, ds.extra)
-
-
-def capped_warmup_steps(warmup_steps: int, total_steps: int) -> int:
-    """train.warmup_steps, or a tenth of the run's steps when the run is not longer than the warm-up (the learning
-    rate would never reach train.lr; build_run warns)."""
-    return warmup_steps if warmup_steps < total_steps else total_steps // 10
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -286,7 +280,7 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
                         "groups: give one per group or a single one")
     _check_attention_backend(cfg.model)  # a GPU-only backend on a CPU: fail before building the model
     check_deepspeed_config(cfg, total_steps, world_size, max_micro_batches)
-    warmup = capped_warmup_steps(cfg.train.warmup_steps, total_steps)
+    warmup = cfg.train.warmup_for(total_steps)
     if warmup != cfg.train.warmup_steps and dist_groups.rank() == 0:
         print(f"[train] warning: train.warmup_steps={cfg.train.warmup_steps} is not shorter than the run's "
               f"{total_steps} optimizer steps: the warm-up is capped at {warmup} (a tenth of the run), so the learning "
@@ -436,7 +430,7 @@ def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData
 
 def _check_attention_backend(model_cfg) -> None:
     """model.attention_backend must be usable on this machine (e.g. flash_varlen needs a GPU and bf16/fp16)."""
-    from hbp_train.attention import select_backend
+    from hbp_train.model.attention_setup import select_backend
 
     try:
         select_backend(model_cfg.attention_backend, _device(), model_cfg.torch_dtype())

@@ -27,12 +27,12 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hbp_train.build import DeepSpeedConfig
-from hbp_train.data import DataConfig, shards_dir_problem
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.loss import LossConfig
-from hbp_train.model import ModelConfig, check_tokenizer_dir
-from hbp_train.profiler.config import ProfileConfig
-from hbp_train.telemetry import LoggingConfig
+from hbp_train.batches.loader import DataConfig, shards_dir_problem
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.model.loss import LossConfig
+from hbp_train.model.hf_model import ModelConfig, check_tokenizer_dir
+from hbp_train.perf.profile_config import ProfileConfig
+from hbp_train.observe.telemetry import LoggingConfig
 from hbp_train.trainer import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hbp_train.cli import ArgumentParser, output_dir, positive_int
+from hbp_train.common.cli import ArgumentParser, output_dir, positive_int
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "data_tools" / "assets" / "tokenizer"

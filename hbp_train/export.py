@@ -4,9 +4,9 @@
 
 The weights are consolidated from the DeepSpeed ZeRO-1/2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
-checkpoint's ``hf/`` folder (saved by hbp_train/checkpoint.py). The exported config re-enables the KV cache and
+checkpoint's ``hf/`` folder (saved by hbp_train/runtime/checkpoint.py). The exported config re-enables the KV cache and
 the standard attention (training used use_cache=False and the packed attention). LoRA/DoRA adapters
-(model.lora) are merged into the base weights (hbp_train/lora.py), or with ``--adapter`` written alone as a peft
+(model.lora) are merged into the base weights (hbp_train/model/lora.py), or with ``--adapter`` written alone as a peft
 adapter folder (``peft.PeftModel.from_pretrained(base_model, HF_DIR)``) with the tokenizer. ``--out`` must be new, empty or
 an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
 
@@ -23,8 +23,8 @@ import json
 import os
 import sys
 
-from hbp_train.cli import ArgumentParser, existing_dir, output_dir
-from hbp_train.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.cli import ArgumentParser, existing_dir, output_dir
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 
 DTYPES = ("fp32", "bf16", "fp16")
 MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it
@@ -37,8 +37,8 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hbp_train.checkpoint import resolve
-    from hbp_train.lora import apply_lora, lora_settings_of, merge_lora, save_adapter
+    from hbp_train.runtime.checkpoint import resolve
+    from hbp_train.model.lora import apply_lora, lora_settings_of, merge_lora, save_adapter
 
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"--out {out}: exists and is not a directory")
@@ -58,7 +58,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
             raise UserError(f"{ckpts}: no checkpoint saved yet (training saves one at its end and every "
                             f"train.save_every steps)") from None
         raise
-    from hbp_train.manifest import problem
+    from hbp_train.runtime.manifest import problem
 
     why = problem(os.path.join(root, tag))  # a damaged or unfinished save: say which file, not DeepSpeed's error
     if why:

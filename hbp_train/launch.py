@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from hbp_train.cli import ArgumentParser, float_range, int_range, nonneg_int, output_dir
+from hbp_train.common.cli import ArgumentParser, float_range, int_range, nonneg_int, output_dir
 
 
 def failure_line(name: str, rank: int, exitcode: int, message: str = "") -> str:

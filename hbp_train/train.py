@@ -70,9 +70,11 @@ def run(cfg, config_yaml: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hbp_train import parent_watch, trainer
+    from hbp_train import trainer
+
+    from hbp_train.runtime import parent_watch
     from hbp_train.distributed.groups import init_distributed
-    from hbp_train.run_lock import lock_run_dir
+    from hbp_train.runtime.run_lock import lock_run_dir
 
     set_cuda_allocator()  # before init_distributed: NCCL's set-up is the first CUDA allocation
     random.seed(cfg.train.seed)
@@ -105,7 +107,7 @@ def run(cfg, config_yaml: str) -> dict:
 
 def _task(dict_cfg) -> None:
     from hbp_train.config import ConfigError, resolved_yaml, to_dataclass
-    from hbp_train.errors import EXIT_USER_ERROR, UserError
+    from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 
     try:
         cfg = to_dataclass(dict_cfg)
@@ -131,7 +133,7 @@ def main() -> None:
     import hydra
 
     from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
-    from hbp_train.errors import EXIT_USER_ERROR
+    from hbp_train.common.errors import EXIT_USER_ERROR
 
     argv = _strip_local_rank(sys.argv[1:])
     sys.argv = [sys.argv[0]] + argv

@@ -31,21 +31,23 @@ from typing import Optional
 
 import torch
 
-from hbp_train import checkpoint, heldout
+from hbp_train.runtime import checkpoint
+
+from hbp_train.observe import heldout
 from hbp_train.build import Run, build, step_ckpt_layers
-from hbp_train.data import StepBatch, to_device
+from hbp_train.batches.loader import StepBatch, to_device
 from hbp_train.distributed.groups import rank, world_size
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.loss import token_loss_weights
-from hbp_train.model import set_checkpointed_layers
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.loss import token_loss_weights
+from hbp_train.model.hf_model import set_checkpointed_layers
 from hbp_train.perf.flops import pack_flops
-from hbp_train.moe import pack_aux_loss
+from hbp_train.model.moe import pack_aux_loss
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.prefetch import StepPrefetcher
-from hbp_train.run_summary import start_summary
-from hbp_train.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
-from hbp_train.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
+from hbp_train.batches.prefetch import StepPrefetcher
+from hbp_train.observe.run_summary import start_summary
+from hbp_train.observe.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
+from hbp_train.observe.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 
@@ -98,6 +100,11 @@ class TrainConfig:
     eval_every: int = 0
     """With data.eval_shards: log the held-out loss (loss/eval, ppl/eval) every this many steps and after the last
     step (0 = after the last step only)."""
+
+    def warmup_for(self, total_steps: int) -> int:
+        """The warm-up a run of ``total_steps`` optimizer steps gets: warmup_steps, or a tenth of the run when the
+        run is not longer than the warm-up (the learning rate would never reach lr; build_run warns)."""
+        return self.warmup_steps if self.warmup_steps < total_steps else total_steps // 10
 
     def __post_init__(self):
         if not self.out_dir:

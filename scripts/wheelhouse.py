@@ -36,8 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hbp_train.cli import ArgumentParser  # noqa: E402
-from hbp_train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.common.cli import ArgumentParser  # noqa: E402
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
 # Linux x86-64 tags pip must be told one by one when it downloads for another interpreter (it matches them
 # exactly): the manylinux levels that wheels on PyPI are built for, newest first.

@@ -1,5 +1,5 @@
 """``exit_code(main, argv)``: a CLI's exit code, whether ``main`` returns it or its parser ends with SystemExit
-(a bad flag is refused by argparse, hbp_train.cli.ArgumentParser, before ``main`` gets to return)."""
+(a bad flag is refused by argparse, hbp_train.common.cli.ArgumentParser, before ``main`` gets to return)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hbp_train.profiler.backends import CurveBackend
-from hbp_train.profiler.config import ProfileConfig
+from hbp_train.perf.profile_config import ProfileConfig
 
 GB = 10 ** 9
 

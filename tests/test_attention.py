@@ -8,18 +8,10 @@ import sys
 import pytest
 import torch
 
-from hbp_train import attention
-from hbp_train.attention import (
-    available_backends,
-    cu_seqlens_from_position_ids,
-    get_backend,
-    hf_packed_attention,
-    packed_attention,
-    register_packed_attention,
-    select_backend,
-    set_backend,
-)
-from hbp_train.errors import UserError
+from hbp_train.model import attention, attention_setup
+from hbp_train.model.attention import cu_seqlens_from_position_ids, get_backend, hf_packed_attention, packed_attention, set_backend
+from hbp_train.model.attention_setup import available_backends, register_packed_attention, select_backend
+from hbp_train.common.errors import UserError
 
 LENGTHS = (5, 11, 8)
 CPU = torch.device("cpu")
@@ -128,7 +120,7 @@ def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path
     monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
     attention._flash_attn_fn.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="hbp_train.attention"):
+        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
             assert available_backends(torch.device("cuda"), torch.bfloat16) == ["torch_varlen", "flex", "sdpa_block"]
             assert select_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch_varlen"
     finally:
@@ -143,7 +135,7 @@ def _all_kernels_installed(monkeypatch, major: int):
     monkeypatch.setattr(attention, "_fa4_registered", lambda: True)
     monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
     monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
-    monkeypatch.setattr(attention, "_capability_major", lambda device: major)
+    monkeypatch.setattr(attention_setup, "_capability_major", lambda device: major)
 
 
 @pytest.mark.parametrize("major, expected", [
@@ -193,9 +185,9 @@ def test_auto_skips_a_kernel_that_fails_its_probe_and_a_requested_one_is_a_user_
         probed.append(name)
         return verdicts.get(name)
 
-    monkeypatch.setattr(attention, "probe_backend", fake_probe)
-    cuda, shape = torch.device("cuda"), attention.HeadShape(4, 2, 24, 16)
-    with caplog.at_level(logging.WARNING, logger="hbp_train.attention"):
+    monkeypatch.setattr(attention_setup, "probe_backend", fake_probe)
+    cuda, shape = torch.device("cuda"), attention_setup.HeadShape(4, 2, 24, 16)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
         assert select_backend("auto", cuda, torch.bfloat16, shape) == "fa4"
     assert probed == ["fa3", "fa4"]
     assert [r.getMessage() for r in caplog.records] == [
@@ -210,17 +202,17 @@ def test_auto_skips_a_kernel_that_fails_its_probe_and_a_requested_one_is_a_user_
 def test_probe_accepts_a_right_kernel_and_names_what_is_wrong_with_others(monkeypatch):
     """The probe itself, on the CPU with stand-in kernels: a correct one passes; one that attends across the
     sample boundary, or one that has no backward (FlexAttention on the CPU, really), is refused with the reason."""
-    shape = attention.HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
+    shape = attention_setup.HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 
     def across_samples(q, k, v, cu, max_seqlen, scale):  # plain causal attention over the whole pack
         return attention._sdpa_block(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), q.shape[0], scale)
 
     monkeypatch.setitem(attention._BACKEND_FNS, "flex", attention._sdpa_block)
-    assert attention.probe_backend("flex", CPU, torch.float32, shape) is None
+    assert attention_setup.probe_backend("flex", CPU, torch.float32, shape) is None
     monkeypatch.setitem(attention._BACKEND_FNS, "flex", across_samples)
-    assert "differs from sdpa_block" in attention.probe_backend("flex", CPU, torch.float32, shape)
+    assert "differs from sdpa_block" in attention_setup.probe_backend("flex", CPU, torch.float32, shape)
     monkeypatch.undo()
-    assert "does not support backward" in attention.probe_backend("flex", CPU, torch.float32, shape)  # on the CPU
+    assert "does not support backward" in attention_setup.probe_backend("flex", CPU, torch.float32, shape)  # on the CPU
     assert get_backend() == "sdpa_block"  # the probe leaves the chosen backend as it was
 
 
@@ -254,24 +246,24 @@ def test_fa4_is_activated_in_torch_only_while_chosen(monkeypatch):
 def test_head_shape_of_gqa_explicit_head_dim_and_mla():
     from transformers import AutoConfig
 
-    from hbp_train.families import tiny_config
+    from hbp_train.model.families import tiny_config
 
     llama = AutoConfig.for_model("llama", **tiny_config("llama"))
-    assert attention.HeadShape.of(llama) == attention.HeadShape(4, 2, 16, 16)
+    assert attention_setup.HeadShape.of(llama) == attention_setup.HeadShape(4, 2, 16, 16)
     qwen3 = AutoConfig.for_model("qwen3", **tiny_config("qwen3", head_dim=32))
-    assert attention.HeadShape.of(qwen3) == attention.HeadShape(4, 2, 32, 32)
+    assert attention_setup.HeadShape.of(qwen3) == attention_setup.HeadShape(4, 2, 32, 32)
     mla = AutoConfig.for_model("deepseek_v3", **tiny_config("deepseek_v3"))
-    assert attention.HeadShape.of(mla) == attention.HeadShape(4, 4, 24, 16)
+    assert attention_setup.HeadShape.of(mla) == attention_setup.HeadShape(4, 4, 24, 16)
 
 
 def test_describe_backend_names_the_kernel_library_and_device(monkeypatch):
-    assert attention.describe_backend("sdpa_block", CPU) == (
+    assert attention_setup.describe_backend("sdpa_block", CPU) == (
         f"sdpa_block (torch {torch.__version__} scaled_dot_product_attention per sample) on CPU")
-    monkeypatch.setattr(attention, "_distribution_version", lambda *names: "3.0.0" if "flash_attn_3" in names else None)
+    monkeypatch.setattr(attention_setup, "_distribution_version", lambda *names: "3.0.0" if "flash_attn_3" in names else None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    assert attention.describe_backend("fa3", torch.device("cuda", 0)) == (
+    assert attention_setup.describe_backend("fa3", torch.device("cuda", 0)) == (
         "fa3 (flash_attn_interface 3.0.0) on NVIDIA H100 80GB HBM3")
-    assert attention.describe_backend("fa4", torch.device("cuda", 0)).startswith(
+    assert attention_setup.describe_backend("fa4", torch.device("cuda", 0)).startswith(
         "fa4 (flash-attn-4 (version unknown) through torch")
 
 
@@ -370,7 +362,7 @@ def test_flex_block_mask_from_boundaries_matches_create_block_mask_over_many_blo
     the same blocks as create_block_mask, runs no masked block as full, and attention equals the reference."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from hbp_train.attention import _document_ids, _flex_block_mask
+    from hbp_train.model.attention import _document_ids, _flex_block_mask
 
     for lengths in [(20, 400, 130, 1, 200), (128, 128, 256, 3), (725,), (1,) * 5 + (300, 97)]:
         cu, num_tokens = _cu(lengths), sum(lengths)
@@ -485,7 +477,7 @@ def test_tiny_llama_packed_logits_equal_per_sample_logits(boundaries_from, monke
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_tiny_llama_flex_forward_on_cpu(monkeypatch):
-    monkeypatch.setattr(attention, "available_backends", lambda device, dtype=None: ["flex", "sdpa_block"])
+    monkeypatch.setattr(attention_setup, "available_backends", lambda device, dtype=None: ["flex", "sdpa_block"])
     packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "flex", CPU, "position_ids")
     torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
 
@@ -559,9 +551,9 @@ def test_gpu_tiny_llama_packed_logits_equal_per_sample_logits(backend):
 def test_gpu_auto_picks_the_first_installed_kernel_that_passes_its_probe():
     """On this GPU, with the Llama-3.2-1B attention shape: auto's choice is the first available backend whose probe
     passes, and a fa4 choice leaves FA4 active in torch only while it is the backend."""
-    cuda, shape = torch.device("cuda"), attention.HeadShape(32, 8, 64, 64)
+    cuda, shape = torch.device("cuda"), attention_setup.HeadShape(32, 8, 64, 64)
     available = available_backends(cuda, torch.bfloat16)
-    first_ok = next(b for b in available if attention.probe_backend(b, cuda, torch.bfloat16, shape) is None)
+    first_ok = next(b for b in available if attention_setup.probe_backend(b, cuda, torch.bfloat16, shape) is None)
     assert select_backend("auto", cuda, torch.bfloat16, shape) == first_ok
     if "fa4" in available:
         from torch.nn.attention import current_flash_attention_impl

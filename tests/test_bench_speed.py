@@ -1,4 +1,4 @@
-"""bench/bench_speed.py works (it does NOT check speed: the script prints the measured figures). The report's
+"""bench/speed/bench_speed.py works (it does NOT check speed: the script prints the measured figures). The report's
 arithmetic on made-up runs (paired ratios, the equal-steps check at both budgets, time to quality per seed, the
 replay, the targets), the round order, and ``--quick``: the whole chain (CPU calibration, profile, step costs,
 plans, real trainer runs at both budgets, replay, simulator) with figures consistent with each other."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "bench_speed.py"
+SCRIPT = REPO / "bench" / "speed" / "bench_speed.py"
 
 
 def _load(name: str, path: Path):
@@ -28,9 +28,9 @@ def _load(name: str, path: Path):
     return module
 
 
-bench = _load("bench_speed", SCRIPT)  # puts the repository on sys.path, so its parts import as bench.speed_*
-from bench import speed_replay as replay  # noqa: E402
-from bench import speed_report as report  # noqa: E402
+bench = _load("bench_speed", SCRIPT)  # puts the repository on sys.path, so its parts import as bench.speed.*
+from bench.speed import replay  # noqa: E402
+from bench.speed import report  # noqa: E402
 
 
 def _run(round_, measured, predicted=None, tokens=1000, evals=(), compute=None, seed=None):

@@ -1,4 +1,4 @@
-"""bench/bench_trainer.py (and its parts bench/trainer_*.py) works (it does NOT check speed): the CPU smoke run trains
+"""bench/trainer/bench_trainer.py (and its parts bench/trainer/*.py) works (it does NOT check speed): the CPU smoke run trains
 both paths and writes the JSON; the HF baseline's batches carry exactly our packs and targets; the pack search
 escalates checkpointing on OOM."""
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "bench" / "bench_trainer.py"
+SCRIPT = REPO / "bench" / "trainer" / "bench_trainer.py"
 
 
 def _load_bench():
@@ -28,10 +28,10 @@ def _load_bench():
     return module
 
 
-bench = _load_bench()  # puts the repository on sys.path, so its parts import as bench.trainer_*
-from bench import trainer_paths as paths  # noqa: E402
-from bench import trainer_search as search  # noqa: E402
-from bench import trainer_workload as workload  # noqa: E402
+bench = _load_bench()  # puts the repository on sys.path, so its parts import as bench.trainer.*
+from bench.trainer import paths  # noqa: E402
+from bench.trainer import search  # noqa: E402
+from bench.trainer import workload  # noqa: E402
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def test_cpu_smoke_run_writes_both_paths(tmp_path):
 
 
 def test_hf_batch_holds_the_same_tokens_and_targets_as_ours():
-    from hbp_train.data import collate_pack
+    from hbp_train.batches.loader import collate_pack
 
     packs = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
     again = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)

@@ -11,7 +11,7 @@ import pytest
 
 from data_tools.chat_labels import ChatEncoder
 from data_tools.sft_formats import FormatError, Sample
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.labels import IGNORE_INDEX
 from tests.test_preprocess import tokenizer_with_template
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train import checkpoint, manifest
-from hbp_train.errors import UserError
+from hbp_train.runtime import checkpoint
+
+from hbp_train.runtime import manifest
+from hbp_train.common.errors import UserError
 
 
 def _make(root, steps, latest=None, complete=True):

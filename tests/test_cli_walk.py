@@ -3,7 +3,7 @@ a missing path and a file where a folder is expected (and the reverse), each end
 ``<prog>: error: --flag: <what> (<fix>)``, and no traceback.
 
 The flags are read off each tool's parser (``build_parser()``, walked through ``parser._actions`` and its
-sub-commands); the bad values come from each flag's ``type=`` check (hbp_train/cli.py: ``low``/``high`` of a
+sub-commands); the bad values come from each flag's ``type=`` check (hbp_train/common/cli.py: ``low``/``high`` of a
 number, ``path_kind`` of a path, ``bad_values`` of a tool's own check). A new flag whose type is a plain ``int``,
 ``float`` or ``str`` fails ``test_every_flag_is_walked`` until it gets a checked type or a FREE_FORM entry saying
 why any value passes the parser. The tools run in-process (``main(argv)``): a bad flag ends in the parser, before
@@ -132,7 +132,7 @@ def test_every_flag_is_walked():
             stale.discard(key)
             if not _bad_values(action) and key not in FREE_FORM:
                 unwalked.append(f"{key} (type={getattr(action.type, '__name__', action.type)})")
-    assert not unwalked, "flags with no checked type (use hbp_train.cli's, or add a FREE_FORM reason): " + \
+    assert not unwalked, "flags with no checked type (use hbp_train.common.cli's, or add a FREE_FORM reason): " + \
         ", ".join(unwalked)
     assert not stale, f"FREE_FORM names flags that no longer exist: {sorted(stale)}"
     assert set(FREE_FORM_BAD) <= set(FREE_FORM)

@@ -1,4 +1,4 @@
-"""hbp_train.columns: whole columns read from the Arrow table, and list columns read in place from the memory-mapped
+"""hbp_train.batches.columns: whole columns read from the Arrow table, and list columns read in place from the memory-mapped
 files, equal the rows datasets itself returns, for a dataset saved in several shards, one with an indices mapping
 (select), one in memory and an empty one."""
 
@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pytest
 
-from hbp_train.columns import InMemoryListColumns, MappedListColumns, int_column, list_column, open_list_columns
+from hbp_train.batches.columns import InMemoryListColumns, MappedListColumns, int_column, list_column, open_list_columns
 
 
 def _rows(n, seed=0):

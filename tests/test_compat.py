@@ -1,14 +1,14 @@
-"""Tests for hbp_train/compat.py: features the packed path cannot honour are refused before any weight is loaded,
+"""Tests for hbp_train/model/compat.py: features the packed path cannot honour are refused before any weight is loaded,
 in one line naming the feature, the family and what would work; every family of the support matrix passes."""
 
 from __future__ import annotations
 
 import pytest
 
-from hbp_train.compat import check_model_support
-from hbp_train.errors import UserError
-from hbp_train.families import FAMILIES, tiny_config
-from hbp_train.model import ModelConfig, hf_config_for
+from hbp_train.model.compat import check_model_support
+from hbp_train.common.errors import UserError
+from hbp_train.model.families import FAMILIES, tiny_config
+from hbp_train.model.hf_model import ModelConfig, hf_config_for
 
 
 def _config(family, **overrides):
@@ -57,7 +57,7 @@ def test_samples_longer_than_the_models_positions_are_refused_unless_rope_scalin
     """A pack may be longer than max_position_embeddings (positions restart in every sample); a sample may not,
     unless the config's RoPE scaling stretches the positions: then one line says how (a 1024-position model used to
     train on 8192-token samples without a word)."""
-    from hbp_train.compat import check_positions
+    from hbp_train.model.compat import check_positions
 
     assert check_positions(_config("qwen2", max_position_embeddings=1024), 1024) is None
     with pytest.raises(UserError, match=r"qwen2 .*samples reach 8192 tokens but the model has 1024 positions "
@@ -81,7 +81,9 @@ def test_samples_longer_than_the_models_positions_are_refused_unless_rope_scalin
 def test_the_build_refuses_samples_beyond_the_positions_before_any_weight_loads(tmp_path, tokenizer_dir, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hbp_train import build, config, model
+    from hbp_train import build, config
+
+    from hbp_train.model import hf_model as model
     from tests.assets.packed_fixture import ONE_RANK_STEPS, synthetic_samples, write_packed
 
     model_dir = tmp_path / "model"

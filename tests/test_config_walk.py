@@ -123,8 +123,9 @@ def _path_cases(tmp):
 
 
 def test_a_value_deepspeed_rejects_is_one_line_naming_deepspeed_extra(shards, tmp_path, monkeypatch):
-    from hbp_train import build, model, trainer
-    from hbp_train.errors import UserError
+    from hbp_train import build, trainer
+    from hbp_train.model import hf_model as model
+    from hbp_train.common.errors import UserError
 
     monkeypatch.setattr(model, "build_model", lambda *a, **k: pytest.fail("built the model first"))
     cfg = config.load(["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={tmp_path / 'run'}",
@@ -139,7 +140,7 @@ def test_a_value_deepspeed_rejects_is_one_line_naming_deepspeed_extra(shards, tm
 
 def test_every_path_field_with_a_missing_path_or_the_wrong_kind_is_one_line(shards, tmp_path, monkeypatch):
     from hbp_train import build, trainer
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
 
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "a_dir").mkdir()

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.perf.cost_model import DEFAULT_CALIBRATION, TABLE_TOKENS, CostModel
 from hbp_train.perf.shape import parse_model_shape
 from tests.cli_exit import exit_code
@@ -219,25 +219,26 @@ def test_cpu_calibration_with_procs_measures_in_step_with_its_companions(tmp_pat
     """--procs 2: a spawned process runs the same measurements, both waiting at a barrier before every point (a
     training rank computes beside another); the file says so. The barrier is gone afterwards."""
     from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import timing
 
     waits = []
-    real_timer = calibrate._timer
+    real_timer = timing.timer
 
     def counting_timer(device):  # this process's waits: two per timed point (before the warm-ups, before timing)
         run = real_timer(device)
 
         def timed(fn, iters, warmup):
-            waits.append(calibrate._BARRIER is not None)
+            waits.append(timing.barrier is not None)
             return run(fn, iters, warmup)
         return timed
 
-    monkeypatch.setattr(calibrate, "_timer", counting_timer)
+    monkeypatch.setattr(timing, "timer", counting_timer)
     out = tmp_path / "two.json"
     assert calibrate.main(["--device", "cpu", "--threads", "1", "--procs", "2", "--model-shape", TINY, "--tokens",
                            "64", "--iters", "1", "--warmup", "0", "--doc-lens", "16,64", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["procs"] == 2 and data["threads"] == 1
-    assert waits == [True] * 6 and calibrate._BARRIER is None  # fwd, fwd+bwd per doc length, the layer, the head
+    assert waits == [True] * 6 and timing.barrier is None  # fwd, fwd+bwd per doc length, the layer, the head
 
 
 def test_cpu_calibration_flags_are_refused_for_a_gpu(capsys):
@@ -310,7 +311,7 @@ def test_calibrate_checks_flags_before_asking_for_a_gpu(tmp_path, capsys):
 
 
 def _fake_timer(ms_of):
-    """A calibrate._timer stand-in: the 'median' of fn is ms_of(fn) (fn is not run: no timing noise)."""
+    """A timing.timer stand-in: the 'median' of fn is ms_of(fn) (fn is not run: no timing noise)."""
     return lambda device: (lambda fn, iters, warmup: ms_of(fn))
 
 
@@ -318,10 +319,11 @@ def test_calibrate_scales_every_timing_to_32768_tokens(tmp_path, monkeypatch):
     """Each table entry is its own pack's time scaled by 32768 / (tokens in that pack): a doc length that does not
     divide --tokens times fewer tokens. fwd and fwd+bwd land under their own keys; the linear part is per token."""
     from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import timing
     from hbp_train.perf.cost_model import TABLE_TOKENS
 
     ms = {"forward": 1.0, "forward_backward": 3.0, "layer_step": 5.0, "head_step": 7.0}
-    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: ms[fn.__name__]))
+    monkeypatch.setattr(timing, "timer", _fake_timer(lambda fn: ms[fn.__name__]))
     out = tmp_path / "c.json"
     tokens, doc_lens = 100, [16, 64, 100]
     assert calibrate.main(["--allow-cpu", "--model-shape", TINY, "--tokens", str(tokens), "--iters", "1",
@@ -366,14 +368,14 @@ def test_validate_reports_absolute_errors_and_the_10_percent_verdict_of_the_wors
 
     import torch
 
-    from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import timing, validation
 
     predicted_s = 0.5
     measured_ms = iter([1e3 * predicted_s / (1 + e) for e in errors])
-    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: next(measured_ms)))
+    monkeypatch.setattr(timing, "timer", _fake_timer(lambda fn: next(measured_ms)))
     model = SimpleNamespace(pack_time=lambda lengths: predicted_s, describe=lambda: "fixed")
     args = SimpleNamespace(seed=0, backend="auto", max_samples=8, num_packs=3, tokens=64, iters=1, warmup=0)
-    report = calibrate.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
+    report = validation.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
     assert [p["num_samples"] for p in report["packs"]] == [1, 3, 8]
     got = [p["error"] for p in report["packs"]]
     assert got == pytest.approx([p["predicted_s"] / p["measured_s"] - 1 for p in report["packs"]])
@@ -386,10 +388,11 @@ def test_validate_reports_absolute_errors_and_the_10_percent_verdict_of_the_wors
 def test_validate_accepts_as_many_samples_as_tokens_and_no_more(tmp_path, monkeypatch, capsys):
     """--max-samples may equal --tokens (every sample one token long); one more cannot be split and is refused."""
     from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import validation
 
-    assert calibrate.random_pack(np.random.default_rng(0), 16, 16) == [1] * 16  # the edge is a valid pack
+    assert validation.random_pack(np.random.default_rng(0), 16, 16) == [1] * 16  # the edge is a valid pack
     seen = []
-    monkeypatch.setattr(calibrate, "validate", lambda shape, model, args, device, dtype: seen.append(
+    monkeypatch.setattr(validation, "validate", lambda shape, model, args, device, dtype: seen.append(
         args.max_samples) or {"mean_abs_error": 0.0, "max_abs_error": 0.0})
     common = ["--device", "cpu", "--validate", "--model-shape", TINY, "--tokens", "16"]
     assert exit_code(calibrate.main, common + ["--max-samples", "16"]) == 0 and seen == [16]
@@ -404,44 +407,44 @@ def test_validate_times_the_trainers_chunked_loss_not_hf_logits(monkeypatch):
     import torch
     from transformers import LlamaForCausalLM
 
-    import hbp_train.loss
-    from hbp_train.labels import IGNORE_INDEX
-    from hbp_train.perf import calibrate
+    import hbp_train.model.loss
+    from hbp_train.common.labels import IGNORE_INDEX
+    from hbp_train.perf.calibrate import timing, validation
 
     def no_hf_forward(*args, **kwargs):
         raise AssertionError("HF's forward (full T x vocab logits and HF's loss) was timed")
 
     chunked = []
-    real = hbp_train.loss.chunked_token_losses
+    real = hbp_train.model.loss.chunked_token_losses
 
     def spy(hidden, weight, labels, chunk_size=4096, **kwargs):
         chunked.append((hidden.shape[-2], chunk_size, int((labels == IGNORE_INDEX).sum())))
         return real(hidden, weight, labels, chunk_size, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", no_hf_forward)
-    monkeypatch.setattr(hbp_train.loss, "chunked_token_losses", spy)
-    monkeypatch.setattr(calibrate, "_timer", _fake_timer(lambda fn: fn() or 1.0))
+    monkeypatch.setattr(hbp_train.model.loss, "chunked_token_losses", spy)
+    monkeypatch.setattr(timing, "timer", _fake_timer(lambda fn: fn() or 1.0))
     model = SimpleNamespace(pack_time=lambda lengths: 1e-3, describe=lambda: "fixed")
     args = SimpleNamespace(seed=0, backend="auto", max_samples=4, num_packs=2, tokens=64, iters=1, warmup=0)
-    report = calibrate.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
+    report = validation.validate(parse_model_shape(TINY), model, args, torch.device("cpu"), torch.float32)
     # one chunked loss per timed pack, at the trainer's chunk, each sample's last token without a label
-    assert [(t, c) for t, c, _ in chunked] == [(64, calibrate.VALIDATE_LOSS_CHUNK)] * 2
+    assert [(t, c) for t, c, _ in chunked] == [(64, timing.VALIDATE_LOSS_CHUNK)] * 2
     assert [n for _, _, n in chunked] == [p["num_samples"] for p in report["packs"]]
 
 
 def test_validate_default_pack_fits_the_gpu():
     """32768 tokens of an 8B shape need more than 80 GB in one plain step: the default pack is the largest that fits."""
-    from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import timing, validation
     from hbp_train.perf.memory import activation_bytes_per_token_layer
 
     gib80 = 80 * 2**30
     eight_b, one_b = parse_model_shape("llama3-8b"), parse_model_shape("llama3.2-1b")
-    tokens = calibrate.validate_tokens(eight_b, gib80)
-    need = lambda s, t: (4 * s.num_params + calibrate.VALIDATE_LOSS_CHUNK * s.vocab * 10  # noqa: E731
+    tokens = validation.validate_tokens(eight_b, gib80)
+    need = lambda s, t: (4 * s.num_params + timing.VALIDATE_LOSS_CHUNK * s.vocab * 10  # noqa: E731
                          + t * (s.num_layers * activation_bytes_per_token_layer(s) + 6 * s.hidden))
     assert need(eight_b, 32768) > gib80 and tokens < 32768
-    assert need(eight_b, tokens) <= calibrate.MEMORY_HEADROOM * gib80 < need(eight_b, 2 * tokens)
-    assert calibrate.validate_tokens(one_b, gib80) == 32768 and calibrate.validate_tokens(eight_b, None) == 32768
+    assert need(eight_b, tokens) <= validation.MEMORY_HEADROOM * gib80 < need(eight_b, 2 * tokens)
+    assert validation.validate_tokens(one_b, gib80) == 32768 and validation.validate_tokens(eight_b, None) == 32768
 
 
 def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memory(tmp_path, monkeypatch, capsys):
@@ -449,10 +452,11 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
     still runs out of memory is retried at half the tokens, and calibrating out of memory is one line naming
     --tokens."""
     from hbp_train.perf import calibrate
+    from hbp_train.perf.calibrate import layer, timing, validation
 
     shape = parse_model_shape("llama3-8b")
     free = 80 * 2**30
-    monkeypatch.setattr(calibrate, "free_gpu_bytes", lambda: free)
+    monkeypatch.setattr(timing, "free_gpu_bytes", lambda: free)
     tried = []
 
     def validate(shape, model, args, device, dtype):
@@ -461,9 +465,9 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return {"mean_abs_error": 0.0, "max_abs_error": 0.0, "tokens": args.tokens}
 
-    monkeypatch.setattr(calibrate, "validate", validate)
+    monkeypatch.setattr(validation, "validate", validate)
     assert calibrate.main(["--allow-cpu", "--validate", "--model-shape", "llama3-8b", "--max-samples", "4"]) == 0
-    assert calibrate.validate_tokens(shape, free) < calibrate.validate_tokens(shape, 140 * 2**30) < 32768
+    assert validation.validate_tokens(shape, free) < validation.validate_tokens(shape, 140 * 2**30) < 32768
     assert tried[0] == 32768  # measured on the CPU: no GPU memory to size from
     assert len(tried) > 1 and tried[1:] == [t // 2 for t in tried[:-1]] and tried[-1] == 1024
     assert "out of memory: validating with packs of 1024 tokens" in capsys.readouterr().out
@@ -472,11 +476,11 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
     def calibrate_oom(*args):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(calibrate, "calibrate", calibrate_oom)
+    monkeypatch.setattr(layer, "calibrate", calibrate_oom)
     assert exit_code(calibrate.main, ["--allow-cpu", "--model-shape", TINY, "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rerun with --tokens 16384" in err and "40.0 GiB free" in err
-    monkeypatch.setattr(calibrate, "validate", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
+    monkeypatch.setattr(validation, "validate", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
     with pytest.raises(RuntimeError, match="a real bug"):  # anything else keeps its traceback
         calibrate.main(["--allow-cpu", "--validate", "--model-shape", TINY, "--max-samples", "4"])
 
@@ -484,7 +488,7 @@ def test_validation_sizes_its_pack_from_free_memory_and_halves_it_on_out_of_memo
 def test_rounds_keep_each_points_median_and_report_the_spread():
     """--rounds: a calibration's every time and a validation's every pack is the median over the rounds (the
     errors and their summary computed from it); the spread is the largest max/min ratio of one point."""
-    from hbp_train.perf.calibrate import median_of_rounds
+    from hbp_train.perf.calibrate.cli import median_of_rounds
 
     def cal(linear, fb, f):
         return {"measured": "m", "linear_fwdbwd_ms_per_32768_tokens": linear, "head_fwdbwd_ms_per_32768_tokens": f,

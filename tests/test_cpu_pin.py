@@ -12,8 +12,8 @@ from tests.cpu_pin import gpu_tests_selected, pin_to_cpu
 
 def test_this_session_is_pinned_to_the_cpu():
     """The fp32 / sdpa_block expectations of the suite hold only on the CPU: the session hid every GPU."""
-    from hbp_train.attention import select_backend
-    from hbp_train.model import ModelConfig
+    from hbp_train.model.attention_setup import select_backend
+    from hbp_train.model.hf_model import ModelConfig
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"
     assert not torch.cuda.is_available()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train.data import DataConfig, PackedData, collate_pack, empty_micro_batch
-from hbp_train.distributed.ulysses import split_for_sp
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.batches.loader import DataConfig, PackedData, collate_pack, empty_micro_batch
+from hbp_train.model.ulysses import split_for_sp
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
 from tests.assets.packed_fixture import TWO_RANK_STEPS, loss_tokens, synthetic_samples, write_packed
 
 SAMPLES = synthetic_samples(14, 100, seed=5)
@@ -146,8 +146,8 @@ def test_damaged_or_stale_shards_fail_at_open_naming_the_group(tmp_path, shards)
 
 
 def test_reads_the_planner_writer_format(tmp_path):
-    """Shards written by hbp_train.planning.shards (the real writer) load the same way."""
-    shards_mod = pytest.importorskip("hbp_train.planning.shards")
+    """Shards written by hbp_train.batches.shards (the real writer) load the same way."""
+    shards_mod = pytest.importorskip("hbp_train.batches.shards")
     from datasets import Dataset
 
     from hbp_train.planning.plan import Plan
@@ -228,7 +228,7 @@ def test_max_micro_batches_is_the_longest_step_of_a_replica(tmp_path, plan_forma
     from datasets import Dataset
 
     from hbp_train.planning.plan import Plan
-    from hbp_train.planning.shards import write_shards
+    from hbp_train.batches.shards import write_shards
 
     lengths = np.array([len(s[0]) for s in SAMPLES])
     Dataset.from_dict({"input_ids": [s[0] for s in SAMPLES], "labels": [s[1] for s in SAMPLES],

@@ -1,4 +1,4 @@
-"""One error type for the user's mistakes (hbp_train/errors.py): every CLI turns a ``UserError`` into one line and
+"""One error type for the user's mistakes (hbp_train/common/errors.py): every CLI turns a ``UserError`` into one line and
 exit code 2, and lets any other exception — a ValueError from deep inside numpy, torch or our own code is a bug —
 go by with its traceback, never dressed up as bad input."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hbp_train.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 
 BUG = "an internal ValueError that is not about the input"
 USER = "lengths.txt:3: a user mistake; the fix is named here"

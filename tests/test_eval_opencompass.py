@@ -21,7 +21,7 @@ from eval import benchmarks
 from eval import opencompass as oc
 from eval import opencompass_venv
 from eval.run import main
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from eval import suite
 from eval.tasks import demo_qa
 from eval.tasks.haystack import FILLER_SENTENCES, place, render_prompt
 from eval.tasks.needle import NeedleConfig, generate_samples
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.export import main
 from tests.cli_exit import exit_code
 
@@ -73,7 +73,7 @@ def _checkpoint_with_hf(tmp_path, tokenizer_dir, tied):
     shutil.copytree(tokenizer_dir, tag / "hf")
     config = LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tied}, vocab_size=4096, use_cache=False)
     config.save_pretrained(tag / "hf")
-    # As hbp_train/checkpoint.py saves it for a model built from a config: derived from the config, so with
+    # As hbp_train/runtime/checkpoint.py saves it for a model built from a config: derived from the config, so with
     # LlamaConfig's default token ids (bos 1, eos 2), which are not the tokenizer's, and use_cache=False.
     GenerationConfig.from_model_config(config).save_pretrained(tag / "hf")
     _complete(tag)
@@ -85,7 +85,9 @@ def _complete(tag):
     """What a finished save adds: resume.json, the RNG file and the manifest over all of it."""
     import torch
 
-    from hbp_train import checkpoint, manifest
+    from hbp_train.runtime import checkpoint
+
+    from hbp_train.runtime import manifest
 
     (tag / "resume.json").write_text(json.dumps({"next_step": 3, "world_size": 1}))
     torch.save(checkpoint.rng_state(), tag / "rng_rank0.pt")

@@ -1,4 +1,4 @@
-"""The support matrix (hbp_train/families.py): every tested family trains correctly under packing and SP.
+"""The support matrix (hbp_train/model/families.py): every tested family trains correctly under packing and SP.
 
 (a) one pack of several samples gives the same per-token losses and gradients as each sample run alone (no
 attention across samples, no state leaking between them); (b) SP=2 equals SP=1 on 2 gloo processes (slow);
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hbp_train.build import PackedCausalLM
-from hbp_train.families import FAMILIES, tiny_config
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.lora import LoraSettings
-from hbp_train.model import ModelConfig, build_model
-from hbp_train.moe import pack_aux_loss, router_aux_of
+from hbp_train.model.families import FAMILIES, tiny_config
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.lora import LoraSettings
+from hbp_train.model.hf_model import ModelConfig, build_model
+from hbp_train.model.moe import pack_aux_loss, router_aux_of
 
 VOCAB = 128
 LENGTHS = (7, 12, 5)  # samples of one pack
@@ -39,7 +39,7 @@ def aux_per_token(wrapper, aux_cfg, num_real: int, sample_ids, num_samples: int,
 
 def tiny_model(family: str, **overrides):
     """The tiny model of ``family``; "<family>+lora" / "<family>+dora": with LoRA / DoRA adapters (rank 4) on the
-    default targets (hbp_train/lora.py)."""
+    default targets (hbp_train/model/lora.py)."""
     family, _, adapter = family.partition("+")
     assert adapter in ("", "lora", "dora"), adapter
     lora = LoraSettings(r=4, dora=adapter == "dora") if adapter else LoraSettings()
@@ -125,7 +125,7 @@ def _sp_worker(rank, world_size, families):
     import torch.distributed as dist
 
     from hbp_train.distributed.groups import build_parallel_state, init_distributed
-    from hbp_train.distributed.ulysses import setup_sequence_parallel
+    from hbp_train.model.ulysses import setup_sequence_parallel
 
     init_distributed()
     pstate = build_parallel_state([1, 2])

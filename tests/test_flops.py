@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hbp_train.model import ModelConfig, build_model, decoder_layers
+from hbp_train.model.hf_model import ModelConfig, build_model, decoder_layers
 from hbp_train.perf.flops import (attention_flops, attention_fwd_flops, flops_per_token, head_fwd_flops_per_token,
                                   linear_fwd_flops_per_token, pack_flops)
 from hbp_train.perf.shape import MODEL_SHAPES, parse_model_shape

@@ -1,4 +1,4 @@
-"""bench/gpu_profile.py: the categoriser maps real kernel names right, the categories of a real profiler trace cover
+"""bench/gpu/step_profile.py: the categoriser maps real kernel names right, the categories of a real profiler trace cover
 its whole kernel time (a tiny model's step on the CPU), and the command writes its table."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench.gpu_profile as gp
+import bench.gpu.step_profile as gp
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,10 +95,10 @@ def test_scope_decides_over_the_name_but_never_for_collectives_and_copies():
 
 
 def _tiny_profile():
-    """A real torch.profiler trace of two steps of a tiny HF Llama (HF loss, AdamW), with gpu_profile's ranges."""
+    """A real torch.profiler trace of two steps of a tiny HF Llama (HF loss, AdamW), with step_profile's ranges."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hbp_train.families import tiny_config
+    from hbp_train.model.families import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **tiny_config("llama"), vocab_size=512),
@@ -142,7 +142,7 @@ def test_the_categories_of_a_real_trace_cover_its_whole_op_time():
 def test_cpu_command_profiles_hf_and_ours_and_writes_the_table(tmp_path):
     """The command as a user runs it (its own process: one torch.distributed world and DeepSpeed's groups)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_profile.py"), "--device", "cpu", "--out",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "step_profile.py"), "--device", "cpu", "--out",
                            str(tmp_path), "--steps", "2", "--warmup", "1"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -163,7 +163,7 @@ def test_cpu_command_profiles_hf_and_ours_and_writes_the_table(tmp_path):
 def test_gpu_trace_of_a_tiny_model_categorises_every_kernel():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hbp_train.families import tiny_config
+    from hbp_train.model.families import tiny_config
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **tiny_config("llama"), vocab_size=512),
                                              attn_implementation="sdpa").cuda()

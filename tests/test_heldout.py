@@ -1,4 +1,4 @@
-"""Tests for hbp_train/heldout.py: the held-out loss on 2 gloo processes (no DeepSpeed: a stand-in engine whose
+"""Tests for hbp_train/observe/heldout.py: the held-out loss on 2 gloo processes (no DeepSpeed: a stand-in engine whose
 per-token loss is known) equals the token mean over every labelled token of every pack, computed here directly."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.labels import IGNORE_INDEX
 from tests.distributed import run_distributed
 
 PAD = 0
@@ -58,9 +58,9 @@ class _Engine:
 def _eval_worker(rank, world_size):
     import torch.distributed as dist
 
-    from hbp_train import heldout
+    from hbp_train.observe import heldout
     from hbp_train.distributed.groups import build_parallel_state
-    from hbp_train.distributed.ulysses import SequenceParallel
+    from hbp_train.model.ulysses import SequenceParallel
 
     class NoAttentionSP(SequenceParallel):
         """The real SP split, with no attention to switch (the stand-in engine has none)."""

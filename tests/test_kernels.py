@@ -1,4 +1,4 @@
-"""hbp_train/kernels.py (model.kernels): which decoder kernels a run gets, how Liger is applied to a model instance
+"""hbp_train/model/kernels.py (model.kernels): which decoder kernels a run gets, how Liger is applied to a model instance
 (with a stand-in for Liger, whose Triton kernels need CUDA), and that compiled decoder layers give the eager
 layers' loss and gradients on the CPU with the real inductor."""
 
@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from hbp_train import kernels
-from hbp_train.errors import UserError
-from hbp_train.families import tiny_config
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.model import ModelConfig, build_model, decoder_layers, forward_hidden, set_checkpointed_layers
+from hbp_train.model import kernels
+from hbp_train.common.errors import UserError
+from hbp_train.model.families import tiny_config
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.hf_model import ModelConfig, build_model, decoder_layers, forward_hidden, set_checkpointed_layers
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -75,7 +75,7 @@ def test_a_bad_kernels_value_in_the_config_is_one_line():
 
 
 def test_every_tested_family_is_either_given_liger_kernels_or_listed_as_eager():
-    from hbp_train.families import FAMILIES
+    from hbp_train.model.families import FAMILIES
 
     assert set(kernels.LIGER_KERNELS) == set(FAMILIES)  # docs/models.md lists what each family gets
     for family, chosen in kernels.LIGER_KERNELS.items():
@@ -114,7 +114,9 @@ def test_every_attention_function_is_registered_for_eager_use_inside_compiled_la
     whatever use_attention registers (the packed attention, the Ulysses dispatcher) is behind compiler.disable."""
     from transformers import AttentionInterface
 
-    from hbp_train.attention import ATTN_IMPLEMENTATION, use_attention
+    from hbp_train.model.attention import ATTN_IMPLEMENTATION
+
+    from hbp_train.model.attention_setup import use_attention
 
     model = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
     assert getattr(AttentionInterface._global_mapping[ATTN_IMPLEMENTATION], "_torchdynamo_disable", False)
@@ -188,7 +190,7 @@ def test_compiled_layers_with_inductor_give_eager_losses_and_gradients_on_the_cp
 def test_compiled_layers_keep_lora_adapters_training():
     """peft's wrapped Linear layers inside a compiled layer (aot_eager: dynamo's graph capture and AOT autograd,
     which is what LoRA could break; inductor's code generation is proven by the test above)."""
-    from hbp_train.lora import LoraSettings
+    from hbp_train.model.lora import LoraSettings
 
     cfg = ModelConfig(config=tiny_config("llama"), dtype="fp32", lora=LoraSettings(r=4, alpha=8))
     eager, compiled = _compiled_vs_eager(cfg, "aot_eager")

@@ -1,5 +1,6 @@
-"""The layout rules of the house, checked on the source: no import cycle between the project's modules, no module
-over 500 lines without a reason in its docstring, no machine paths in the repository, the ignore index in one place.
+"""The layout rules of the house, checked on the source: the layering of pyproject.toml's import-linter contracts
+(and a planted upward import breaks it), no import cycle between the project's modules, no module over 500 lines, no
+machine paths in the repository, the ignore index in one place.
 
 The import graph counts every ``import``/``from ... import`` of a project module, at the top of a file, inside
 functions and under ``if TYPE_CHECKING:`` alike (a lazy import hides a cycle from Python, an annotation-only one
@@ -12,18 +13,21 @@ from __future__ import annotations
 import ast
 import io
 import keyword
+import os
 import re
+import shutil
 import subprocess
+import sys
 import tokenize
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("hbp_train", "data_tools", "eval", "bench")
 MAX_LINES = 500
-# A module may be longer when its docstring has a line saying why, with this phrase.
-LONG_MODULE_MARKER = re.compile(r"over 500 lines because", re.IGNORECASE)
 # The one home of the ignore index; tests and docs may spell the value out.
-IGNORE_INDEX_HOME = "hbp_train/labels.py"
+IGNORE_INDEX_HOME = "hbp_train/common/labels.py"
 
 
 def project_modules() -> dict[str, Path]:
@@ -137,8 +141,8 @@ def test_import_graph_resolves_submodules_and_function_level_imports():
     graph = import_graph()
     # `from hbp_train.planning.baselines.bytescale import check_zero_stage` inside a function of data_tools.pack
     assert "hbp_train.planning.baselines.bytescale" in graph["data_tools.pack"]
-    # `from hbp_train.errors import UserError` at the top of data_tools.pack
-    assert "hbp_train.errors" in graph["data_tools.pack"]
+    # `from hbp_train.common.errors import UserError` at the top of data_tools.pack
+    assert "hbp_train.common.errors" in graph["data_tools.pack"]
     assert "hbp_train.planning.plan" in graph["hbp_train.planning"]  # a package's __init__ counts as a module
     # an import for annotations only and one inside a function are dependencies as much as one at the top
     source = "import a\nif TYPE_CHECKING:\n    from b import B\ndef f():\n    import c\n"
@@ -151,18 +155,40 @@ def test_no_import_cycles():
     assert not cycles, "import cycles (each line one cycle):\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def _docstring(path: Path) -> str:
-    return ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+def test_no_module_over_500_lines():
+    too_long = [f"{path.relative_to(REPO)}: {len(path.read_text().splitlines())} lines"
+                for name, path in sorted(project_modules().items()) if len(path.read_text().splitlines()) > MAX_LINES]
+    assert not too_long, f"modules over {MAX_LINES} lines: split them by concept:\n" + "\n".join(too_long)
 
 
-def test_no_module_over_500_lines_without_a_reason():
-    too_long = []
-    for name, path in sorted(project_modules().items()):
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_LINES and not LONG_MODULE_MARKER.search(_docstring(path)):
-            too_long.append(f"{path.relative_to(REPO)}: {lines} lines")
-    assert not too_long, (f"modules over {MAX_LINES} lines: split them by concept, or say why in the module "
-                          f"docstring (a line with \"over {MAX_LINES} lines because ...\"):\n" + "\n".join(too_long))
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's contracts (pyproject.toml) checked on the packages under ``root``."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(lint), "--no-cache", "--config", str(root / "pyproject.toml")], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+
+
+def test_the_layers_hold():
+    result = _lint_imports(REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("importer,imported", [
+    ("hbp_train/common/errors.py", "from hbp_train import trainer"),  # the bottom layer reaching the loop
+    ("hbp_train/planning/plan.py", "import torch"),  # planning is pure numpy
+    ("hbp_train/model/loss.py", "from hbp_train.batches import loader"),  # two independent siblings
+])
+def test_a_planted_upward_import_breaks_the_layers(tmp_path, importer, imported):
+    """A copy of the packages with one import that goes against the layering: lint-imports fails and names it."""
+    for package in ("hbp_train", "data_tools", "eval"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / importer
+    target.write_text(target.read_text() + f"\n\ndef _planted():\n    {imported}  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0 and "BROKEN" in result.stdout
+    assert importer.removesuffix(".py").replace("/", ".") in result.stdout
 
 
 def _tracked_files() -> list[str]:
@@ -217,5 +243,5 @@ def test_ignore_index_is_spelled_out_only_in_labels_py():
         if path.relative_to(REPO).as_posix() == IGNORE_INDEX_HOME:
             continue
         found += [f"{path.relative_to(REPO)}:{line}" for line in literal_ignore_index(path.read_text())]
-    assert not found, ("the ignore index -100 spelled out in code: use `from hbp_train.labels import IGNORE_INDEX`:\n"
+    assert not found, ("the ignore index -100 spelled out in code: use `from hbp_train.common.labels import IGNORE_INDEX`:\n"
                        + "\n".join(found))

@@ -1,4 +1,4 @@
-"""hbp_train/lora.py: LoRA and DoRA through the trainer on 2 ranks over a plan with sp=1 and sp=2 groups (ZeRO-2 and
+"""hbp_train/model/lora.py: LoRA and DoRA through the trainer on 2 ranks over a plan with sp=1 and sp=2 groups (ZeRO-2 and
 3), on a dense family and (LoRA) on an MoE family whose fused experts are adapted: only adapter parameters change,
 a resumed run continues exactly, export merges the adapters into full HF weights whose logits equal the trained
 model's, and ``--adapter`` writes a peft adapter that ``PeftModel.from_pretrained`` loads over the base model to the
@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from hbp_train.errors import UserError
-from hbp_train.lora import LoraSettings, is_adapter_parameter
+from hbp_train.common.errors import UserError
+from hbp_train.model.lora import LoraSettings, is_adapter_parameter
 from tests.test_families import SP_PLAN_STEPS, losses_and_grads, make_samples, model_overrides, pack_of, tiny_model
 
 # (family, extra overrides): LoRA and DoRA on a dense family; LoRA on an MoE family (attention, router, fused experts)
@@ -61,8 +61,8 @@ def _train_variant(shards, out, variant):
 
 def _initial(family, lora=None):
     """The model the trainer starts from (cpu_demo's seed), with adapters when ``lora`` is given."""
-    from hbp_train.families import tiny_config
-    from hbp_train.model import ModelConfig, build_model
+    from hbp_train.model.families import tiny_config
+    from hbp_train.model.hf_model import ModelConfig, build_model
 
     return build_model(ModelConfig(config=tiny_config(family), architecture=family, seed=0,
                                    lora=lora or LoraSettings()), vocab_size=4096)
@@ -161,8 +161,8 @@ def test_moe_experts_are_adapted_without_a_false_peft_warning(family):
 def test_target_parameters_adapt_only_what_is_named():
     """model.lora.target_modules=[q_proj] + target_parameters=[down_proj]: the experts' down projection and q_proj
     get adapters; the router, the experts' gate_up_proj and the other projections stay as they are."""
-    from hbp_train.families import tiny_config
-    from hbp_train.model import ModelConfig, build_model
+    from hbp_train.model.families import tiny_config
+    from hbp_train.model.hf_model import ModelConfig, build_model
 
     lora = LoraSettings(r=4, target_modules=["q_proj"], target_parameters=["down_proj"])
     model = build_model(ModelConfig(config=tiny_config("qwen3_moe"), architecture="qwen3_moe", seed=3, lora=lora),

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.loss import (NORMALIZERS, LossConfig, chunked_token_losses, fused_token_losses, normalize_loss,
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.loss import (NORMALIZERS, LossConfig, chunked_token_losses, fused_token_losses, normalize_loss,
                             token_loss_weights)
 
 

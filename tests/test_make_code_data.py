@@ -14,7 +14,7 @@ import pytest
 
 from data_tools.code_tasks import make_tasks, source_lines
 from data_tools.make_code_data import SKIP_REASONS, main, make_code_data, stdlib_dir
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code
 
 # Small modules of every interpreter this runs on: bisect and colorsys fit 2048 tokens whole, json's decoder and

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from data_tools.make_demo_data import LONG_FRACTION, VOCAB, generate, main
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code
 
 

@@ -139,10 +139,10 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0) -> 
     hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward."""
     import torch
 
-    from hbp_train import attention
+    from hbp_train.model import attention
     from hbp_train.build import PackedCausalLM
-    from hbp_train.loss import token_loss_weights
-    from hbp_train.model import ModelConfig, build_model, set_checkpointed_layers
+    from hbp_train.model.loss import token_loss_weights
+    from hbp_train.model.hf_model import ModelConfig, build_model, set_checkpointed_layers
 
     cfg = dict(SAVED_TENSOR_SHAPES[name], num_hidden_layers=num_layers, vocab_size=512, max_position_embeddings=2048)
     model = build_model(ModelConfig(config=cfg, dtype=dtype, attention_backend="sdpa_block"), vocab_size=512)
@@ -206,7 +206,7 @@ def test_activation_bytes_equal_what_autograd_saves(name, dtype, backend, cpu_va
     one layer's bytes; the model takes every token as trained, this pack has 2 untrained), and a checkpointed layer
     (only its input), at two pack lengths, up to bytes that do not grow with the pack."""
     from hbp_train.perf.memory import activation_bytes_per_token_layer, outside_layers_bytes_per_token
-    from hbp_train.model import ModelConfig, hf_config
+    from hbp_train.model.hf_model import ModelConfig, hf_config
 
     shape = parse_model_shape(hf_config(ModelConfig(config=dict(SAVED_TENSOR_SHAPES[name]), dtype=dtype)))
     b = 4 if dtype == "fp32" else 2

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from hbp_train.errors import UserError
-from hbp_train.step_timing import sp_mix_columns
-from hbp_train.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
+from hbp_train.common.errors import UserError
+from hbp_train.observe.step_timing import sp_mix_columns
+from hbp_train.observe.telemetry import LoggingConfig, MetricsLogger, all_gather_floats, format_line
 from hbp_train.trainer import STAT_COLUMNS
 from tests.cli_exit import exit_code
 
@@ -62,7 +62,7 @@ def test_step_metrics_and_outputs(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["balance/plan_DBR"] == 1.05 and record["plan/sp"] == 2
     assert list((tmp_path / "tb").iterdir())
-    assert (tmp_path / "metrics.png").stat().st_size > 0  # drawn when the logger closes (hbp_train/run_plot.py)
+    assert (tmp_path / "metrics.png").stat().st_size > 0  # drawn when the logger closes (hbp_train/observe/metrics_plot.py)
 
 
 def test_step_and_epoch_count_from_one_across_epochs(tmp_path):
@@ -80,7 +80,8 @@ def test_step_and_epoch_count_from_one_across_epochs(tmp_path):
 
 
 def test_run_plot_reads_resumed_logs_and_refuses_damaged_ones(tmp_path, capsys):
-    from hbp_train.run_plot import main, read_metrics
+    from hbp_train.observe.metrics_plot import read_metrics
+    from hbp_train.run_plot import main
 
     base = {"loss/train": 5.0, "perf/tokens_per_s": 10.0, "plan/sp": 1, "balance/imbalance": 1.1,
             "balance/plan_ABR": 0.05, "memory/peak_gib": 1.0, "sp/cr": 0.0}
@@ -197,7 +198,7 @@ def test_last_step_line_is_printed_whatever_log_every(tmp_path, capsys):
 def test_read_metrics_skips_blank_lines_and_orders_steps(tmp_path):
     """Blank lines (an editor, a cut-short append) are not records; steps come back in step order, each once with
     its last row, whatever order the file holds them in."""
-    from hbp_train.run_plot import read_metrics
+    from hbp_train.observe.metrics_plot import read_metrics
 
     rows = [{"plan/step": 2, "loss/train": 1.0}, {"plan/step": 0, "loss/train": 3.0},
             {"plan/step": 2, "loss/train": 0.5}, {"plan/step": 1, "loss/train": 2.0}]
@@ -310,7 +311,7 @@ def test_comm_waits_are_timed_on_sampled_gpu_steps_only():
     """Timing a collective's wait costs a device sync around it (ZeRO's overlap of reduction and backward is lost):
     on a GPU only every comm_wait_every-th step is timed, the others run with nothing wrapped; a CPU, a single rank
     and exclude_comm_wait=false never pay for it."""
-    from hbp_train.step_timing import comm_wait_mode
+    from hbp_train.observe.step_timing import comm_wait_mode
 
     cfg = LoggingConfig(comm_wait_every=4)
     assert [comm_wait_mode(cfg, s, on_gpu=True, world_size=8) for s in range(9)] == \
@@ -326,7 +327,7 @@ def test_comm_waits_are_timed_on_sampled_gpu_steps_only():
 def test_comm_wait_timer_wraps_deepspeeds_collectives_only_when_enabled():
     import deepspeed.comm as ds_comm
 
-    from hbp_train.step_timing import DS_COLLECTIVES, comm_wait_timer
+    from hbp_train.observe.step_timing import DS_COLLECTIVES, comm_wait_timer
 
     originals = {name: getattr(ds_comm, name) for name in DS_COLLECTIVES if hasattr(ds_comm, name)}
     with comm_wait_timer(False) as waited:
@@ -339,7 +340,7 @@ def test_comm_wait_timer_wraps_deepspeeds_collectives_only_when_enabled():
 def test_a_step_whose_compute_times_were_not_taken_reports_balance_as_na(tmp_path):
     """A GPU step between two timed ones gathers NaN compute times: balance/* and time/compute_s/rank<r> are null
     (n/a in the line, left out of TensorBoard and the plot), never a made-up 0 or 1."""
-    from hbp_train.distributed.ulysses import SPStats
+    from hbp_train.model.ulysses import SPStats
 
     logger = MetricsLogger(LoggingConfig(tensorboard=True, progress_bar=False), str(tmp_path), 0, 2)
     for step, compute in enumerate([(2.0, 1.0), (float("nan"), float("nan"))]):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hbp_train.errors import UserError
-from hbp_train.loss import chunked_token_losses
-from hbp_train.model import (
+from hbp_train.common.errors import UserError
+from hbp_train.model.loss import chunked_token_losses
+from hbp_train.model.hf_model import (
     SHIPPED_TOKENIZER,
     ModelConfig,
     build_model,
@@ -221,7 +221,7 @@ def _z3_step(rank, world_size):
     from deepspeed.utils import safe_get_full_grad
 
     from hbp_train.build import DeepSpeedConfig, build_engine
-    from hbp_train.loss import LossConfig
+    from hbp_train.model.loss import LossConfig
     from hbp_train.trainer import TrainConfig
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -279,7 +279,7 @@ def _z3_trace_invalidations(rank, world_size, groups):
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
 
     from hbp_train.build import DeepSpeedConfig, build_engine, ckpt_layers_for, step_ckpt_layers
-    from hbp_train.loss import LossConfig
+    from hbp_train.model.loss import LossConfig
     from hbp_train.trainer import TrainConfig
 
     count = [0]

@@ -1,4 +1,4 @@
-"""Tests for hbp_train/moe.py: the MoE router loss of every family under the key its checkpoints use.
+"""Tests for hbp_train/model/moe.py: the MoE router loss of every family under the key its checkpoints use.
 
 HF's load-balancing loss (router_aux_loss_coef; JetMoE's aux_loss_coef) equals the model's own aux_loss on one
 unpacked sample (and the model's own total loss and gradients), for tiny configs of several families carrying their
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from hbp_train.build import PackedCausalLM
-from hbp_train.families import tiny_config
-from hbp_train.labels import IGNORE_INDEX
-from hbp_train.loss import normalize_loss
-from hbp_train.model import ModelConfig, build_model, forward_hidden
-from hbp_train.moe import COEF_KEYS, pack_aux_loss, records_router_logits, router_aux_of, router_loss_line
+from hbp_train.model.families import tiny_config
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.loss import normalize_loss
+from hbp_train.model.hf_model import ModelConfig, build_model, forward_hidden
+from hbp_train.model.moe import COEF_KEYS, pack_aux_loss, records_router_logits, router_aux_of, router_loss_line
 
 VOCAB = 128
 
 
-# Tiny MoE families beyond the support matrix (hbp_train/families.py), each with 4 experts, top-2.
+# Tiny MoE families beyond the support matrix (hbp_train/model/families.py), each with 4 experts, top-2.
 _SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512)
 EXTRA_FAMILIES = {
@@ -138,7 +138,7 @@ def test_every_moe_family_transformers_ships_is_honoured_or_announced():
     """Each MoE causal LM's default config: a positive weight under one of COEF_KEYS is the loss it trains with,
     under that key; without one, the start line says it trains with none (and how to add one, when hbp-train reads
     the family's experts)."""
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
     from hbp_train.perf.shape import parse_model_shape
 
     families = _moe_causal_lm_configs()

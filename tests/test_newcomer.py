@@ -112,7 +112,7 @@ def _train_by_path(rank, world_size, model_dir: str, out: str):
     from hbp_train import config, trainer
     from hbp_train.distributed.groups import init_distributed
     from hbp_train.export import export
-    from hbp_train.run_summary import start_summary
+    from hbp_train.observe.run_summary import start_summary
 
     init_distributed()
     seen = []

@@ -1,4 +1,4 @@
-"""Tests for hbp_train/outputs.py: output checks, atomic file writes and the staged folder swap, direct calls."""
+"""Tests for hbp_train/common/outputs.py: output checks, atomic file writes and the staged folder swap, direct calls."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from hbp_train import outputs
-from hbp_train.errors import UserError
-from hbp_train.outputs import atomic_write, check_output_file, replace_dir, staging_dir
+from hbp_train.common import outputs
+from hbp_train.common.errors import UserError
+from hbp_train.common.outputs import atomic_write, check_output_file, replace_dir, staging_dir
 
 
 def test_json_key_accepts_an_earlier_output_or_an_empty_file_and_refuses_other_data(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hbp_train.distributed.groups import build_parallel_state, check_sp_degrees, sp_group_ranks, valid_sp_degrees
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from tests.distributed import run_distributed
 
 

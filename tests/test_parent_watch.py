@@ -11,13 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from hbp_train import parent_watch
+from hbp_train.runtime import parent_watch
 
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import signal, sys, time
-from hbp_train.parent_watch import watch_parent
+from hbp_train.runtime.parent_watch import watch_parent
 def on_term(signum, frame):
     open(sys.argv[1], "w").write("SIGTERM")
     sys.exit(0)

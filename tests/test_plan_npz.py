@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.planning import ALL_STRATEGIES, GroupSpec, Plan, PlanConfig, make_plan
 from hbp_train.planning.plan_npz import load_plan, read_npz, save_plan
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from data_tools.pack import build_parser, main
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.planning import Plan
 from tests.cli_exit import exit_code
 

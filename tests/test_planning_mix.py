@@ -242,7 +242,7 @@ def test_validate_rejects_broken_optimizer_steps():
 
 
 def test_step_mix_sorted_is_refused_when_misspelt():
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
 
     with pytest.raises(UserError, match="step_mix must be one of"):
         PlanConfig(world_size=1, groups=[GroupSpec(8, 1)], step_mix="random")

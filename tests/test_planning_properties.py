@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.planning import DROP_TOO_LONG, GroupSpec, Plan, PlanConfig, make_plan, with_metrics
 from hbp_train.planning.curriculum import sample_levels
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_tools.pack import main
-from hbp_train.planning import shards
+from hbp_train.batches import shards
 
 
 @pytest.fixture()
@@ -142,8 +142,8 @@ def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
     micro-batch counts)."""
     import torch
 
-    from hbp_train.checkpoint import plan_fingerprint
-    from hbp_train.data import PackedData
+    from hbp_train.runtime.checkpoint import plan_fingerprint
+    from hbp_train.batches.loader import PackedData
 
     src, _ = tokenized
     common = ["--dataset", str(src), "--world-size", "4", "--groups", "64:1,256:2", "--global-tokens", "512",
@@ -177,10 +177,10 @@ def test_binary_plan_shards_load_like_json_ones(tmp_path, tokenized, strategy):
 def test_live_length_mix_of_packed_shards_is_the_plans(tmp_path, tokenized, plan_format, step_mix_method):
     """telemetry.StepLengthMix over the loader (plan.json or plan.npz): every optimizer step's token share per length
     bucket (all its plan steps and replicas) and mix/tv equal the plan's own; a plan without lengths gives {}."""
-    from hbp_train.data import PackedData
+    from hbp_train.batches.loader import PackedData
     from hbp_train.planning.plan_npz import load_plan
     from hbp_train.planning.metrics import mix_distance, step_mix
-    from hbp_train.telemetry import StepLengthMix
+    from hbp_train.observe.telemetry import StepLengthMix
 
     src, _ = tokenized
     out = tmp_path / "packed"

@@ -1,4 +1,4 @@
-"""The trainer's batch prefetch (hbp_train/prefetch.py): the same batches in the same order as made on demand,
+"""The trainer's batch prefetch (hbp_train/batches/prefetch.py): the same batches in the same order as made on demand,
 from any first step (a resume), errors raised where the step is asked for, pinning only on a GPU."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from hbp_train.data import PackedData
-from hbp_train.prefetch import StepPrefetcher
+from hbp_train.batches.loader import PackedData
+from hbp_train.batches.prefetch import StepPrefetcher
 from tests.assets.packed_fixture import TWO_RANK_STEPS, synthetic_samples, write_packed
 
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.perf.memory import JobSettings, model_state_bytes
 from hbp_train.perf.shape import model_shape_of
 from hbp_train.profiler.backends import GpuBackend
@@ -20,7 +20,7 @@ from tests.profiler_curves import TINY, cfg
 def test_measurement_code_path_on_a_tiny_cpu_model():
     """GpuBackend's real fwd+bwd path (model.py, loss.py, checkpointing, SP estimate) on the CPU: times only."""
     from hbp_train.perf.cost_model import CostModel
-    from hbp_train.model import ModelConfig, num_params
+    from hbp_train.model.hf_model import ModelConfig, num_params
 
     model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
     shape = model_shape_of(model_cfg, None)
@@ -67,9 +67,9 @@ def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch
     OutOfMemoryError it marks the configuration infeasible; any other error still stops the profile."""
     import torch
 
-    from hbp_train import loss
+    from hbp_train.model import loss
     from hbp_train.perf.cost_model import CostModel
-    from hbp_train.model import ModelConfig
+    from hbp_train.model.hf_model import ModelConfig
 
     model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
     shape = model_shape_of(model_cfg, None)
@@ -95,9 +95,9 @@ def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch
 def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_path, monkeypatch):
     """The synthetic pack of a docs file: position_ids restart at every document and each document's last token
     has no target (labels shifted within the document)."""
-    from hbp_train import model as model_mod
+    from hbp_train.model import hf_model as model_mod
     from hbp_train.perf.cost_model import CostModel
-    from hbp_train.model import ModelConfig
+    from hbp_train.model.hf_model import ModelConfig
 
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("40\n25\n70\n")
@@ -112,7 +112,7 @@ def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_p
     def spy(model, input_ids, position_ids, **kw):
         seen["input_ids"], seen["position_ids"] = input_ids.clone(), position_ids.clone()
         return real_forward(model, input_ids, position_ids, **kw)
-    from hbp_train import loss as loss_mod
+    from hbp_train.model import loss as loss_mod
     real_chunked = loss_mod.chunked_token_losses
 
     def loss_spy(hidden, weight, labels, chunk):

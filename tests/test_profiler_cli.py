@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.perf.memory import JobSettings, analytic_memory_bytes
 from hbp_train.perf.shape import parse_model_shape
 from hbp_train.profiler import cli

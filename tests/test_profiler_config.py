@@ -1,10 +1,10 @@
-"""Tests for hbp_train/profiler/config.py: candidate lengths and SP degrees, and bad values named by field."""
+"""Tests for hbp_train/perf/profile_config.py: candidate lengths and SP degrees, and bad values named by field."""
 
 from __future__ import annotations
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from tests.profiler_curves import cfg
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.profiler import launcher as launcher_mod
 from hbp_train.profiler.backends import CurveBackend, Measurement
 from hbp_train.profiler.launcher import (EXIT_OOM, LaunchResult, SpLauncher, launch_command, launched_degrees,

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.profiler.backends import CurveBackend, Measurement
 from hbp_train.profiler.report import format_table
 from hbp_train.profiler.search import Profiler, ProfileError, Strategy, _status

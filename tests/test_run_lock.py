@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from hbp_train import run_lock
-from hbp_train.errors import UserError
+from hbp_train.runtime import run_lock
+from hbp_train.common.errors import UserError
 
 
 def _dead_pid() -> int:

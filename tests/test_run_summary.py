@@ -1,13 +1,13 @@
-"""hbp_train/run_summary.py: the start-of-run lines, read from a built run (the real run's lines are checked in
+"""hbp_train/observe/run_summary.py: the start-of-run lines, read from a built run (the real run's lines are checked in
 tests/test_newcomer.py): the model and its parameters, those trained under LoRA, the data and the run's length."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hbp_train.lora import LoraSettings
-from hbp_train.model import ModelConfig, build_model
-from hbp_train.run_summary import count_parameters, start_summary
+from hbp_train.model.lora import LoraSettings
+from hbp_train.model.hf_model import ModelConfig, build_model
+from hbp_train.observe.run_summary import count_parameters, start_summary
 from hbp_train.trainer import TrainConfig
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.perf.shape import (MODEL_SHAPES, ModelShape, load_json_object, model_shape_of, parse_model_shape,
                                   sp_heads_problem)
 
@@ -68,7 +68,7 @@ def test_sp_heads_problem_is_ulysses_head_rule(heads, kv, ok, bad):
 
 
 def test_model_shape_follows_build_model_vocabulary_rule():
-    from hbp_train.model import ModelConfig
+    from hbp_train.model.hf_model import ModelConfig
 
     tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2}
@@ -85,8 +85,8 @@ def test_params_and_flops_match_the_hf_module(family):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hbp_train.families import tiny_config
-    from hbp_train.model import ModelConfig, build_model, decoder_layers
+    from hbp_train.model.families import tiny_config
+    from hbp_train.model.hf_model import ModelConfig, build_model, decoder_layers
     from hbp_train.perf.flops import linear_fwd_flops_per_token
 
     model = build_model(ModelConfig(config=tiny_config(family), architecture=family), vocab_size=128)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.perf.cost_model import CostModel, StepCosts
 from hbp_train.planning.csr import pack_csr
 from hbp_train.planning.metrics import with_metrics

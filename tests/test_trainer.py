@@ -35,7 +35,8 @@ def _params(run) -> dict:
 
 def _single_process_checks(rank, world_size, shards, out):
     from hbp_train import build as builder
-    from hbp_train import checkpoint, config, trainer
+    from hbp_train import config, trainer
+    from hbp_train.runtime import checkpoint
     from hbp_train.export import export
     from hbp_train.distributed.groups import init_distributed
 
@@ -209,7 +210,7 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     steps_done = len(metrics.read_text().splitlines())
     assert 2 <= steps_done < 600
     # The checkpoint holds the step to resume at and loads (consolidated by DeepSpeed's own reader).
-    from hbp_train.checkpoint import plan_fingerprint, resolve
+    from hbp_train.runtime.checkpoint import plan_fingerprint, resolve
     from hbp_train.export import export
 
     root, tag = resolve(str(out / "checkpoints"))
@@ -229,9 +230,10 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
 def test_unusable_attention_backend_fails_before_the_model_is_built(shards, tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("flash_varlen may be usable on this GPU")
-    from hbp_train import config, model
+    from hbp_train import config
+    from hbp_train.model import hf_model as model
     from hbp_train.build import build
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the backend was checked")
@@ -260,7 +262,7 @@ def test_deepspeed_config_asks_for_torchs_fused_adamw_on_a_gpu_only(monkeypatch)
 
 def test_deepspeed_config_follows_the_run_config():
     from hbp_train.build import DeepSpeedConfig, deepspeed_config
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
     from hbp_train.trainer import TrainConfig
 
     train = TrainConfig(lr=3e-4, warmup_steps=5, min_lr_ratio=0.3, grad_clip=0.5, betas=[0.9, 0.99], weight_decay=0.1)
@@ -281,9 +283,9 @@ def test_deepspeed_config_follows_the_run_config():
     # before it has started" on every rank of every run (build_engine sets iteration 0's rate).
     assert params["last_batch_iteration"] == 0
     # A run no longer than its warm-up (it ran "step 1/1 ... lr 2.00e-06" at the first warm-up rate): a tenth of it.
-    from hbp_train.build import capped_warmup_steps
+    from hbp_train.trainer import TrainConfig
 
-    assert [capped_warmup_steps(10, n) for n in (50, 11, 10, 4, 1)] == [10, 10, 1, 0, 0]
+    assert [TrainConfig(warmup_steps=10).warmup_for(n) for n in (50, 11, 10, 4, 1)] == [10, 10, 1, 0, 0]
     short = deepspeed_config(ds, train, total_steps=4, world_size=4, bf16=True)["scheduler"]["params"]
     assert (short["warmup_num_steps"], short["warmup_min_ratio"]) == (1, 1.0)  # no warm-up: train.lr from step 1
     zero = config["zero_optimization"]
@@ -325,8 +327,12 @@ def test_deepspeed_config_of_a_lean_step():
 def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkeypatch):
     import shutil
 
-    from hbp_train import checkpoint, config, manifest, trainer
-    from hbp_train.errors import UserError
+    from hbp_train import config, trainer
+
+    from hbp_train.runtime import checkpoint
+
+    from hbp_train.runtime import manifest
+    from hbp_train.common.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking the checkpoint"))
     tag_dir = tmp_path / "run" / "checkpoints" / checkpoint.tag_for(3)
@@ -350,7 +356,7 @@ def test_resume_with_another_plan_fails_before_building(shards, tmp_path, monkey
 
 def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
     from hbp_train import config, trainer
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.resume"))
     cfg = config.load(overrides(shards, str(tmp_path / "run"), f"train.resume={tmp_path / 'nothing'}"))
@@ -360,8 +366,9 @@ def test_bad_resume_path_fails_before_building(shards, tmp_path, monkeypatch):
 
 def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_checkpoints(shards, tmp_path, monkeypatch):
     # Its saves would mix with the earlier run's: pruning would rank them by step and delete the new ones.
-    from hbp_train import checkpoint, config, trainer
-    from hbp_train.errors import UserError
+    from hbp_train import config, trainer
+    from hbp_train.runtime import checkpoint
+    from hbp_train.common.errors import UserError
 
     monkeypatch.setattr(trainer, "build", lambda *a, **k: pytest.fail("built before checking train.out_dir"))
     (tmp_path / "run" / "checkpoints" / checkpoint.tag_for(40)).mkdir(parents=True)
@@ -374,7 +381,7 @@ def test_a_fresh_run_refuses_a_run_dir_holding_another_runs_checkpoints(shards, 
 def test_a_bytescale_plan_needs_zero_stage_1_and_says_so(tmp_path):
     from hbp_train import config
     from hbp_train.build import build
-    from hbp_train.errors import UserError
+    from hbp_train.common.errors import UserError
 
     shards = write_packed(str(tmp_path / "bs"), synthetic_samples(4, VOCAB, seed=1),
                           [{"group": 0, "replicas": [[[0, 1], [2, 3]]]}], world_size=1,
@@ -417,8 +424,8 @@ def test_build_refuses_ckpt_layers_that_do_not_match_the_plan_or_model(shards, t
     more checkpointed layers than the model has."""
     from hbp_train import config
     from hbp_train.build import build
-    from hbp_train.data import PackedData
-    from hbp_train.errors import UserError
+    from hbp_train.batches.loader import PackedData
+    from hbp_train.common.errors import UserError
 
     num_groups = len(PackedData(shards).groups)
     bad = ",".join(["0"] * (num_groups + 1))

@@ -83,7 +83,7 @@ def _worker(rank, world_size, shards, out, bytescale_shards):
         results[(zero_stage, normalizer, "at_engine")] = dict(at_engine)
         results[(zero_stage, normalizer)] = _steps_with_grads(run, rank)
     # The last engine is ZeRO-3: save its sharded checkpoint and the trained model's logits for the export check.
-    from hbp_train import checkpoint
+    from hbp_train.runtime import checkpoint
 
     checkpoint.save(run.engine, f"{out}/z3/checkpoints", run.data.num_steps, "", run.model, run.tokenizer)
     with torch.no_grad():  # every rank runs the forward: ZeRO-3 gathers each layer's weights collectively
@@ -91,7 +91,7 @@ def _worker(rank, world_size, shards, out, bytescale_shards):
         results["z3_logits"] = run.model.eval()(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
     deepspeed.comm.barrier()
     # from_pretrained under ZeRO-3 loads straight into partitions; growing the vocabulary keeps the loaded rows.
-    from hbp_train.model import ModelConfig, build_model
+    from hbp_train.model.hf_model import ModelConfig, build_model
 
     if rank == 0:
         build_model(ModelConfig(config=dict(TINY_LLAMA)), vocab_size=VOCAB - 8).save_pretrained(f"{out}/pretrained")

@@ -1,4 +1,4 @@
-"""Tests for hbp_train/distributed/ulysses.py: the SP collate split, the head limits, Ulysses with SP sizes switched per step
+"""Tests for hbp_train/model/ulysses.py: the SP collate split, the head limits, Ulysses with SP sizes switched per step
 inside one DeepSpeed engine (4 gloo processes, ZeRO-2 and ZeRO-3) against a single-process reference, and the same
 through the trainer (2 processes, a plan with groups at sp=1 and sp=2, every loss normalizer's gradient)."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train.attention import cu_seqlens_from_position_ids
-from hbp_train.distributed.ulysses import check_sp_heads, padded_cu_seqlens, split_for_sp
-from hbp_train.errors import UserError
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.model.attention import cu_seqlens_from_position_ids
+from hbp_train.model.ulysses import check_sp_heads, padded_cu_seqlens, split_for_sp
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
 from tests.distributed import run_distributed
 
 VOCAB = 64
@@ -100,7 +100,7 @@ def test_sequence_parallel_state_is_its_own_object():
     """Without a model (no attention): tokens are booked as non-SP tokens, the split follows the active degree,
     a degree without Ulysses attention is refused, and two objects share nothing."""
     from hbp_train.distributed.groups import build_parallel_state
-    from hbp_train.distributed.ulysses import SequenceParallel
+    from hbp_train.model.ulysses import SequenceParallel
 
     sp = SequenceParallel(build_parallel_state([1]))
     sp.begin_micro_batch(7)
@@ -150,10 +150,10 @@ def _switching_worker(rank, world_size, zero_stages):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from hbp_train.distributed import ulysses
-    from hbp_train.attention import register_packed_attention
-    from hbp_train.loss import normalize_loss
-    from hbp_train.telemetry import all_gather_floats
+    from hbp_train.model import ulysses
+    from hbp_train.model.attention_setup import register_packed_attention
+    from hbp_train.model.loss import normalize_loss
+    from hbp_train.observe.telemetry import all_gather_floats
     from hbp_train.distributed.groups import build_parallel_state, init_distributed
 
     init_distributed()
@@ -271,10 +271,10 @@ def _trainer_worker(rank, world_size, shards, out, cases, loop_overrides):
     from hbp_train import config, trainer
     from hbp_train.build import build
     from hbp_train.distributed.groups import init_distributed
-    from hbp_train.heldout import evaluate
+    from hbp_train.observe.heldout import evaluate
     from tests.assets.packed_fixture import TINY_LLAMA
 
-    from hbp_train import attention
+    from hbp_train.model import attention
 
     init_distributed()
     model_cfg = "{" + ",".join(f"{k}:{str(v).lower()}" for k, v in TINY_LLAMA.items()) + "}"
@@ -348,7 +348,7 @@ def test_trainer_switches_sp_with_exact_gradients(tmp_path, tokenizer_dir):
     the normalizer's single-process gradient (ZeRO-2 and 3); the full loop logs the SP degree, CR and rank times."""
     import json
 
-    from hbp_train.telemetry import format_line
+    from hbp_train.observe.telemetry import format_line
     from tests.assets.packed_fixture import synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)
@@ -390,7 +390,7 @@ def test_trainer_runs_optimizer_steps_that_mix_groups_with_exact_gradients(tmp_p
     with both SP degrees and their shares of its tokens and compute time (JSON rows, rank-0 line, metrics.png)."""
     import json
 
-    from hbp_train.telemetry import format_line
+    from hbp_train.observe.telemetry import format_line
     from tests.assets.packed_fixture import synthetic_samples, write_packed
 
     samples = synthetic_samples(14, TOKENIZER_VOCAB, seed=5)

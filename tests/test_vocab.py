@@ -1,4 +1,4 @@
-"""hbp_train/vocab.py: preprocessing records the tokenizer that made a data set, pack carries the record into the
+"""hbp_train/batches/vocab.py: preprocessing records the tokenizer that made a data set, pack carries the record into the
 packed shards, and the trainer refuses data the model would read with other token ids, before any weight is
 loaded (a 2000-token model on data of a 4096-token tokenizer used to be resized silently)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hbp_train.errors import UserError
-from hbp_train.vocab import identity, vocab_to_build
+from hbp_train.common.errors import UserError
+from hbp_train.batches.vocab import identity, vocab_to_build
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_preprocess_records_the_tokenizer_and_pack_carries_it(tmp_path, tokenize
     import numpy as np
 
     from data_tools import pack, preprocess
-    from hbp_train.data import PackedData
+    from hbp_train.batches.loader import PackedData
 
     _chats(tmp_path / "chats.jsonl")
     assert preprocess.main(["--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "tok"),
@@ -100,7 +100,8 @@ def test_a_smaller_vocabulary_model_is_refused_before_its_weights_load(tmp_path,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from data_tools import pack, preprocess
-    from hbp_train import build, config, model
+    from hbp_train import build, config
+    from hbp_train.model import hf_model as model
 
     model_dir = tmp_path / "small-vocab"
     AutoModelForCausalLM.from_config(AutoConfig.for_model(

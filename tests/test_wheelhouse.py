@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 SPEC = importlib.util.spec_from_file_location("wheelhouse", Path(__file__).resolve().parent.parent / "scripts" / "wheelhouse.py")
 wheelhouse = importlib.util.module_from_spec(SPEC)

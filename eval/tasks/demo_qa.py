@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 # The demo trains on seeds 0 (train) and 1 (held-out): these questions are drawn with seeds from here on.
 SEED_OFFSET = 1000

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 # Neutral filler; shuffled per sample so the haystack is not one repeated block.
 FILLER_SENTENCES = [

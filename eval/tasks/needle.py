@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 from eval.tasks.haystack import fill, render_prompt, sentence_tokens
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 KEY_WORDS = [
     "amber", "birch", "cobalt", "dune", "ember", "falcon", "glacier", "harbor", "iris", "juniper", "kestrel",

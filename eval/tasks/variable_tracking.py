@@ -13,7 +13,7 @@ import string
 from dataclasses import dataclass
 
 from eval.tasks.haystack import fill, render_prompt, sentence_tokens
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 INSTRUCTION = "Track the chain of variable assignments in this text."
 NAME_LETTERS = 5

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 def rank() -> int:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.perf.flops import (TRAIN_OVER_FORWARD, attention_fwd_flops, head_fwd_flops_per_token,
                                   linear_fwd_flops_per_token)
 from hbp_train.perf.shape import ModelShape, parse_model_shape
@@ -54,7 +54,7 @@ DEFAULT_INTRA_NODE_GBPS = 200.0
 DEFAULT_INTER_NODE_GBPS = 40.0
 # FlashAttention-style backward does 5 matmuls to the forward's 2: fwd+bwd = 3.5 x fwd.
 ATTN_FWDBWD_OVER_FWD = 3.5
-# The chunked LM-head loss (hbp_train/loss.py) runs the logits matmul in forward and again in backward, then the
+# The chunked LM-head loss (hbp_train/model/loss.py) runs the logits matmul in forward and again in backward, then the
 # hidden and the weight gradients: 4 x the forward's vocab x hidden FLOPs (a plain layer's fwd+bwd is 3x).
 HEAD_MATMULS = 4
 

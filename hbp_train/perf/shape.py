@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def _moe_and_mla_fields(fields: dict) -> dict:
 
 
 def model_shape_of(model_cfg, vocab_size: Optional[int] = None) -> ModelShape:
-    """The ModelShape a ``hbp_train.model.ModelConfig`` builds, from its HF config alone (no weights are built).
+    """The ModelShape a ``hbp_train.model.hf_model.ModelConfig`` builds, from its HF config alone (no weights are built).
 
     ``vocab_size`` is the tokenizer's, applied as build_model does: a config-built model gets the larger of it and
     a vocab_size given in its config fields; a pretrained one grows to it, never shrinks.

@@ -23,7 +23,7 @@ A term that comes out negative (noise on a cost that is about 0) is set to 0 and
 output is the calibration with a ``"step_costs"`` entry: the terms, and the fit's record (run, plan, steps used,
 the median error of each fit and of the whole step time predicted with them). Fit on a run the predictions are not
 checked against: the terms are then a measurement of the machine, not of the runs they predict
-(bench/bench_speed.py fits them on a run of data its measured runs do not train on). docs/simulator.md, "Absolute
+(bench/speed/bench_speed.py fits them on a run of data its measured runs do not train on). docs/simulator.md, "Absolute
 time".
 """
 
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hbp_train.cli import ArgumentParser, existing_dir, existing_file, existing_path, nonneg_int, output_file
-from hbp_train.errors import EXIT_USER_ERROR, UserError
-from hbp_train.outputs import check_output_file, write_output
+from hbp_train.common.cli import ArgumentParser, existing_dir, existing_file, existing_path, nonneg_int, output_file
+from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.outputs import check_output_file, write_output
 from hbp_train.perf.cost_model import CostModel, StepCosts
 from hbp_train.planning.plan import Plan
 from hbp_train.planning.simulator import SimConfig, plan_pack_seconds, simulate

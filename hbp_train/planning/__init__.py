@@ -18,11 +18,14 @@ bytescale cut their sample stream to the budget themselves.
 Shared pieces other strategies can reuse, bottom layer first: ``csr`` (CSR helpers), ``plan.Plan`` (the types and
 their JSON), ``balance.build_steps`` (packs -> balanced steps with the tail rule), ``curriculum.order_steps``,
 ``metrics.with_metrics`` (fills a plan's metrics; above ``plan``, which never imports it).
+
+May import: perf's cost models and common; never torch (import-linter keeps it so). Plans become packed shards in
+hbp_train/batches/shards.py.
 """
 
 from __future__ import annotations
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.planning.balance import default_pack_cost
 from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import DROP_TOO_LONG, GroupSpec, PackCostFn, Plan, PlanConfig, check_lengths

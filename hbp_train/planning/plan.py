@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hbp_train.errors import UserError
-from hbp_train.outputs import atomic_write
+from hbp_train.common.errors import UserError
+from hbp_train.common.outputs import atomic_write
 from hbp_train.planning.csr import pack_tokens
 
 PLAN_VERSION = 1

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hbp_train.errors import UserError
-from hbp_train.outputs import atomic_write
+from hbp_train.common.errors import UserError
+from hbp_train.common.outputs import atomic_write
 from hbp_train.planning.metrics import with_metrics
 from hbp_train.planning.plan import PLAN_VERSION, GroupSpec, Plan, PlanConfig
 

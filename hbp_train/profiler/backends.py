@@ -3,7 +3,7 @@
 One small interface, `MeasureBackend.measure(pack_len, sp, ckpt_layers, iters) -> Measurement`; an OOM is a
 result (Measurement(oom=True)), never an exception.
 
-  GpuBackend       the real model (hbp_train.model) on this machine's GPU: fwd+bwd with the chunked loss on a
+  GpuBackend       the real model (hbp_train.model.hf_model) on this machine's GPU: fwd+bwd with the chunked loss on a
                    synthetic pack; torch peak-allocated and NVML used memory (on the CPU, device=cpu: the bytes
                    autograd saves). In one process every sp > 1 is *estimated* from the per-rank slice (pack_len/sp
                    on one GPU) plus the cost model's attention and all-to-all terms (docs/profiler.md states the
@@ -26,11 +26,11 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from hbp_train.profiler.packs import load_doc_lengths, slice_docs, synthetic_docs
-from hbp_train.labels import IGNORE_INDEX
+from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.perf.cost_model import CostModel
 from hbp_train.perf.memory import JobSettings, analytic_memory_bytes, model_state_bytes
 from hbp_train.perf.shape import ModelShape
-from hbp_train.profiler.config import ProfileConfig
+from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.nvml import nvml_hardware, nvml_used_bytes
 
 
@@ -186,8 +186,8 @@ class GpuBackend:
                  vocab_size: Optional[int] = None, device=None):
         import torch
 
-        from hbp_train.model import build_model, decoder_layers
-        from hbp_train.model import num_params as model_num_params
+        from hbp_train.model.hf_model import build_model, decoder_layers
+        from hbp_train.model.hf_model import num_params as model_num_params
 
         self.torch = torch
         self.cfg, self.cost_model, self.loss_chunk = cfg, cost_model, job.loss_chunk_tokens
@@ -232,7 +232,7 @@ class GpuBackend:
         """Make this process one rank of an SP group of degree `sp` (inside a measuring torchrun, every rank calls
         it): the model's attention becomes the Ulysses attention of distributed/ulysses.py on `pstate`'s groups
         (distributed/groups.py), and `measure(l, sp, ...)` runs this rank's slice for real."""
-        from hbp_train.distributed.ulysses import setup_sequence_parallel
+        from hbp_train.model.ulysses import setup_sequence_parallel
 
         self.sequence_parallel = setup_sequence_parallel(self.model, pstate)
         self.sequence_parallel.set_active(sp)
@@ -292,8 +292,8 @@ class GpuBackend:
         and the readings agreed over the group (slowest time, largest memory); an OOM raises RankOutOfMemory,
         since this rank cannot tell its peers that are waiting in an all-to-all."""
         torch = self.torch
-        from hbp_train.loss import chunked_token_losses
-        from hbp_train.model import forward_hidden, set_checkpointed_layers
+        from hbp_train.model.loss import chunked_token_losses
+        from hbp_train.model.hf_model import forward_hidden, set_checkpointed_layers
 
         if not self._on_device:
             self.model.to(self.device)
@@ -336,7 +336,7 @@ class GpuBackend:
             if self.on_gpu:
                 torch.cuda.synchronize(self.device)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is one; metrics.is_oom knows the others
-            from hbp_train.telemetry import is_oom
+            from hbp_train.observe.telemetry import is_oom
 
             if not is_oom(exc):
                 raise

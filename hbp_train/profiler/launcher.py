@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.profiler.backends import Measurement
-from hbp_train.profiler.config import ProfileConfig
+from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.nvml import nvml_used_bytes
 
 EXIT_OOM = 3  # a worker rank ran out of memory inside an SP configuration (worker.py)

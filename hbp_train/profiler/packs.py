@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 
 
 def load_doc_lengths(spec: str) -> Optional[np.ndarray]:
@@ -21,7 +21,7 @@ def load_doc_lengths(spec: str) -> Optional[np.ndarray]:
         if path.is_dir():
             from datasets import load_from_disk
 
-            from hbp_train.columns import int_column
+            from hbp_train.batches.columns import int_column
 
             lengths = int_column(load_from_disk(str(path)), "length")
         elif path.suffix == ".npy":

@@ -36,9 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.profiler.backends import MeasureBackend, Measurement
-from hbp_train.profiler.config import ProfileConfig
+from hbp_train.perf.profile_config import ProfileConfig
 
 log = logging.getLogger(__name__)
 

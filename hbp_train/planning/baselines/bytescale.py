@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from hbp_train.errors import UserError
+from hbp_train.common.errors import UserError
 from hbp_train.planning.curriculum import order_steps, sample_levels
 from hbp_train.planning.equal_steps import even_positions, nearest_cuts, step_budget
 from hbp_train.planning.plan import DROP_TOO_LONG, Plan, PlanConfig

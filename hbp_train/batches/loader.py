@@ -1,0 +1,477 @@
+"""Packed-shard loader and collate: this rank's micro-batches for optimizer step ``s``.
+
+Reads ``OUT/plan.json`` (or the binary ``OUT/plan.npz``, memory-mapped: planning/plan_npz.py) and the memory-mapped ``OUT/group_<g>/`` datasets written by ``data_tools.pack --shards``
+(formats: docs/architecture.md). For step ``s`` in group ``g`` (SP degree ``sp``), this rank serves replica
+``r = rank // sp`` and gets that replica's packs, one micro-batch each. The step's global loss-token and sample
+counts come from the plan and the shard metadata, so every rank knows them without a collective. An optimizer step
+is one plan step, or several of different groups when the plan mixes groups (plan steps with the same
+"optimizer_step", hbp step_mix="mixed"): its micro-batches are those of its plan steps one after the other, each
+tagged with its group's "sp", "group" and "ckpt_layers" (the trainer switches the SP degree between them), and its
+global counts cover all of them.
+
+Legend: T = tokens in a pack, n = samples in a pack, m = micro-batches (packs) per replica in a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hbp_train.batches.columns import int_column
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
+
+
+@dataclass
+class DataConfig:
+    """Where the packed shards are and how they are read."""
+
+    shards: str = "???"
+    """Packed-shard directory written by ``data_tools.pack --shards OUT`` (holds plan.json and group_<g>/)."""
+    epochs: int = 1
+    """How many times the plan's steps are run. The plan is one pass over the data; every epoch runs all its steps
+    again (see shuffle_epochs)."""
+    check_counts: bool = True
+    """Check each pack's stored num_loss_tokens against its labels when it is loaded (cheap; catches stale shards)."""
+    shuffle_epochs: bool = True
+    """Epochs after the first run the plan's steps in a new order (seeded by train.seed and the epoch, so a resume
+    is exact); each step keeps its packs, so its balance holds. False replays the plan's order every epoch. The
+    first epoch always follows the plan, curriculum included."""
+    eval_shards: Optional[str] = None
+    """Packed held-out shards (data_tools.pack --shards on held-out data, same --world-size, SP degrees among the
+    training plan's or not): their token-mean loss is logged as loss/eval every train.eval_every steps and at the
+    end. None = no held-out loss during training."""
+
+    def __post_init__(self):
+        if not isinstance(self.shards, str) or not self.shards or self.shards == "???":
+            raise UserError("data.shards: set it to a packed-shard directory (data_tools.pack --shards OUT)")
+        if self.eval_shards is not None and (not isinstance(self.eval_shards, str) or not self.eval_shards):
+            raise UserError("data.eval_shards: a packed-shard directory of held-out data, or null")
+        if self.epochs < 1:
+            raise UserError(f"data.epochs={self.epochs}: must be >= 1")
+
+
+def shards_dir_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a packed-shard folder (one holding plan.json or plan.npz), with the fix; None if it is.
+    Checked by the loader and, before any worker starts, by python -m hbp_train.config (config.check_paths)."""
+    if any(os.path.isfile(os.path.join(path, name)) for name in ("plan.json", "plan.npz")):
+        return None
+    what = ("no such folder" if not os.path.exists(path) else "a file, not a folder" if not os.path.isdir(path)
+            else "no plan.json there")
+    hint = (" (it is a tokenized dataset: plan and pack it first)"
+            if os.path.isfile(os.path.join(path, "report.json")) else "")
+    return (f"{what}{hint}; write packed shards with data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and "
+            "pass that OUT_DIR")
+
+
+# A micro-batch is a plain dict (what the model, the SP split and the loss read), for one pack on one rank:
+#   input_ids, position_ids, shift_labels [1, T] int64   (position_ids restart at 0 per sample; shift_labels are the
+#                                                          labels shifted inside each sample, -100 on its last token)
+#   sample_ids [1, T] int64            which sample of the pack each token belongs to (0..n-1)
+#   sample_loss_tokens [1, T] int64    per token: the loss tokens of its whole sample (for sample_mean; stays right
+#                                      after the SP split, where a rank only sees a slice of the sample)
+#   cu_seqlens [n+1] int32, max_seqlen int, seq_lens list[int]   sample boundaries / lengths (attention FLOPs)
+#   num_loss_tokens int, num_samples int   (num_samples 0 marks the empty dummy pack)
+# Per-token tensors are [1, T] so that ulysses.split_for_sp slices all of them the same way.
+
+
+@dataclass
+class StepBatch:
+    """Everything one rank needs for one optimizer step."""
+
+    step: int
+    """Global step index (epoch * optimizer steps of the plan + optimizer step)."""
+    plan_step: int
+    """The plan's optimizer step (an index into plan['steps'] when every plan step is its own optimizer step)."""
+    group: int
+    """The group of the step's (first) plan step; in a step that mixes groups each micro-batch has its "group"."""
+    sp: int
+    """The SP degree of that plan step; each micro-batch has its own "sp" too."""
+    replica: int
+    micro_batches: list
+    """This rank's packs, in order; ``len`` = m, which varies by step. Each carries "sp", "group", "ckpt_layers"."""
+    rank_loss_tokens: int
+    """Loss tokens of this replica over all its micro-batches."""
+    rank_num_samples: int
+    global_loss_tokens: int
+    """Loss tokens of the whole step, all replicas (from shard metadata: no collective)."""
+    global_num_samples: int
+    dp_size: int
+    """Replicas in this step (= world_size // sp)."""
+    ckpt_layers: Optional[int]
+    """Checkpointed layers for this step's group, from the plan (None: the trainer's default)."""
+    plan_metrics: dict = field(default_factory=dict)
+    """The plan's ABR/DBR/tokens for this step."""
+    num_packs: int = 0
+    """Packs of the step, all replicas, empty ones included."""
+    capacity_tokens: int = 0
+    """Sum of pack_len over the step's packs (all replicas): the tokens it could hold (live padding ratio)."""
+
+
+def collate_pack(row: dict, check_counts: bool = True, where: str = "") -> dict:
+    """Turn one packed-shard row into a micro-batch: shift labels inside each sample, derive sample ids."""
+    input_ids = np.asarray(row["input_ids"], dtype=np.int64)
+    labels = np.asarray(row["labels"], dtype=np.int64)
+    position_ids = np.asarray(row["position_ids"], dtype=np.int64)
+    cu = np.asarray(row["cu_seqlens"], dtype=np.int64)
+    num_tokens = len(input_ids)
+    if cu[0] != 0 or cu[-1] != num_tokens or len(labels) != num_tokens or len(position_ids) != num_tokens:
+        raise UserError(f"{where}: cu_seqlens/labels/position_ids do not match input_ids ({num_tokens} tokens)")
+    seq_lens = np.diff(cu)
+    num_samples = len(seq_lens)
+    shift_labels = np.full(num_tokens, IGNORE_INDEX, dtype=np.int64)
+    shift_labels[:-1] = labels[1:]
+    # The last token of each sample would otherwise predict the first token of the next one.
+    shift_labels[cu[1:] - 1] = IGNORE_INDEX
+    sample_ids = np.repeat(np.arange(num_samples, dtype=np.int64), seq_lens)
+    per_sample = np.bincount(sample_ids[shift_labels != IGNORE_INDEX], minlength=num_samples)
+    num_loss_tokens = int(per_sample.sum())
+    if check_counts and "num_loss_tokens" in row and int(row["num_loss_tokens"]) != num_loss_tokens:
+        raise UserError(
+            f"{where}: num_loss_tokens={int(row['num_loss_tokens'])} but the labels give {num_loss_tokens}: "
+            "the shards are stale or corrupt, re-run data_tools.pack --shards"
+        )
+    return {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "position_ids": torch.from_numpy(position_ids)[None],
+        "shift_labels": torch.from_numpy(shift_labels)[None],
+        "sample_ids": torch.from_numpy(sample_ids)[None],
+        "sample_loss_tokens": torch.from_numpy(per_sample[sample_ids].astype(np.int64))[None],
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "max_seqlen": int(seq_lens.max()),
+        "seq_lens": [int(x) for x in seq_lens],
+        "num_loss_tokens": num_loss_tokens,
+        "num_samples": num_samples,
+    }
+
+
+def empty_micro_batch(pad_token_id: int = 0) -> dict:
+    """A one-token dummy pack with no loss token: keeps every rank's forward/backward count equal (ZeRO hooks and
+    collectives must match) when a replica has fewer real packs than the others."""
+    batch = collate_pack(
+        {"input_ids": [pad_token_id], "labels": [IGNORE_INDEX], "position_ids": [0], "cu_seqlens": [0, 1]},
+        check_counts=False,
+    )
+    batch["num_samples"] = 0
+    return batch
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with its tensors on ``device`` (other fields as they are)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _is_empty_row(row) -> bool:
+    return row is None or (isinstance(row, (int, np.integer)) and row < 0)
+
+
+class _LazyStepMetrics:
+    """plan.json's per-step metric dicts, read from a binary plan's per-step arrays one step at a time."""
+
+    def __init__(self, arrays: dict, num_steps: int):
+        self.arrays, self.num_steps = arrays, num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __getitem__(self, s: int) -> dict:
+        return {k: v[s].item() for k, v in self.arrays.items()}
+
+
+class PackedData:
+    """The packed shards of one plan: plan.json (or the binary plan.npz, memory-mapped) plus one memory-mapped HF
+    dataset per group."""
+
+    def __init__(self, path: str, check_counts: bool = True, shuffle_epochs: bool = False, seed: int = 0):
+        self.path = path
+        self.check_counts = check_counts
+        self.shuffle_epochs = shuffle_epochs
+        self.seed = seed
+        self._orders: dict[int, np.ndarray] = {}
+        self._datasets = {}
+        self._loss_tokens = {}
+        self._npz: dict | None = None  # the memory-mapped arrays of a binary plan (plan.npz), else None
+        if os.path.isfile(os.path.join(path, "plan.npz")):
+            self._open_npz(os.path.join(path, "plan.npz"))
+            self._check_rows()
+            return
+        plan_path = os.path.join(path, "plan.json")
+        problem = shards_dir_problem(path)
+        if problem:
+            raise UserError(f"data.shards={path}: {problem}")
+        try:
+            with open(plan_path) as f:
+                self.plan = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{plan_path}: invalid JSON at line {exc.lineno} ({exc.msg}); rewrite it with "
+                            f"data_tools.pack --shards {path}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{plan_path}: not UTF-8 text; rewrite it with data_tools.pack --shards {path}") from None
+        except OSError as exc:
+            raise UserError(f"{plan_path}: cannot read ({exc.strerror}); check data.shards and its permissions") \
+                from None
+        from hbp_train.planning.plan import PLAN_VERSION
+
+        if (not isinstance(self.plan, dict) or self.plan.get("version", PLAN_VERSION) != PLAN_VERSION
+                or not isinstance(self.plan.get("steps"), list) or not isinstance(self.plan.get("groups"), list)):
+            raise UserError(f"{plan_path}: not a version-{PLAN_VERSION} plan; rewrite the shards with "
+                            f"data_tools.pack --shards {path}")
+        self.groups = self.plan["groups"]
+        self.steps = self.plan["steps"]
+        if not self.steps:
+            raise UserError(f"{plan_path}: the plan has no steps")
+        for s, step in enumerate(self.steps):
+            if "rows" not in step:
+                raise UserError(f"{plan_path}: steps[{s}] has no 'rows': this is a plan, not packed shards "
+                                f"(run data_tools.pack --shards {path})")
+        self.step_metrics = self.plan.get("step_metrics") or [{} for _ in self.steps]
+        self._set_optimizer_steps([s.get("optimizer_step", i) for i, s in enumerate(self.steps)], plan_path)
+        self._check_rows()
+
+    def _open_npz(self, plan_path: str) -> None:
+        """Read a binary plan (planning/plan_npz.py): a small JSON header, the CSR arrays memory-mapped. Steps are
+        built on demand (``_step_entry``), so a 10M-sample plan opens in milliseconds on every rank."""
+        from hbp_train.planning.plan_npz import open_npz
+
+        header, arrays = open_npz(plan_path)
+        if "pack_row" not in arrays:
+            raise UserError(f"{plan_path}: a plan without shard rows, not packed shards (run data_tools.pack "
+                            f"--shards {self.path} --plan-format npz)")
+        if len(arrays["step_group"]) == 0:
+            raise UserError(f"{plan_path}: the plan has no steps")
+        self.plan = {**header, **header.get("extra", {})}  # extra keys top-level, as plan.json has them
+        self.groups = self.plan["groups"]
+        self._npz = arrays
+        self._replicas = np.array([self.world_size // int(g.get("sp", 1)) for g in self.groups], np.int64)
+        names = header.get("step_metrics", [])
+        self._step_metric_arrays = {k: arrays[f"step_metric_{k}"] for k in names}
+        self.step_metrics = _LazyStepMetrics(self._step_metric_arrays, len(arrays["step_group"]))
+        num_plan_steps = len(arrays["step_group"])
+        self._set_optimizer_steps(arrays["optimizer_step"] if "optimizer_step" in arrays else np.arange(num_plan_steps),
+                                  plan_path)
+
+    def _set_optimizer_steps(self, optimizer_step, where: str) -> None:
+        """CSR of the optimizer steps over the plan steps: optimizer step k runs plan steps _opt_ptr[k]..[k+1]."""
+        opt = np.asarray(optimizer_step, np.int64)
+        if len(opt) and (opt[0] != 0 or np.any((np.diff(opt) != 0) & (np.diff(opt) != 1))):
+            raise UserError(f"{where}: the steps' optimizer_step must count 0, 1, 2, ... in order; rewrite the "
+                            f"shards with data_tools.pack --shards {self.path}")
+        self._opt_ptr = np.r_[0, np.flatnonzero(np.diff(opt)) + 1, len(opt)].astype(np.int64)
+
+    def _step_entry(self, s: int) -> dict:
+        """Step ``s`` as plan.json lists it: {"group", "replicas": [[samples of each pack]], "rows": [[row]]}."""
+        if self._npz is None:
+            return self.steps[s]
+        a = self._npz
+        g = int(a["step_group"][s])
+        r = int(self._replicas[g])
+        ids = np.asarray(a["step_packs"][int(a["step_ptr"][s]):int(a["step_ptr"][s + 1])], np.int64).reshape(-1, r).T
+        ptr, flat = a["pack_ptr"], a["pack_samples"]
+        packs = [[np.asarray(flat[int(ptr[p]):int(ptr[p + 1])]).tolist() for p in rep] for rep in ids.tolist()]
+        if self.plan.get("unequal_micro_batches"):  # as in plan.json: a replica lists its own packs only
+            packs = [[pk for pk in rep if pk] for rep in packs]
+        entry = {"group": g, "replicas": packs, "rows": np.asarray(a["pack_row"])[ids].tolist()}
+        if "optimizer_step" in a:
+            entry["optimizer_step"] = int(a["optimizer_step"][s])
+        return entry
+
+    def _check_rows(self) -> None:
+        """Open every group now and check that the plan's rows exist: damaged or stale shards fail here, in one
+        line naming the directory, before any model is built, instead of at the first step that reads them."""
+        wanted: dict[int, int] = {}
+        if self._npz is not None:  # vectorised over the memory-mapped arrays: the highest row of every group
+            rows, group = np.asarray(self._npz["pack_row"]), np.asarray(self._npz["pack_group"])
+            for g in np.unique(group).tolist():
+                wanted[int(g)] = int(rows[group == g].max())
+        for step in (self.steps if self._npz is None else []):
+            rows = [int(r) for replica in step["rows"] for r in replica if not _is_empty_row(r)]
+            if rows:
+                g = int(step["group"])
+                wanted[g] = max(wanted.get(g, -1), max(rows))
+        for g, top in sorted(wanted.items()):
+            num_rows = len(self.dataset(g))
+            if top >= num_rows:
+                raise UserError(f"{self.path}/group_{g}: plan.json reads row {top} but the shard has {num_rows} rows "
+                                f"(stale shards: rewrite them with data_tools.pack --shards {self.path})")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.plan["world_size"])
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps of the plan (= plan steps unless the plan mixes groups in a step)."""
+        return len(self._opt_ptr) - 1
+
+    @property
+    def num_plan_steps(self) -> int:
+        return int(self._opt_ptr[-1])
+
+    def plan_steps_of(self, opt_step: int) -> range:
+        """The plan steps optimizer step ``opt_step`` runs, in order."""
+        return range(int(self._opt_ptr[opt_step]), int(self._opt_ptr[opt_step + 1]))
+
+    def sample_lengths(self) -> Optional[np.ndarray]:
+        """Every sample's token length as the plan lists it ("lengths"), or None for a plan without them. From a
+        binary plan this is its memory-mapped array (or a view decoding its compact layout; planning/plan_npz.py):
+        index it with the samples you need rather than reading it whole (10M samples would be 80 MB a rank)."""
+        if self._npz is not None:
+            return self._npz["lengths"]
+        lengths = self.plan.get("lengths")
+        return None if lengths is None else np.asarray(lengths, np.int64)
+
+    def step_samples(self, opt_step: int) -> np.ndarray:
+        """The sample indices of every pack of optimizer step ``opt_step`` (all its plan steps, all replicas)."""
+        entries = [self._step_entry(s) for s in self.plan_steps_of(opt_step)]
+        return np.asarray([i for e in entries for replica in e["replicas"] for pack in replica for i in pack], np.int64)
+
+    def max_micro_batches(self) -> int:
+        """The most micro-batches (packs) a replica runs in one optimizer step of the plan (empty packs included):
+        1 means no step sums gradients over micro-batches (build.py then lets bf16 gradients accumulate in bf16)."""
+        if self._npz is not None:  # slot-major step_packs: a plan step's packs over its group's replicas
+            a = self._npz
+            per_plan_step = np.diff(np.asarray(a["step_ptr"], np.int64)) // self._replicas[np.asarray(a["step_group"])]
+        else:
+            per_plan_step = np.array([max(len(r) for r in step["rows"]) for step in self.steps], np.int64)
+        return int(np.add.reduceat(per_plan_step, self._opt_ptr[:-1]).max())
+
+    def sp_degrees(self) -> list:
+        return sorted({int(g.get("sp", 1)) for g in self.groups})
+
+    def dataset(self, group: int):
+        """The group's packed dataset, opened (memory-mapped) on first use."""
+        if group not in self._datasets:
+            from datasets import load_from_disk
+
+            gdir = os.path.join(self.path, f"group_{group}")
+            if not os.path.isdir(gdir):
+                raise UserError(f"{self.path}: missing {gdir} for group {group} of plan.json")
+            try:
+                ds = load_from_disk(gdir).with_format("numpy")
+                loss_tokens = int_column(ds, "num_loss_tokens")
+            except Exception as exc:  # a truncated or foreign file: name it, whatever the reader raised
+                raise UserError(f"{gdir}: cannot read the packed shard ({type(exc).__name__}: {exc}); rewrite it "
+                                f"with data_tools.pack --shards {self.path}") from None
+            self._datasets[group] = ds
+            self._loss_tokens[group] = loss_tokens
+        return self._datasets[group]
+
+    def pack_loss_tokens(self, group: int, row) -> int:
+        if _is_empty_row(row):
+            return 0
+        self.dataset(group)
+        return int(self._loss_tokens[group][row])
+
+    def plan_step(self, step: int) -> int:
+        """The plan's optimizer step that global step ``step`` runs: epoch 0 in plan order, later epochs in their own
+        seeded order when shuffle_epochs (the same on every rank and after a resume: it depends only on seed and
+        epoch)."""
+        epoch, index = divmod(step, self.num_steps)
+        if epoch == 0 or not self.shuffle_epochs:
+            return index
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_steps)
+        return int(self._orders[epoch][index])
+
+    def step_batch(self, step: int, rank: int, pad_token_id: int = 0, equal_counts: bool = True) -> StepBatch:
+        """This rank's micro-batches for global step ``step`` and the step's global counts.
+
+        ``equal_counts``: give every replica the step's largest micro-batch count, padding with empty micro-batches
+        (ZeRO-2/3 meet in a collective after every micro-batch). False: only this replica's own packs, for plans
+        with unequal counts (bytescale) under ZeRO-1, where ranks meet once per step."""
+        opt_step = self.plan_step(step)
+        parts = [self._plan_step_batch(s, rank, pad_token_id, equal_counts) for s in self.plan_steps_of(opt_step)]
+        first = parts[0]
+        if len(parts) > 1:
+            _token_mean_divisors(parts, rank, self.world_size)
+        micro_batches = [mb for part in parts for mb in part["micro_batches"]]
+        metrics = [self.step_metrics[s] if s < len(self.step_metrics) else {} for s in self.plan_steps_of(opt_step)]
+        return StepBatch(
+            step=step, plan_step=opt_step, group=first["group"], sp=first["sp"], replica=first["replica"],
+            micro_batches=micro_batches, rank_loss_tokens=sum(mb["num_loss_tokens"] for mb in micro_batches),
+            rank_num_samples=sum(mb["num_samples"] for mb in micro_batches),
+            global_loss_tokens=sum(p["global_loss_tokens"] for p in parts),
+            global_num_samples=sum(p["global_num_samples"] for p in parts), dp_size=first["dp_size"],
+            ckpt_layers=first["ckpt_layers"], plan_metrics=_combined_step_metrics(metrics),
+            num_packs=sum(p["num_packs"] for p in parts), capacity_tokens=sum(p["capacity_tokens"] for p in parts),
+        )
+
+    def _plan_step_batch(self, plan_step: int, rank: int, pad_token_id: int, equal_counts: bool) -> dict:
+        """This rank's micro-batches of one plan step (tagged with the step's sp, group and ckpt_layers) and the plan
+        step's global counts."""
+        entry = self._step_entry(plan_step)
+        group = int(entry["group"])
+        sp = int(self.groups[group].get("sp", 1))
+        replica = rank // sp
+        rows = entry["rows"]
+        packs = entry["replicas"]
+        dp_size = len(rows)
+        if dp_size != self.world_size // sp:
+            raise UserError(f"{self.path}/plan.json: step {plan_step} has {dp_size} replicas, expected "
+                            f"world_size/sp = {self.world_size}//{sp}")
+        # m is the same for all replicas except in bytescale plans, whose JSON omits a replica's trailing empty packs
+        num_micro = max(len(r) for r in rows) if equal_counts else max(1, len(rows[replica]))
+        ds = self.dataset(group)
+        ckpt_layers = self.groups[group].get("ckpt_layers")
+        micro_batches = []
+        for k in range(num_micro):
+            row = rows[replica][k] if k < len(rows[replica]) else None
+            # Empty packs ([] in the plan, a zero-token row in the shards) become a dummy micro-batch.
+            if _is_empty_row(row) or (k < len(packs[replica]) and len(packs[replica][k]) == 0):
+                micro_batch = empty_micro_batch(pad_token_id)
+            else:
+                record = ds[int(row)]
+                if len(record["input_ids"]) == 0:
+                    micro_batch = empty_micro_batch(pad_token_id)
+                else:
+                    micro_batch = collate_pack(record, self.check_counts, f"{self.path}/group_{group} row {row}")
+            micro_batch.update(sp=sp, group=group, ckpt_layers=ckpt_layers)
+            micro_batches.append(micro_batch)
+        num_packs = max(len(r) for r in rows) * dp_size
+        replica_loss_tokens = [sum(self.pack_loss_tokens(group, row) for row in r) for r in rows]
+        return {"micro_batches": micro_batches, "group": group, "sp": sp, "replica": replica, "dp_size": dp_size,
+                "ckpt_layers": ckpt_layers, "num_packs": num_packs,
+                "capacity_tokens": num_packs * int(self.groups[group]["pack_len"]),
+                "replica_loss_tokens": replica_loss_tokens, "global_loss_tokens": sum(replica_loss_tokens),
+                "global_num_samples": sum(len(p) for r in packs for p in r)}
+
+
+def _token_mean_divisors(parts: list, rank: int, world_size: int) -> None:
+    """token_mean in a step that mixes groups: the mean over ranks of each rank's token mean, a rank's tokens being
+    its own packs in the sp=1 plan steps and the packs of its SP group in the others. An SP pack's token losses are
+    split over its group's ranks, each dividing its slice by its own count before the SP sum, so every rank of the
+    group must divide by the same number: sp / sum over the group of 1 / count, which weights the pack as the
+    mean over those ranks of 1 / count does. Sets micro_batch["rank_loss_tokens"] (the trainer's divisor)."""
+    counts = np.zeros(world_size)
+    for part in parts:
+        sp = part["sp"]
+        for j, tokens in enumerate(part["replica_loss_tokens"]):
+            counts[j * sp:(j + 1) * sp] += tokens
+    counts = np.maximum(counts, 1.0)
+    for part in parts:
+        sp = part["sp"]
+        ranks = counts[(rank // sp) * sp:(rank // sp + 1) * sp]
+        divisor = float(sp / np.sum(1.0 / ranks))
+        for micro_batch in part["micro_batches"]:
+            micro_batch["rank_loss_tokens"] = divisor
+
+
+def _combined_step_metrics(metrics: list) -> dict:
+    """The plan's step metrics of an optimizer step from those of its plan steps: ABR/DBR averaged over their slots
+    (weighted by micro-batches), tokens and micro-batches summed, anything else from the first plan step."""
+    if len(metrics) == 1:
+        return dict(metrics[0])
+    out = dict(metrics[0])
+    weight = [float(m.get("micro_batches", 1)) for m in metrics]
+    for key in ("ABR", "DBR"):
+        if all(key in m for m in metrics):
+            out[key] = sum(w * m[key] for w, m in zip(weight, metrics)) / sum(weight)
+    for key in ("tokens", "micro_batches"):
+        if all(key in m for m in metrics):
+            out[key] = sum(m[key] for m in metrics)
+    return out

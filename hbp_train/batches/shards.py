@@ -1,0 +1,178 @@
+"""Packed-shard writer: a plan + the tokenized dataset -> OUT/plan.json and OUT/group_<g>/ (one row per pack).
+
+Format (docs/architecture.md, "Packed shards"): per pack ``input_ids``, ``labels`` (concatenated, unshifted),
+``position_ids`` (restart at 0 per sample), ``cu_seqlens`` ([0, l1, l1+l2, ..., T]), ``sample_indices`` and
+``num_loss_tokens`` (targets after the per-sample shift: labels[1:] != -100 within each sample, so no sample
+predicts its neighbour). Rows of a group are numbered in step order (step by step, replica by replica,
+micro-batch by micro-batch), so a step reads contiguous rows; each step of OUT/plan.json gets "rows":
+[[row, ...] per replica], parallel to "replicas".
+
+The work is vectorised over chunks of packs (a few million tokens each): each chunk gathers its samples' tokens in
+place from the tokenized dataset's memory-mapped files (hbp_train.batches.columns; the token columns are never read
+whole), becomes one Arrow record batch streamed to a cache file with datasets' ArrowWriter, and is then saved
+with ``save_to_disk`` (memory-mapped, never all in RAM): the writer's memory is a chunk's, whatever the dataset's
+size. Everything is written into a staging folder beside OUT that replaces OUT only when complete, so an
+interrupted re-pack leaves the earlier shards whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from hbp_train.batches.columns import int_column, open_list_columns
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.common.outputs import replace_dir, staging_dir
+from hbp_train.planning.csr import gather_ranges
+from hbp_train.planning.metrics import with_metrics
+from hbp_train.planning.plan import Plan
+
+CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
+COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
+
+
+def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
+    """Pack ids of each group in row order, and per step the rows [[row, ...] per replica]."""
+    next_row = {}
+    packs_by_group: dict[int, list] = {}
+    step_rows = []
+    for s in range(plan.num_steps):
+        g = int(plan.step_group[s])
+        mat = plan.step_matrix(s)  # [m, R]
+        m, r = mat.shape
+        base = next_row.get(g, 0)
+        rows = (base + np.arange(m * r)).reshape(r, m)  # replica-major numbering
+        packs_by_group.setdefault(g, []).append(mat.T.reshape(-1))
+        next_row[g] = base + m * r
+        step_rows.append(rows.tolist())
+    return {g: np.concatenate(v) for g, v in packs_by_group.items()}, step_rows
+
+
+def _pack_batch(plan: Plan, packs: np.ndarray, lengths: np.ndarray, columns) -> pa.RecordBatch:
+    """One Arrow record batch for ``packs`` (vectorised); ``lengths``: every dataset row's token count; ``columns``:
+    the dataset's input_ids and labels (hbp_train.batches.columns.open_list_columns)."""
+    sizes = plan.pack_ptr[packs + 1] - plan.pack_ptr[packs]
+    samples = plan.pack_samples[gather_ranges(plan.pack_ptr[packs], sizes)]
+    lens = lengths[samples]
+    input_ids, labels = (c.astype(np.int32, copy=False) for c in columns.gather(["input_ids", "labels"], samples, lens))
+    sample_start = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    position_ids = (np.arange(len(input_ids)) - np.repeat(sample_start, lens)).astype(np.int32)
+    # Targets after the per-sample shift: label at t counts when t is not a sample's first token.
+    counted = labels != IGNORE_INDEX
+    counted[sample_start[lens > 0]] = False
+    pack_of_sample = np.repeat(np.arange(len(packs)), sizes)
+    pack_tokens = np.bincount(pack_of_sample, lens, minlength=len(packs)).astype(np.int64)
+    tok_offsets = np.concatenate([[0], np.cumsum(pack_tokens)])
+    loss_per_sample = np.add.reduceat(counted.astype(np.int64), sample_start) if len(lens) else np.zeros(0, np.int64)
+    loss_per_pack = np.bincount(pack_of_sample, loss_per_sample, minlength=len(packs)).astype(np.int32)
+    # cu_seqlens: per pack [0, cumulative sample ends within the pack]; n + 1 entries per pack.
+    ends_in_pack = np.cumsum(lens) - np.repeat(tok_offsets[:-1], sizes)
+    cu_sizes = sizes + 1
+    cu_offsets = np.concatenate([[0], np.cumsum(cu_sizes)])
+    cu_vals = np.zeros(int(cu_offsets[-1]), np.int32)
+    is_end = np.ones(len(cu_vals), bool)
+    is_end[cu_offsets[:-1]] = False
+    cu_vals[is_end] = ends_in_pack
+    smp_offsets = np.concatenate([[0], np.cumsum(sizes)])
+
+    def lst(offsets, values, typ):
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
+
+    return pa.RecordBatch.from_arrays(
+        [
+            lst(tok_offsets, input_ids, pa.int32()),
+            lst(tok_offsets, labels, pa.int32()),
+            lst(tok_offsets, position_ids, pa.int32()),
+            lst(cu_offsets, cu_vals, pa.int32()),
+            lst(smp_offsets, samples.astype(np.int64), pa.int64()),
+            pa.array(loss_per_pack, type=pa.int32()),
+        ],
+        names=list(COLUMNS),
+    )
+
+
+def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progress: bool = True,
+                 num_shards: int | None = None, plan_format: str = "json") -> dict[int, int]:
+    """Write OUT/plan.json (with per-step "rows") and OUT/group_<g>/ for every group that has steps.
+
+    ``plan_format="npz"`` writes the binary OUT/plan.npz instead (planning/plan_npz.py, with every pack's row),
+    which the loader memory-maps: for plans of millions of samples.
+
+    The set is built in a staging folder beside OUT and replaces an earlier OUT as a whole only once complete
+    (hbp_train.common.outputs.replace_dir); the caller checks that OUT is new, empty or an earlier output.
+    Raises UserError if the dataset's ``length`` column does not match the plan's lengths. Returns
+    {group: number of rows}."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    ds = datasets.load_from_disk(str(dataset_dir))
+    for col in ("input_ids", "labels", "length"):
+        if col not in ds.column_names:
+            raise UserError(f"{dataset_dir}: tokenized dataset has no '{col}' column (columns: {ds.column_names})")
+    ds_len = int_column(ds, "length")
+    if len(ds_len) != plan.num_samples or np.any(ds_len != plan.lengths):
+        raise UserError(f"{dataset_dir}: 'length' column ({len(ds_len)} rows) does not match the plan's lengths "
+                        f"({plan.num_samples}); re-plan from this dataset")
+    # The token columns stay in their memory-mapped files: each batch of packs gathers its own rows, so the
+    # writer's memory is a batch's, whatever the dataset's size.
+    columns = open_list_columns(ds, ["input_ids", "labels"])
+    if any(np.any(columns.lengths[c] != ds_len) for c in ("input_ids", "labels")):
+        raise UserError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
+    packs_by_group, step_rows = group_row_order(plan)
+    tokens = plan.pack_tokens
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "labels": datasets.Sequence(datasets.Value("int32")),
+        "position_ids": datasets.Sequence(datasets.Value("int32")),
+        "cu_seqlens": datasets.Sequence(datasets.Value("int32")),
+        "sample_indices": datasets.Sequence(datasets.Value("int64")),
+        "num_loss_tokens": datasets.Value("int32"),
+    })
+    from datasets.arrow_writer import ArrowWriter
+
+    rows_written = {}
+    bar = tqdm(total=int(tokens.sum()), unit="tok", unit_scale=True, desc="packed shards", disable=not progress)
+    # The whole new set is built beside OUT and swapped in at the end: an interrupt or error never leaves new
+    # groups next to an earlier plan.json (a mix the trainer would read without complaint).
+    staged = staging_dir(out_dir)
+    try:
+        with tempfile.TemporaryDirectory(dir=staged, prefix=".tmp_") as tmp:
+            for g, packs in sorted(packs_by_group.items()):
+                cache = Path(tmp) / f"group_{g}.arrow"
+                writer = ArrowWriter(features=features, path=str(cache))
+                ctok = np.cumsum(tokens[packs])
+                start = 0
+                while start < len(packs):
+                    stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
+                    batch = _pack_batch(plan, packs[start:stop], ds_len, columns)
+                    writer.write_table(pa.Table.from_batches([batch]))
+                    bar.update(int(tokens[packs[start:stop]].sum()))
+                    start = stop
+                writer.finalize()
+                part = datasets.Dataset.from_file(str(cache))
+                shards = num_shards or max(1, int(tokens[packs].sum() // (256 << 20)) + 1)
+                part.save_to_disk(str(staged / f"group_{g}"), num_shards=min(shards, max(1, len(packs))))
+                rows_written[g] = len(packs)
+                del part
+        if not plan.metrics:  # a plan read back by Plan.from_dict
+            with_metrics(plan)
+        if plan_format == "npz":
+            from hbp_train.planning.plan_npz import write_npz
+
+            pack_row = np.zeros(plan.num_packs, np.int64)
+            for packs in packs_by_group.values():
+                pack_row[packs] = np.arange(len(packs))
+            write_npz(plan, staged / "plan.npz", pack_row=pack_row)
+        else:
+            plan.to_json(staged / "plan.json", step_rows=step_rows)
+        replace_dir(staged, out_dir)
+    finally:
+        bar.close()
+        shutil.rmtree(staged, ignore_errors=True)  # gone after replace_dir; what an error or interrupt left
+    return rows_written

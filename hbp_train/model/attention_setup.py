@@ -1,0 +1,214 @@
+"""Which packed attention backend runs, and installing it on a Hugging Face model.
+
+`available_backends` lists the backends hbp_train/model/attention.py implements that are installed and usable on
+a device, in preference order; "auto" (`select_backend`) takes the first that also passes `probe_backend` (a small
+packed forward and backward on the device with the model's head shape, checked against sdpa_block), so a kernel
+that imports but cannot run this model is skipped with one warning line instead of failing at the first step.
+`describe_backend` names the kernel, its library and version for the start-of-run log. `register_packed_attention`
+installs `attention.hf_packed_attention` on a model under the name "hbp_packed" with the chosen backend.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hbp_train.common.errors import UserError
+from hbp_train.model import attention
+
+log = logging.getLogger(__name__)
+
+
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def available_backends(device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
+    """The backends installed and usable on `device`, in preference order (sdpa_block is always last and there).
+
+    With a dtype, the flash kernels (fp16/bf16 only) are left out for other dtypes.
+    """
+    device = torch.device(device)
+    found = []
+    if device.type == "cuda":
+        half = dtype is None or dtype in attention.HALF_DTYPES
+        major = _capability_major(device) if half and (attention._fa3_fn() is not None or attention._fa4_registered()) else None
+        if major in attention.FA3_CAPABILITIES and attention._fa3_fn() is not None:
+            found.append("fa3")
+        if major in attention.FA4_CAPABILITIES and attention._fa4_registered():
+            found.append("fa4")
+        if half and attention._has_flash_attn():
+            found.append("flash_varlen")
+        if half and attention._torch_varlen_fn() is not None:
+            found.append("torch_varlen")
+        if attention._has_flex():
+            found.append("flex")
+    found.append("sdpa_block")
+    return found
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What a probe call needs of the model's attention: query heads, key/value heads, q/k and v head dims."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def of(cls, hf_config) -> "HeadShape":
+        """From an HF config: GQA heads, an explicit head_dim, or MLA's (qk_nope + qk_rope, v_head_dim)."""
+        heads = int(hf_config.num_attention_heads)
+        kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        if getattr(hf_config, "qk_rope_head_dim", None) is not None:  # MLA
+            qk = int(hf_config.qk_nope_head_dim) + int(hf_config.qk_rope_head_dim)
+            return cls(heads, kv, qk, int(hf_config.v_head_dim))
+        dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+        return cls(heads, kv, dim, dim)
+
+
+def probe_backend(backend: str, device: torch.device, dtype: torch.dtype, shape: HeadShape) -> str | None:
+    """None if ``backend`` runs a small packed forward and backward of this head shape on ``device`` and matches
+    sdpa_block on the same inputs (computed in fp32); else the reason, in one line. Leaves the backend chosen
+    before the call active."""
+    previous = attention.get_backend()
+    gen = torch.Generator().manual_seed(0)
+    lengths = (48, 80)  # two samples: a boundary is crossed if the kernel ignores cu_seqlens
+    num_tokens = sum(lengths)
+
+    def make(heads, dim):
+        return torch.randn(num_tokens, heads, dim, generator=gen).to(device, dtype).requires_grad_()
+
+    q, k, v = make(shape.num_heads, shape.head_dim), make(shape.num_kv_heads, shape.head_dim), \
+        make(shape.num_kv_heads, shape.v_head_dim)
+    cu = torch.tensor([0, lengths[0], num_tokens], dtype=torch.int32, device=device)
+    try:
+        attention.set_backend(backend)
+        out = attention.packed_attention(q, k, v, cu, max(lengths), backend)
+        out.float().square().sum().backward()
+        grads = [x.grad.float() for x in (q, k, v)]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            return "its backward gave non-finite gradients"
+        ref = attention.packed_attention(*(x.detach().float() for x in (q, k, v)), cu, max(lengths), "sdpa_block")
+        error = float((out.detach().float() - ref).abs().max())
+    except Exception as exc:  # noqa: BLE001 - any failure of the kernel means: not this backend
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    finally:
+        attention.set_backend(previous)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # fp16/bf16 inputs, fp32 reference
+    if error > tolerance:
+        return f"its output differs from sdpa_block by {error:.3g} (> {tolerance})"
+    return None
+
+
+def select_backend(requested: str, device: torch.device, dtype: torch.dtype | None = None,
+                   shape: HeadShape | None = None) -> str:
+    """Resolve "auto" to the best available backend; raise UserError for an unknown or unusable name (the name comes
+    from the user: model.attention_backend, a --backend flag).
+
+    With the model's head ``shape`` (and a dtype), every GPU kernel considered is probed first (`probe_backend`):
+    "auto" skips one that fails with a warning line naming why; a requested one that fails is a UserError.
+    """
+    available = available_backends(device, dtype)
+    if requested == "auto":
+        for name in available:
+            why = _probe_if_needed(name, device, dtype, shape)
+            if why is None:
+                return name
+            log.warning("attention backend %s is installed but failed its check here (%s); trying the next one",
+                        name, why)
+        raise AssertionError("sdpa_block is exact everywhere and never fails its probe")
+    if requested not in available:
+        why = "unknown" if requested not in attention.BACKENDS else f"not available on {torch.device(device)}"
+        if requested in attention.BACKENDS and dtype is not None:
+            why += f" with {dtype}"
+        raise UserError(
+            f"attention backend {requested!r} is {why}; available here: {', '.join(available)} (or 'auto')"
+        )
+    why = _probe_if_needed(requested, device, dtype, shape)
+    if why is not None:
+        raise UserError(f"attention backend {requested!r} is installed but fails on this model's attention shape "
+                        f"({why}); available here: {', '.join(available)} (or 'auto')")
+    return requested
+
+
+def _probe_if_needed(name: str, device, dtype, shape) -> str | None:
+    """The probe's verdict for a GPU kernel when the shape is known; sdpa_block (exact) and calls without a shape
+    are not probed."""
+    if shape is None or dtype is None or name == "sdpa_block" or torch.device(device).type != "cuda":
+        return None
+    return probe_backend(name, torch.device(device), dtype, shape)
+
+
+def _distribution_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def describe_backend(name: str, device: torch.device) -> str:
+    """One phrase for the start-of-run log: the backend, the library and version that provide its kernel, the
+    device; e.g. ``fa3 (flash_attn_interface 3.0.0) on NVIDIA H100 80GB HBM3``."""
+    device = torch.device(device)
+    if name == "fa3":
+        source = f"flash_attn_interface {_distribution_version('flash_attn_3', 'flash-attn-3') or '(version unknown)'}"
+    elif name == "fa4":
+        source = (f"flash-attn-4 {_distribution_version('flash-attn-4', 'flash_attn_4') or '(version unknown)'} "
+                  f"through torch {torch.__version__} varlen_attn")
+    elif name == "flash_varlen":
+        source = f"flash_attn {_distribution_version('flash-attn', 'flash_attn') or '(version unknown)'}"
+    elif name == "torch_varlen":
+        source = f"torch {torch.__version__} varlen_attn, its bundled FA2 kernels"
+    elif name == "flex":
+        source = f"torch {torch.__version__} flex_attention"
+    else:
+        source = f"torch {torch.__version__} scaled_dot_product_attention per sample"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return f"{name} ({source}) on {where}"
+
+
+def training_device(model) -> torch.device:
+    """The device the model will run on: its own if already on an accelerator, else the current GPU if any."""
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return param.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def register_packed_attention(model, backend: str = "auto", device: torch.device | None = None) -> str:
+    """Install `attention.hf_packed_attention` as the model's attention ("hbp_packed") and return the backend chosen.
+
+    `device` is where training will run (default: see `training_device`); "auto" picks its best backend for
+    that device and the model's dtype, probing the GPU kernels with the model's head shape (`select_backend`).
+    """
+    device = device if device is not None else training_device(model)
+    shape = HeadShape.of(model.config) if hasattr(model, "config") else None
+    chosen = select_backend(backend, device, getattr(model, "dtype", None), shape)
+    attention.set_backend(chosen)
+    use_attention(model, attention.ATTN_IMPLEMENTATION, attention.hf_packed_attention)
+    return chosen
+
+
+def use_attention(model, name: str, fn=None) -> None:
+    """Point the model's attention layers at the implementation `name`, registering `fn` under it first if given.
+
+    transformers 5 has a public setter; older versions only read config._attn_implementation. ``fn`` is registered
+    behind `torch.compiler.disable`: a compiled decoder layer (hbp_train/model/kernels.py) runs it eagerly, between graphs.
+    """
+    if fn is not None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, torch.compiler.disable(fn))
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name

@@ -56,8 +56,11 @@ def test_each_round_is_paired_with_the_isf_run_beside_it():
     assert paired["hbp"]["ratios"] == pytest.approx([1.25, 1.25, 1.5])
     assert (paired["hbp"]["median"], paired["hbp"]["min"], paired["hbp"]["max"]) == pytest.approx((1.25, 1.25, 1.5))
     figs = report.budget_figures(runs)
-    # Raw: every round's tokens over every round's time, nothing divided out.
-    assert figs["hbp"]["raw_tokens_per_s"] == pytest.approx(3000 / 32)
+    # Raw: each round's tokens over its time, nothing divided out; the median over rounds (as the paired ratios),
+    # the pooled figure beside it.
+    assert figs["hbp"]["raw"]["ratios"] == pytest.approx([125, 62.5, 125])
+    assert figs["hbp"]["raw_tokens_per_s"] == pytest.approx(125) and figs["hbp"]["pooled_tokens_per_s"] == \
+        pytest.approx(3000 / 32)
     assert figs["hbp"]["over_kk"]["ratios"] == pytest.approx([1.25, 1.25, 1.25])
     assert figs["hbp"]["best_baseline"] == "kk" and figs["kk"]["paired"]["ratios"] == pytest.approx([1.0, 1.0, 1.2])
     # The balance ratio: isf's step time over its ranks' mean compute (1/0.75 for every run here) over hbp's.
@@ -89,10 +92,11 @@ def test_time_to_quality_per_seed_interpolates_and_computes_isfs_own_row():
     assert ttq["hbp"]["ratios"] == pytest.approx([6 / 10, 3 / isf_1])
     assert ttq["hbp"]["median"] == pytest.approx((0.6 + 3 / isf_1) / 2)
     assert ttq["bfd"] == {"ratios": [None, None], "median": None, "reached": 0, "seeds": 2}
-    # One never of three seeds: the median is the other two's upper one (a never counts as infinitely slow).
+    # One never of three seeds: the median is over the two that reached it, and the never is stated (2 of 3).
     one_never = report.time_to_quality({"isf": isf + [_run(2, [1], evals=[(1, 1, 5.0)])],
                                         "hbp": hbp + [_run(2, [1], evals=[(1, 1, 5.5)])]})
-    assert one_never["hbp"]["median"] == pytest.approx(max(0.6, 3 / isf_1)) and one_never["hbp"]["reached"] == 2
+    assert one_never["hbp"]["median"] == pytest.approx((0.6 + 3 / isf_1) / 2)
+    assert (one_never["hbp"]["reached"], one_never["hbp"]["seeds"], one_never["hbp"]["ratios"][2]) == (2, 3, None)
     assert report.time_to_loss([], 1.0) is None and report.time_to_loss([(2, 1, 0.5)], 1.0) == 2.0
 
 
@@ -239,9 +243,13 @@ def test_quick_run_trains_every_strategy_at_both_budgets_and_its_figures_agree(t
                 assert len(r["measured_step_s"]) == len(r["predicted_step_s"]) == r["steps"] > 0
                 assert all(t > 0 for t in r["measured_step_s"] + r["predicted_step_s"])
             f = figs[name]
-            raw = sum(r["tokens"] for r in rounds) / sum(sum(r["measured_step_s"]) for r in rounds)
-            assert f["raw_tokens_per_s"] == pytest.approx(raw)
-            assert f["paired"]["median"] == pytest.approx(raw / figs["isf"]["raw_tokens_per_s"])
+            # the timed steps: every step but the first (the warm-up), their real tokens over their time
+            assert all(r["warmup_steps"] == report.WARMUP_STEPS for r in rounds)
+            tokens, seconds, _ = report.timed(rounds[0])
+            assert tokens == sum(rounds[0]["step_tokens"][1:]) and seconds == pytest.approx(
+                sum(rounds[0]["measured_step_s"][1:]))
+            assert f["raw_tokens_per_s"] == pytest.approx(tokens / seconds)  # one round: its own figure
+            assert f["paired"]["median"] == pytest.approx(f["raw_tokens_per_s"] / figs["isf"]["raw_tokens_per_s"])
         assert all(r["evals"] for rounds in runs.values() for r in rounds) == (key == "1")
     ttq = results["budgets"]["1"]["isf"]["time_to_quality"]
     assert ttq["ratios"] == [1.0]  # isf against itself, computed

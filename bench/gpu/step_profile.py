@@ -227,7 +227,7 @@ def profile_steps(step, batches: list, args, device) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         for i in range(args.warmup, args.warmup + args.steps):
             with torch.profiler.record_function(STEP_SCOPE):
-                step(batches[i % len(batches)], i)  # synchronises at its start and end (trainer_paths)
+                step(batches[i % len(batches)], i)  # synchronises at its start and end (bench/trainer/paths.py)
     seconds = time.perf_counter() - t0
     work, wall, busy = work_from_profile(prof, device.type)
     table = categorise(work, wall, busy)

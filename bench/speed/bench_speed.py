@@ -68,6 +68,9 @@ class Budget:
 
     packs_per_rank: int
     """Real tokens per optimizer step: this many long packs (max_len) per rank, times the ranks."""
+    samples: int
+    """The measured runs' samples at this budget: enough for Setup.min_timed_steps optimizer steps after the first
+    (warm-up) step at this step size (a smaller set is a subset of a larger one)."""
     rounds: int
     """Rounds of every strategy (round r: plan and model seed r)."""
     evaluate: bool
@@ -84,8 +87,6 @@ class Setup:
     """Longest sample and the largest pack (the profiler's max_len)."""
     pool_samples: int
     """Training-split samples asked of the data tool: the replay plans them all."""
-    train_samples: int
-    """The measured runs' samples, drawn from the pool."""
     calib_samples: int
     """The step-cost calibration run's samples, drawn from the pool apart from the runs'."""
     heldout_tokens: int
@@ -107,21 +108,24 @@ class Setup:
     """Seconds the replay's timing may take by the calibrated cost model: steps are drawn until it is spent."""
     replay_repeats: int
     """Times every replayed pack is run (its fastest kept): the budget pays for all of them."""
+    min_timed_steps: int
+    """The fewest optimizer steps a run times (after its warm-up step): fewer stops the bench."""
     wall_limit_s: int
-    """The bench's own time target (the issue's: 40 minutes full, 3 quick)."""
+    """The bench's own time target."""
 
 
 SETUPS = {
+    # 200 samples make 11-12 steps of one long pack per rank; four packs per rank need 760 for 11.
     "full": Setup(chain.Shape(hidden=64, layers=4, heads=4, kv_heads=2, ffn=176), max_len=8192, pool_samples=3000,
-                  train_samples=200, calib_samples=200, heldout_tokens=16384,
-                  budgets=(Budget(1, 3, True), Budget(4, 3, False)), eval_every=2, calib_iters=2, calib_rounds=3,
-                  min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=420, replay_repeats=2,
-                  wall_limit_s=2400),
+                  calib_samples=200, heldout_tokens=16384,
+                  budgets=(Budget(1, 200, 3, True), Budget(4, 760, 3, False)), eval_every=2, calib_iters=2,
+                  calib_rounds=3, min_len=512, profile_dry_run=False, replay_worlds=(8, 32), replay_budget_s=420,
+                  replay_repeats=2, min_timed_steps=10, wall_limit_s=3600),
     "quick": Setup(chain.Shape(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64), max_len=1024, pool_samples=600,
-                   train_samples=120, calib_samples=60, heldout_tokens=2048,
-                   budgets=(Budget(1, 1, True), Budget(4, 1, False)), eval_every=2, calib_iters=1, calib_rounds=1,
-                   min_len=256, profile_dry_run=True, replay_worlds=(8, 32), replay_budget_s=5, replay_repeats=1,
-                   wall_limit_s=180),
+                   calib_samples=60, heldout_tokens=2048,
+                   budgets=(Budget(1, 120, 1, True), Budget(4, 120, 1, False)), eval_every=2, calib_iters=1,
+                   calib_rounds=1, min_len=256, profile_dry_run=True, replay_worlds=(8, 32), replay_budget_s=5,
+                   replay_repeats=1, min_timed_steps=1, wall_limit_s=180),
 }
 
 
@@ -167,7 +171,7 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t0:6.0f}s] {text}", flush=True)
 
     stage("data")
-    data = chain.make_data(work / "data", setup.max_len, setup.pool_samples, setup.train_samples,
+    data = chain.make_data(work / "data", setup.max_len, setup.pool_samples, [b.samples for b in setup.budgets],
                            setup.calib_samples, setup.heldout_tokens)
     shape_json = setup.shape.json(data.vocab())
     stage(f"calibrate ({'anew' if args.recalibrate else 'reused if made for this shape'})")
@@ -226,11 +230,15 @@ def _measure_budget(work, data, setup, budget, strategies, calibration, model, s
 
     key = budget.packs_per_rank
     shards = {(s, r): work / "shards" / f"b{key}-{s}-r{r}" for r in range(budget.rounds) for s in strategies}
-    plans = {(s, r): chain.plan(data.train, shards[s, r], s, r, "auto", calibration, work / "profile.json",
-                                key * chain.NPROC * setup.max_len) for s, r in shards}
+    plans = {(s, r): chain.plan(data.train_set(budget.samples), shards[s, r], s, r, "auto", calibration,
+                                work / "profile.json", key * chain.NPROC * setup.max_len) for s, r in shards}
     steps = report.check_equal_steps(
         {s: [report.step_tokens(plans[s, r]) for r in range(budget.rounds)] for s in strategies},
         chain.NPROC, setup.max_len)
+    timed_steps = next(iter(steps.values()))["steps"] - report.WARMUP_STEPS
+    if timed_steps < setup.min_timed_steps:
+        raise SystemExit(f"bench_speed: {key} pack(s) per rank make {timed_steps} timed optimizer steps of "
+                         f"{budget.samples} samples, fewer than {setup.min_timed_steps}: raise Budget.samples")
     runs = {s: [] for s in strategies}
     for r in range(budget.rounds):
         for s in round_order(strategies, r):
@@ -339,13 +347,15 @@ def summary(results: dict, setup: Setup, model) -> str:
             lines.append("hbp over each baseline (raw tokens/s, paired by round): " + ", ".join(over)
                          + f"; the best baseline: {hbp['best_baseline']}")
     lines += ["", "columns: worst = the step farthest from the target, in long packs; mb = micro-batches (slots) of "
-                  "a run; raw tok/s = real tokens over the trainer's summed step times (nothing divided out); "
+                  "a run; raw tok/s = real tokens of the timed steps (every step but the first, the warm-up) over the "
+                  "trainer's summed step times (nothing divided out), median over rounds; "
                   "x isf (paired) = median [min-max] over rounds of the round's tokens/s over isf's in the same "
                   "round; balance = isf's step time over its ranks' mean compute, over this strategy's (how much "
                   "less it waits; not a throughput); pred = the simulator's absolute prediction; err = measured "
                   "time over predicted - 1; step err = median per-step |error|; s/step = mean measured and "
                   "predicted seconds; data = share of step time loading data; t to isf loss = per seed, the time "
-                  "to reach isf's final loss of that seed over isf's own (median; seeds that reached it)"]
+                  "to reach isf's final loss of that seed over isf's own (median of the seeds that reached it; k/n reached: "
+                  "the others never did); held-out loss = mean ± sample SD over seeds"]
     if results["replay"]:
         lines += ["", "REPLAY: measured compute, modelled waiting (not a cluster run): every rank's packs of the drawn "
                       "steps timed one after another on this CPU through the real model; a step = its slots' slowest "

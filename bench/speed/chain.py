@@ -93,6 +93,11 @@ class Data:
     eval_shards: Path
     tokenizer: Path
 
+    def train_set(self, samples: int) -> Path:
+        """The measured runs' set of ``samples`` samples: the first ``samples`` of the seeded draw that made
+        ``train`` (the largest set), so a smaller set is a subset of every larger one."""
+        return self.train if samples == _sizes(self.train)[-1] else self.train.parent / f"{self.train.name}_{samples}"
+
     def lengths(self, which: str = "train") -> np.ndarray:
         import datasets
 
@@ -106,36 +111,42 @@ class Data:
         return len(AutoTokenizer.from_pretrained(str(self.tokenizer)))
 
 
-def make_data(root: Path, max_len: int, pool_samples: int, train_samples: int, calib_samples: int,
+def _sizes(train: Path) -> list:
+    return json.loads((train.parent / "subsets.json").read_text())["train"]
+
+
+def make_data(root: Path, max_len: int, pool_samples: int, train_sizes: list, calib_samples: int,
               heldout_tokens: int) -> Data:
     """Real text from the Python standard library when the code data tool is there, else the generated demo
-    chats with a long tail up to ``max_len``: a pool of ``pool_samples``, from which ``train_samples`` (the measured
-    runs') and ``calib_samples`` others (the step-cost calibration run's) are drawn (seeded); made once under
+    chats with a long tail up to ``max_len``: a pool of ``pool_samples``, from which the measured runs' sets (of
+    each of ``train_sizes`` samples, every smaller one a subset of the larger) and ``calib_samples`` others (the step-cost calibration run's) are drawn (seeded); made once under
     ``root``. The held-out eval set is the first held-out samples up to ``heldout_tokens`` tokens, packed for NPROC
     ranks."""
     code = (REPO / "data_tools" / "make_code_data.py").is_file()
     data = make_code_data(root / "code", max_len, pool_samples) if code else \
         make_demo_data(root / "demo", max_len, pool_samples)
     marker = data.train.parent / "subsets.json"
-    wanted = {"train": train_samples, "calib": calib_samples}
+    wanted = {"train": sorted(set(train_sizes)), "calib": calib_samples}
     if not marker.is_file() or json.loads(marker.read_text()) != wanted:
-        _draw_subsets(data, train_samples, calib_samples)
+        _draw_subsets(data, wanted["train"], calib_samples)
         marker.write_text(json.dumps(wanted))
     if not (data.eval_shards / "plan.json").is_file():
         _pack_heldout(data, max_len, heldout_tokens)
     return data
 
 
-def _draw_subsets(data: Data, train_samples: int, calib_samples: int) -> None:
+def _draw_subsets(data: Data, train_sizes: list, calib_samples: int) -> None:
     import datasets
 
     datasets.disable_progress_bars()
     pool = datasets.load_from_disk(str(data.pool))
-    if train_samples + calib_samples > len(pool):
-        sys.exit(f"bench_speed: the pool has {len(pool)} samples, fewer than the {train_samples} + {calib_samples} "
+    largest = train_sizes[-1]
+    if largest + calib_samples > len(pool):
+        sys.exit(f"bench_speed: the pool has {len(pool)} samples, fewer than the {largest} + {calib_samples} "
                  "the runs need")
     order = np.random.default_rng(0).permutation(len(pool))
-    for path, rows in ((data.train, order[:train_samples]), (data.calib, order[train_samples:][:calib_samples])):
+    smaller = [(data.train.parent / f"{data.train.name}_{n}", order[:n]) for n in train_sizes[:-1]]
+    for path, rows in [(data.train, order[:largest]), *smaller, (data.calib, order[largest:][:calib_samples])]:
         shutil.rmtree(path, ignore_errors=True)
         pool.select(np.sort(rows).tolist()).save_to_disk(str(path))
 

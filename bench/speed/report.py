@@ -2,9 +2,13 @@
 simulator runs here, nothing else).
 
 Definitions (the tables' columns), per budget (packs per rank per step):
-* raw tokens/s: the plan's real tokens over the sum of the trainer's per-step wall times (``perf/step_time_s``:
-  data, forward/backward of every micro-batch, the gradient collectives and the optimizer step; the held-out
-  evaluation is outside it), over every round of a strategy. Nothing is divided out;
+* timed steps: every optimizer step but the first WARMUP_STEPS of a run (the first step pays one-time costs:
+  allocator growth, caches, lazy initialisation); the bench plans enough steps that at least Setup.min_timed_steps
+  are timed;
+* raw tokens/s: a run's real tokens of its timed steps over the sum of the trainer's per-step wall times of those
+  steps (``perf/step_time_s``: data, forward/backward of every micro-batch, the gradient collectives and the
+  optimizer step; the held-out evaluation is outside it). Nothing is divided out. A strategy's figure is the median
+  over its rounds (with the min-max), as its paired ratios are;
 * paired speed-up: a shared machine's speed drifts by 10-20% over minutes, more than the differences measured. So
   every strategy is trained once per round, the rounds in rotated order with isf in the middle of each, and a
   strategy's ratio in round r is its raw tokens/s over isf's in round r (the run beside it in time, the same seed);
@@ -23,17 +27,19 @@ Definitions (the tables' columns), per budget (packs per rank per step):
 * time to quality, per seed: the training wall time (cumulative step time) at which a strategy's held-out loss first
   reaches isf's final held-out loss of the same seed (the same initial weights), interpolated linearly between its
   evaluations, over the time isf took to reach it (the same function on isf's own curve: isf's row is computed);
-  the median over seeds (a seed that never reaches it counts as infinitely slow) and how many reached it;
+  the median over the seeds that reached it, always shown with how many did (k/n): a seed that never reaches it is
+  stated as such, never folded into the median;
+* held-out loss: mean and sample standard deviation (n - 1) over seeds;
 * replay (bench/speed/replay.py): measured compute, modelled waiting at W ranks the machine does not have.
 """
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 BASELINES = ("sorted", "bfd", "kk")
+WARMUP_STEPS = 1  # a run's first optimizer steps, left out of every timed figure
 TARGETS = {"raw_over_isf": 1.10, "over_every_baseline": 1.0, "time_to_isf_loss": 0.8, "predicted_error": 0.10,
            "median_step_error": 0.10, "replay_error": 0.10, "hbp_worst_step_packs": 1.0}
 
@@ -51,7 +57,7 @@ def run_figures(plan, rows: list, sim) -> dict:
     elapsed = np.cumsum(measured)
     evals = [(float(elapsed[i]), i + 1, r["loss/eval"]) for i, r in enumerate(train_rows) if "loss/eval" in r]
     return {
-        "tokens": int(plan.lengths[plan.pack_samples].sum()), "steps": len(measured),
+        "tokens": int(plan.lengths[plan.pack_samples].sum()), "steps": len(measured), "warmup_steps": WARMUP_STEPS,
         "micro_batches": int(plan.step_micro_batches().sum()),
         "step_tokens": step_tokens(plan).tolist(),
         "measured_step_s": measured.tolist(), "predicted_step_s": predicted.tolist(),
@@ -112,8 +118,17 @@ def paired_ratios(runs: dict, baseline: str = "isf") -> dict:
     return out
 
 
+def timed(run: dict) -> tuple[float, float, float]:
+    """(real tokens, measured seconds, predicted seconds) of a run's timed steps: all but its first warm-up steps
+    (a run without per-step tokens counts all of its steps)."""
+    skip = run.get("warmup_steps", 0) if "step_tokens" in run else 0
+    tokens = float(np.sum(run["step_tokens"][skip:])) if "step_tokens" in run else float(run["tokens"])
+    return tokens, float(np.sum(run["measured_step_s"][skip:])), float(np.sum(run["predicted_step_s"][skip:]))
+
+
 def _tokens_per_s(run: dict) -> float:
-    return run["tokens"] / float(np.sum(run["measured_step_s"]))
+    tokens, seconds, _ = timed(run)
+    return tokens / seconds
 
 
 def _spread(values: list) -> dict:
@@ -141,7 +156,7 @@ def time_to_loss(evals: list, target: float) -> float | None:
 def time_to_quality(runs: dict, baseline: str = "isf") -> dict:
     """Per strategy, seed by seed: the time its held-out loss reaches ``baseline``'s final loss of the same seed,
     over the time ``baseline`` took to reach it (time_to_loss on both curves). {"ratios" (None: never), "median"
-    (a never counts as infinite; None when most never reach it), "reached", "seeds"}."""
+    (over the seeds that reached it; None when none did), "reached", "seeds"}."""
     base = {r["seed"]: r for r in runs[baseline] if r["evals"]}
     out = {}
     for name, seeds in runs.items():
@@ -153,10 +168,9 @@ def time_to_quality(runs: dict, baseline: str = "isf") -> dict:
             target = ref["evals"][-1][2]
             t, t_ref = time_to_loss(r["evals"], target), time_to_loss(ref["evals"], target)
             ratios.append(None if t is None else t / t_ref)
-        finite = [math.inf if x is None else x for x in ratios]
-        median = float(np.median(finite)) if finite else None
-        out[name] = {"ratios": ratios, "median": median if median is not None and math.isfinite(median) else None,
-                     "reached": sum(x is not None for x in ratios), "seeds": len(ratios)}
+        reached = [x for x in ratios if x is not None]
+        out[name] = {"ratios": ratios, "median": float(np.median(reached)) if reached else None,
+                     "reached": len(reached), "seeds": len(ratios)}
     return out
 
 
@@ -168,19 +182,19 @@ def budget_figures(runs: dict) -> dict:
     ttq = time_to_quality(runs) if any(r["evals"] for r in runs["isf"]) else {}
     out = {}
     for name, rounds in runs.items():
-        tokens = sum(r["tokens"] for r in rounds)
-        measured = sum(sum(r["measured_step_s"]) for r in rounds)
-        predicted = sum(sum(r["predicted_step_s"]) for r in rounds)
-        step_err = np.concatenate([np.array(r["predicted_step_s"]) / np.array(r["measured_step_s"]) - 1
-                                   for r in rounds])
+        tokens, measured, predicted = (sum(t) for t in zip(*(timed(r) for r in rounds)))
+        timed_steps = sum(r["steps"] - (r.get("warmup_steps", 0) if "step_tokens" in r else 0) for r in rounds)
+        step_err = np.concatenate([(np.array(r["predicted_step_s"]) / np.array(r["measured_step_s"]) - 1)
+                                   [r.get("warmup_steps", 0) if "step_tokens" in r else 0:] for r in rounds])
         finals = [r["evals"][-1][2] for r in rounds if r["evals"]]
         out[name] = {
             "rounds": len(rounds), "steps": rounds[0]["steps"],
             "micro_batches": float(np.mean([r["micro_batches"] for r in rounds])),
-            "raw_tokens_per_s": tokens / measured, "predicted_tokens_per_s": tokens / predicted,
+            "raw": _spread([_tokens_per_s(r) for r in sorted(rounds, key=lambda r: r["round"])]),
+            "raw_tokens_per_s": float(np.median([_tokens_per_s(r) for r in rounds])),  # per round, as the ratios
+            "pooled_tokens_per_s": tokens / measured, "predicted_tokens_per_s": tokens / predicted,
             "predicted_error": measured / predicted - 1,  # = predicted tokens/s over measured - 1
-            "measured_step_mean_s": measured / sum(r["steps"] for r in rounds),
-            "predicted_step_mean_s": predicted / sum(r["steps"] for r in rounds),
+            "measured_step_mean_s": measured / timed_steps, "predicted_step_mean_s": predicted / timed_steps,
             "median_abs_step_error": float(np.median(np.abs(step_err))),
             "data_share": sum(sum(r["data_s"]) for r in rounds) / measured,
             "paired": paired[name],
@@ -191,7 +205,7 @@ def budget_figures(runs: dict) -> dict:
             "plan_ABR": float(np.mean([r["plan_ABR"] for r in rounds])),
             "pad_ratio": float(np.mean([r["pad_ratio"] for r in rounds])),
             "heldout_final": finals, "heldout_mean": float(np.mean(finals)) if finals else None,
-            "heldout_std": float(np.std(finals)) if finals else None,
+            "heldout_std": float(np.std(finals, ddof=1)) if len(finals) > 1 else None,
             "time_to_quality": ttq.get(name),
         }
     isf = out["isf"]
@@ -265,9 +279,9 @@ def targets(budgets: dict, replay: dict | None, steps: dict, first: int) -> list
                 rows.append((f"hbp >= every baseline, {key} pack(s)/rank (lowest over {name}; best baseline "
                              f"{h['best_baseline']})", worst["median"],
                              worst["median"] >= TARGETS["over_every_baseline"]))
-        if hbp["heldout_mean"] is not None and isf["heldout_mean"] is not None:
+        if hbp["heldout_mean"] is not None and isf["heldout_std"] is not None:
             bound = isf["heldout_mean"] + isf["heldout_std"]
-            rows.append(("hbp held-out loss <= isf mean + std (value: hbp - bound)", hbp["heldout_mean"] - bound,
+            rows.append(("hbp held-out loss <= isf mean + sample SD (value: hbp - bound)", hbp["heldout_mean"] - bound,
                          hbp["heldout_mean"] <= bound))
         ttq = hbp["time_to_quality"]
         if ttq:
@@ -302,10 +316,11 @@ def budget_table(figs: dict, steps: dict) -> str:
     for name, f in figs.items():
         p = f["paired"]
         paired = f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}]" if p["median"] is not None else "n/a"
-        loss = f"{f['heldout_mean']:.4f} ± {f['heldout_std']:.4f}" if f["heldout_mean"] is not None else "n/a"
+        loss = "n/a" if f["heldout_mean"] is None else f"{f['heldout_mean']:.4f}" + (
+            f" ± {f['heldout_std']:.4f}" if f["heldout_std"] is not None else "")
         ttq = f["time_to_quality"]
         ttq_text = "n/a" if not ttq else (f"{ttq['median']:.2f}x" if ttq["median"] is not None else "never") + \
-            f" ({ttq['reached']}/{ttq['seeds']})"
+            f" ({ttq['reached']}/{ttq['seeds']} reached)"
         lines.append(f"{name:<8}{f['steps']:>6}{steps[name]['worst_packs']:>6.2f}p{f['micro_batches']:>6.0f}"
                      f"{f['raw_tokens_per_s']:>10.0f}{paired:>23}{f['balance_ratio']:>7.3f}x"
                      f"{f['predicted_tokens_per_s']:>11.0f}{100 * f['predicted_error']:>+6.1f}%"

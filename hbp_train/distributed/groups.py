@@ -3,7 +3,7 @@
 Every SP degree a plan uses is built up front (consecutive ranks form an SP group, so SP stays inside a node).
 Switching the SP degree between steps is then a dictionary lookup, never a collective. Nothing else in the code
 base calls ``dist.new_group``. No data-parallel groups are made: DeepSpeed averages gradients over all ranks (no
-mpu, see distributed/ulysses.py), and a rank's replica at a degree is plain arithmetic (``dp_rank``).
+mpu, see model/ulysses.py), and a rank's replica at a degree is plain arithmetic (``dp_rank``).
 
 Legend: W = world size, sp = sequence-parallel degree, dp = W // sp data-parallel replicas.
 """

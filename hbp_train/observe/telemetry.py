@@ -106,7 +106,7 @@ def keep_rows_before(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: distributed/ulysses.py's per-rank compute times
+RANK_TIME_PREFIX = "time/compute_s/"  # time/compute_s/rank<r>: model/ulysses.py's per-rank compute times
 
 
 def sp_mix_metrics(col: dict) -> dict:

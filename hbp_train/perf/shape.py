@@ -150,7 +150,7 @@ class ModelShape:
         """Elements per token moved by the four Ulysses all-to-alls of one layer forward (q, k, v, out).
 
         k and v have num_kv_heads heads; Ulysses replicates kv heads up to sp when there are fewer. v and the
-        output travel at head_dim even when v_head_dim is smaller (distributed/ulysses.py pads them for MLA).
+        output travel at head_dim even when v_head_dim is smaller (model/ulysses.py pads them for MLA).
         """
         return 2 * self.attn_width + 2 * max(self.num_kv_heads, sp) * self.head_dim
 

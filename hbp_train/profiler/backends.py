@@ -8,7 +8,7 @@ result (Measurement(oom=True)), never an exception.
                    autograd saves). In one process every sp > 1 is *estimated* from the per-rank slice (pack_len/sp
                    on one GPU) plus the cost model's attention and all-to-all terms (docs/profiler.md states the
                    model); in a measuring torchrun (profiler/worker.py, `use_sequence_parallel`) each rank runs its
-                   slice of the pack through the Ulysses attention of distributed/ulysses.py: measured.
+                   slice of the pack through the Ulysses attention of model/ulysses.py: measured.
   AnalyticBackend  no GPU (profile.dry_run): hbp_train.perf.cost_model for time, hbp_train.perf.memory for memory.
   CurveBackend     injected time/memory curves, for tests and what-if studies.
 
@@ -230,7 +230,7 @@ class GpuBackend:
 
     def use_sequence_parallel(self, pstate, sp: int) -> None:
         """Make this process one rank of an SP group of degree `sp` (inside a measuring torchrun, every rank calls
-        it): the model's attention becomes the Ulysses attention of distributed/ulysses.py on `pstate`'s groups
+        it): the model's attention becomes the Ulysses attention of model/ulysses.py on `pstate`'s groups
         (distributed/groups.py), and `measure(l, sp, ...)` runs this rank's slice for real."""
         from hbp_train.model.ulysses import setup_sequence_parallel
 

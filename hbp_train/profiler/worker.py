@@ -2,7 +2,7 @@
 
 Started by launcher.py (one torchrun per degree, `--nproc_per_node=sp`). Every rank loads the run config from the
 parent's overrides, builds the model (GpuBackend: on cuda:LOCAL_RANK, or the CPU with gloo for profile.device=cpu),
-makes the SP groups (distributed/groups.py) and the Ulysses attention at the degree (distributed/ulysses.py), and
+makes the SP groups (distributed/groups.py) and the Ulysses attention at the degree (model/ulysses.py), and
 runs the profiler's own GreedyProfileCkpt (search.Profiler) for each length of the job. All ranks must take the
 same decisions, so every reading is agreed over the group (slowest time, largest memory: GpuBackend._agree) and
 the time budget is read from rank 0's clock (`SharedClock`). The measurements the parent already has are passed in

@@ -357,7 +357,7 @@ def _two_rank_saves(rank, world_size, root):
 
     init_distributed()
     out = {}
-    # Node-local folders: each rank saves into a folder only it sees (the same path on two disks, in the issue).
+    # Node-local folders: each rank saves into a folder only it sees (the same path on two disks of two nodes).
     own = os.path.join(root, f"node{rank}", "checkpoints")
     try:
         checkpoint.save(_FakeEngine(), own, 2, "cfg: 1")
@@ -367,7 +367,7 @@ def _two_rank_saves(rank, world_size, root):
     out["local_published"] = os.path.exists(os.path.join(own, "latest"))
     # One shared folder, whose disk fills up as rank 1 writes its shard: rank 1 stops with the one line; rank 0,
     # waiting for it inside the save, says a peer stopped (and leaves the checkpoint unpublished).
-    shared = os.path.join(root, "shared", "checkpoints")
+    shared = os.path.join(root, "common", "checkpoints")
     try:
         checkpoint.save(_FakeEngine(fail=OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None),
                         shared, 2, "cfg: 1")
@@ -394,10 +394,10 @@ def test_two_ranks_that_cannot_finish_a_save_say_so_in_one_line_each(tmp_path):
     # The same file, writer and reader named on both ranks (rank 0's path).
     assert results[0]["local"].split(" failed: ")[1].split(" (a folder")[0] == \
         results[1]["local"].split(" failed: ")[1].split(" (a folder")[0]
-    assert results[1]["peer"].startswith(f"saving checkpoint {tmp_path}/shared/checkpoints/step_00000002 failed "
+    assert results[1]["peer"].startswith(f"saving checkpoint {tmp_path}/common/checkpoints/step_00000002 failed "
                                          "(No space left on device; ")
-    assert results[0]["peer"] == (f"saving checkpoint {tmp_path}/shared/checkpoints/step_00000002 did not finish: "
+    assert results[0]["peer"] == (f"saving checkpoint {tmp_path}/common/checkpoints/step_00000002 did not finish: "
                                   "another rank stopped during the save (its own line says why); it is left "
                                   "unpublished and no checkpoint of this run is complete yet: resume with "
                                   "train.resume=auto")
-    assert not (tmp_path / "shared" / "checkpoints" / "latest").exists()
+    assert not (tmp_path / "common" / "checkpoints" / "latest").exists()

@@ -187,7 +187,7 @@ def test_ranks_that_see_different_run_folders_stop_before_anything_is_built(tmp_
 
 @pytest.mark.full
 def test_two_torchrun_nodes_with_their_own_folders_stop_in_one_line_before_training(tmp_path):
-    """The issue's setting: two torchrun "nodes" on one host (--nnodes 2), each given its own train.out_dir. Before,
+    """What a cluster does: two torchrun "nodes" on one host (--nnodes 2), each given its own train.out_dir. Before,
     node 1 trained and the first save ended in KeyError: 'hf/chat_template.jinja' and a gloo traceback."""
     shards = write_packed(str(tmp_path / "packed"), synthetic_samples(14, VOCAB, seed=2), TWO_RANK_STEPS,
                           world_size=2)

@@ -7,8 +7,8 @@ type-checked against it), and turns the composed DictConfig into dataclasses wit
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
 
 ``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value), its
-input paths included (``check_paths``: ./launch.sh train runs it before starting any worker), and prints the
-resolved YAML.
+input paths and run folder included (``check_paths``: ./launch.sh train runs it before starting any worker), and
+prints the resolved YAML.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.model.loss import LossConfig
 from hbp_train.model.hf_model import ModelConfig, check_tokenizer_dir
 from hbp_train.perf.profile_config import ProfileConfig
+from hbp_train.perf.shape import model_shape_of
+from hbp_train.runtime import preflight
 from hbp_train.observe.telemetry import LoggingConfig
 from hbp_train.trainer import TrainConfig
 
@@ -116,9 +118,11 @@ def load(overrides: list | None = None) -> HBPConfig:
 
 
 def check_paths(cfg: HBPConfig) -> None:
-    """ConfigError naming the field for an input path of a training run that is not what it must be: data.shards
-    and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder.
-    model.name_or_path is checked with the model section itself. Not part of ``load``: the profiler reads no data."""
+    """ConfigError naming the field for a path of a training run that is not what it must be: data.shards
+    and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder,
+    and train.out_dir a writable folder with room for one checkpoint that holds no other run's checkpoints
+    (runtime/preflight.py). model.name_or_path is checked with the model section itself. Not part of ``load``: the
+    profiler reads no data and writes no run folder."""
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         problem = shards_dir_problem(path) if path is not None else None
         if problem:
@@ -129,6 +133,21 @@ def check_paths(cfg: HBPConfig) -> None:
         implied = cfg.model.tokenizer == cfg.model.name_or_path  # the default: the model's own folder
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
+    try:
+        preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg))
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _checkpoint_bytes(cfg: HBPConfig) -> int:
+    """About how large one checkpoint of this run is (preflight.checkpoint_bytes); 0 (no space check) when the
+    model's shape cannot be read from its config, which the build then reports."""
+    try:
+        num_params = model_shape_of(cfg.model).num_params
+    except UserError:
+        return 0
+    return preflight.checkpoint_bytes(num_params, cfg.deepspeed.zero_stage, cfg.model.torch_dtype().itemsize,
+                                      lora=cfg.model.lora.r > 0)
 
 
 def _section_fields() -> dict:

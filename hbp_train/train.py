@@ -72,28 +72,36 @@ def run(cfg, config_yaml: str) -> dict:
 
     from hbp_train import trainer
 
-    from hbp_train.runtime import parent_watch
+    from hbp_train.runtime import parent_watch, preflight
     from hbp_train.distributed.groups import init_distributed
     from hbp_train.runtime.run_lock import lock_run_dir
+    from hbp_train.runtime.status import RunStatus, ended_by
 
     set_cuda_allocator()  # before init_distributed: NCCL's set-up is the first CUDA allocation
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     init_distributed()
-    lock = None
+    lock = status = None
     # A SIGTERM outside the loop (set-up, tear-down; the loop installs its own finish-save-exit handler, e.g. when
     # the launcher dies just as the run ends) still runs the finally below, so the folder's lock is released.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # A launcher killed with SIGKILL cannot pass anything on: each worker notices by itself (parent_watch.py).
     watch = parent_watch.watch_parent() if parent_watch.under_launcher() else None
     try:
+        # Every rank sees the folder rank 0 writes and can write there, before anything is built (preflight.py).
+        run_id = preflight.check_shared_run_dir(cfg.train.out_dir)
+        status = RunStatus(cfg.train.out_dir, dist.get_rank(), run_id)  # written once the run owns the folder
         # One live run per folder, decided before anything is built or written there (run_lock.py).
         lock = lock_run_dir(cfg.train.out_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
         if dist.get_rank() == 0:
             with open(os.path.join(cfg.train.out_dir, "config.yaml"), "w") as f:
                 f.write(config_yaml)
-        summary = trainer.train(cfg, config_yaml)
+        summary = trainer.train(cfg, config_yaml, status)
+    except BaseException as exc:
+        if status is not None:
+            status.end(*ended_by(exc, dist.get_rank()))
+        raise
     finally:
         if watch is not None:
             watch.set()

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from hbp_train.runtime import checkpoint
+from hbp_train.runtime.status import RunStatus, ended_by
 
 from hbp_train.observe import heldout
 from hbp_train.build import Run, build, step_ckpt_layers
@@ -160,8 +161,10 @@ def stat_columns(run: Run) -> list:
     return STAT_COLUMNS + sp_mix_columns(run.sp.pstate.sp_degrees)
 
 
-def train(cfg, config_yaml: str = "") -> dict:
-    """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended)."""
+def train(cfg, config_yaml: str = "", status=None) -> dict:
+    """Run (or resume) the whole training; returns a summary (steps run, last loss, how it ended). ``status``: the
+    run folder's status.json writer (runtime/status.py; train.py makes it), started once the folder is known to be
+    this run's, then rewritten after every step and save."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
     try:  # before building anything: a wrong path, or a checkpoint of another world size or plan, is one line
         resume = checkpoint.find_resume(cfg.train.resume, ckpt_root,
@@ -171,6 +174,10 @@ def train(cfg, config_yaml: str = "") -> dict:
     except UserError as e:
         raise UserError(f"train.resume={cfg.train.resume}: {e}") from None
     checkpoint.check_fresh_root(ckpt_root, resume)
+    status = status or RunStatus(cfg.train.out_dir, rank(), "")
+    tag_step = checkpoint.TAG_RE.match(resume[1]) if resume is not None else None
+    status.start(int(tag_step.group(1)) if tag_step else 0, None,  # being built
+                 os.path.join(*resume) if resume is not None else None)
     run = build(cfg, config_yaml)
     start_step, num_skipped, sp_totals = 0, 0, None
     if resume is not None:
@@ -179,6 +186,7 @@ def train(cfg, config_yaml: str = "") -> dict:
         num_skipped = int(resumed.counters.get("num_skipped", 0))
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
+    status.start(start_step, run.total_steps)
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
     metrics.message(start_summary(run))  # rank 0: what is about to be trained, on what, how (run_summary.py)
     step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
@@ -207,6 +215,7 @@ def train(cfg, config_yaml: str = "") -> dict:
                         cfg.train.keep_last, run.total_steps, counters, cfg.data.shards)
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, checkpoint.tag_for(next_step))}")
+        status.saved(os.path.join(ckpt_root, checkpoint.tag_for(next_step)), next_step)
 
     # Below ZeRO-2 ranks meet only at the step's end: a replica with fewer packs runs only those.
     batches = StepPrefetcher(lambda s: run.data.step_batch(s, rank(), run.pad_token_id,
@@ -235,6 +244,7 @@ def train(cfg, config_yaml: str = "") -> dict:
             if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):
                 m.update(heldout.evaluate(run, run.eval_data))  # every rank: it is collective
             metrics.log(m)
+            status.step(step + 1, run.total_steps, m["time/elapsed_s"], m["time/eta_s"])
             if skipped:
                 metrics.message(f"[train] step {step}: NaN/inf loss or gradient, step skipped (train.on_nan=skip)")
             history.append(m["loss/train"])
@@ -257,13 +267,18 @@ def train(cfg, config_yaml: str = "") -> dict:
             save(step)
         if ended != "finished" and diverged is None:
             metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
+    except BaseException as exc:
+        status.end(*ended_by(exc, rank()))
+        raise
     finally:
         batches.close()
         stop.uninstall()
         metrics.close()
         run.sp.set_active(1)  # the summary's model runs on its own (no SP group, no last pack's boundaries)
     if diverged is not None:  # after the checkpoint: train.py turns it into one line and exit 1
+        status.end(*ended_by(FloatingPointError(diverged), rank()))
         raise FloatingPointError(diverged)
+    status.end("finished" if ended == "finished" else "preempted")
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
             "skipped": num_skipped, "run": run}
 

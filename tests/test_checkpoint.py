@@ -114,19 +114,40 @@ def test_resume_is_refused_for_another_world_size_or_plan(tmp_path):
     checkpoint.check_resumable(root, tag, 8, str(moved))
 
 
-class _FakeEngine:
-    """What checkpoint.save/load use of a DeepSpeed engine: a tag directory with a shard file, and the client
-    state back. ``fail`` makes the save raise (a full disk)."""
+class _TorchCheckpointEngine:
+    """DeepSpeed's checkpoint engine as far as saving goes: every file of the engine is written through ``save``."""
 
-    def __init__(self, fail=None):
-        self.fail = fail
+    def save(self, state_dict, path):
+        torch.save(state_dict, path)
+
+
+class _FakeEngine:
+    """What checkpoint.save/load use of a DeepSpeed engine: a tag directory with its shard files (the model states
+    on rank 0, an optimizer shard per rank), written through its checkpoint engine, and the client state back.
+    ``fail`` makes the save raise (a full disk); ``after_save(tag_dir)`` runs once the engine has written its files
+    (something deleting one); ``skips`` names a file DeepSpeed's naming says this rank saves that it never writes."""
+
+    def __init__(self, fail=None, after_save=None, skips=None):
+        self.fail, self.after_save, self.skips = fail, after_save, skips
+        self.checkpoint_engine = _TorchCheckpointEngine()
+        self.save_zero_checkpoint = skips is not None
+
+    def _get_zero_ckpt_name(self, root, tag):
+        return os.path.join(root, tag, self.skips)
 
     def save_checkpoint(self, root, tag, client_state, save_latest=True):
         assert not save_latest  # `latest` is ours to move, after the manifest
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         os.makedirs(os.path.join(root, tag), exist_ok=True)
-        torch.save({"w": torch.arange(1000.0)}, os.path.join(root, tag, "mp_rank_00_model_states.pt"))
+        if rank == 0:
+            self.checkpoint_engine.save({"w": torch.arange(1000.0)},
+                                        os.path.join(root, tag, "mp_rank_00_model_states.pt"))
         if self.fail is not None:
             raise self.fail
+        self.checkpoint_engine.save({"m": torch.arange(10.0)},
+                                    os.path.join(root, tag, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        if self.after_save is not None:
+            self.after_save(os.path.join(root, tag))
         self.client_state = client_state
 
     def load_checkpoint(self, root, tag, **kwargs):
@@ -243,7 +264,10 @@ def test_keep_last_counts_complete_checkpoints_only(tmp_path):
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
                                      RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
-                                                  "failed writing file data/0: file write failed")])
+                                                  "failed writing file data/0: file write failed"),
+                                     # A full disk as torch.save reported it in a real run: no "write" in it.
+                                     RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs "
+                                                  "1040")])
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_it_unpublished(tmp_path, failure):
     root = str(tmp_path)
     checkpoint.save(_FakeEngine(), root, 2, "cfg: 1")
@@ -276,3 +300,104 @@ def test_the_rng_file_loads_without_unpickling_code(tmp_path):
     os.remove(rng_path)
     with pytest.raises(UserError, match=r"rng_rank0.pt: missing"):
         checkpoint.load(engine, root, checkpoint.tag_for(2))
+
+
+def test_a_bug_in_a_save_keeps_its_traceback(tmp_path):
+    # Only a failed write, a file gone and a peer lost are the user's one line; anything else is ours to fix.
+    with pytest.raises(RuntimeError, match="expected a tensor"):
+        checkpoint.save(_FakeEngine(fail=RuntimeError("expected a tensor")), str(tmp_path), 2, "cfg: 1")
+
+
+@pytest.mark.parametrize("how", ["deleted", "never_written"])
+def test_a_checkpoint_missing_a_file_is_never_published(tmp_path, how):
+    """The manifest lists what the save wrote and what it must have, not what happens to be there: a model-states
+    file deleted during the save (or an optimizer shard DeepSpeed's naming expects but the engine never wrote) leaves
+    the checkpoint unpublished, latest on the previous one, which resume=auto takes."""
+    root = str(tmp_path)
+    checkpoint.save(_FakeEngine(), root, 2, "cfg: 1")
+    if how == "deleted":
+        engine = _FakeEngine(after_save=lambda tag_dir: os.remove(os.path.join(tag_dir, "mp_rank_00_model_states.pt")))
+        gone = "mp_rank_00_model_states.pt, written by rank 0, is missing"
+    else:
+        engine = _FakeEngine(skips="bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        gone = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt, written by rank 0, is missing"
+    with pytest.raises(UserError) as info:
+        checkpoint.save(engine, root, 4, "cfg: 1")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"saving checkpoint {root}/step_00000004 failed: {root}/"
+                                                      f"step_00000004/{gone}")
+    assert message.endswith(f"it is left unpublished and {root}/latest still names the previous complete checkpoint, "
+                            "step_00000002: resume with train.resume=auto")
+    assert Path(root, "latest").read_text() == checkpoint.tag_for(2)
+    assert not manifest.has_manifest(os.path.join(root, checkpoint.tag_for(4)))
+    warnings = []
+    assert checkpoint.find_resume("auto", root, warn=warnings.append) == (root, checkpoint.tag_for(2))
+    assert warnings == []
+
+
+def test_the_manifest_lists_every_ranks_files_and_the_tokenizers(tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    root = str(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    checkpoint.save(_FakeEngine(), root, 2, "cfg: 1", tokenizer=tokenizer)
+    tag_dir = os.path.join(root, checkpoint.tag_for(2))
+    with open(os.path.join(tag_dir, manifest.MANIFEST)) as f:
+        listed = set(json.load(f)["files"])
+    saved = {os.path.join("hf", name) for name in os.listdir(os.path.join(tag_dir, "hf"))}
+    assert "hf/tokenizer_config.json" in saved and saved <= listed
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank0.pt",
+            "resume.json", "config.yaml"} <= listed
+
+
+def _two_rank_saves(rank, world_size, root):
+    import torch.distributed as dist
+
+    from hbp_train.distributed.groups import init_distributed
+
+    init_distributed()
+    out = {}
+    # Node-local folders: each rank saves into a folder only it sees (the same path on two disks of two nodes).
+    own = os.path.join(root, f"node{rank}", "checkpoints")
+    try:
+        checkpoint.save(_FakeEngine(), own, 2, "cfg: 1")
+        out["local"] = "saved"
+    except UserError as exc:
+        out["local"] = str(exc)
+    out["local_published"] = os.path.exists(os.path.join(own, "latest"))
+    # One shared folder, whose disk fills up as rank 1 writes its shard: rank 1 stops with the one line; rank 0,
+    # waiting for it inside the save, says a peer stopped (and leaves the checkpoint unpublished).
+    shared = os.path.join(root, "common", "checkpoints")
+    try:
+        checkpoint.save(_FakeEngine(fail=OSError(errno.ENOSPC, "No space left on device") if rank == 1 else None),
+                        shared, 2, "cfg: 1")
+        out["peer"] = "saved"
+    except UserError as exc:
+        out["peer"] = str(exc)
+    if rank == 1:
+        dist.destroy_process_group()  # this rank is gone, as a failed worker would be
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_that_cannot_finish_a_save_say_so_in_one_line_each(tmp_path):
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_two_rank_saves, 2, str(tmp_path))
+    # Before: KeyError: 'hf/...' on rank 0 (the ranks listed different files) and a gloo traceback on rank 1.
+    assert results[0]["local"] != "saved" and not results[0]["local_published"] and not results[1]["local_published"]
+    for rank in (0, 1):
+        message = results[rank]["local"]
+        assert "\n" not in message and message.startswith(f"saving checkpoint {tmp_path}/node{rank}/checkpoints/"
+                                                          "step_00000002 failed: ")
+        assert "is missing where rank" in message and "(a folder not every rank shares" in message
+    # The same file, writer and reader named on both ranks (rank 0's path).
+    assert results[0]["local"].split(" failed: ")[1].split(" (a folder")[0] == \
+        results[1]["local"].split(" failed: ")[1].split(" (a folder")[0]
+    assert results[1]["peer"].startswith(f"saving checkpoint {tmp_path}/common/checkpoints/step_00000002 failed "
+                                         "(No space left on device; ")
+    assert results[0]["peer"] == (f"saving checkpoint {tmp_path}/common/checkpoints/step_00000002 did not finish: "
+                                  "another rank stopped during the save (its own line says why); it is left "
+                                  "unpublished and no checkpoint of this run is complete yet: resume with "
+                                  "train.resume=auto")
+    assert not (tmp_path / "common" / "checkpoints" / "latest").exists()

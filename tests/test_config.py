@@ -136,7 +136,13 @@ def test_input_paths_are_checked_before_any_worker_starts(tmp_path, fake_hf_mode
     no_tokenizer = tmp_path / "weights_only"
     no_tokenizer.mkdir()
     (no_tokenizer / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    good = [f"data.shards={tmp_path / 'packed'}", f"model.name_or_path={fake_hf_model}"]
+    # A small model: the run folder's check wants room for one checkpoint (fake_hf_model is a 7B Llama).
+    small = tmp_path / "small_model"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+                                                   "intermediate_size": 64, "num_attention_heads": 4}))
+    (small / "tokenizer_config.json").write_text("{}")
+    good = [f"data.shards={tmp_path / 'packed'}", f"model.name_or_path={small}", f"train.out_dir={tmp_path / 'run'}"]
     for override, message in [
         (f"data.shards={tmp_path / 'packd'}", "data.shards="),
         (f"data.shards={tmp_path / 'tok'}", "no plan.json there (it is a tokenized dataset: plan and pack it first)"),

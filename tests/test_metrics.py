@@ -52,7 +52,9 @@ def test_step_metrics_and_outputs(tmp_path):
     assert m["memory/peak_gib"] == 2.5 and m["perf/data_wait_pct"] == pytest.approx(25.0)
     # Namespaced, but for the step and epoch, which count from 1 as the line does (plan/step counts from 0).
     assert {k.split("/")[0] for k in m} == {"loss", "optim", "perf", "balance", "memory", "plan", "tokens", "step",
-                                            "epoch"}
+                                            "epoch", "time"}
+    # Elapsed since the logger started (4 steps done), the ETA their mean time over the 6 steps left.
+    assert m["time/eta_s"] == pytest.approx(m["time/elapsed_s"] / 4 * 6)
     assert (m["step"], m["epoch"], m["plan/step"]) == (4, 1, 3)
     assert m["tokens/ave_t"] == 150 / 2 and m["tokens/pad_ratio"] == pytest.approx(1 - 150 / (64 * 3))  # live Ave-T, PR
     logger.log(m)

@@ -1,5 +1,9 @@
 """Live step metrics: one namespaced dict per step, one rank-0 line, a JSON-lines file, TensorBoard, a tqdm bar.
 
+Only rank 0 writes them. Its line ends with the time this invocation has trained and the ETA of the run's last step
+(``time/elapsed_s``, ``time/eta_s``: the mean step time so far over the steps left), so a log that is not a
+terminal (a SLURM .out file), where no bar is drawn, still says how far the run is and how long it has to go.
+
 Keys are namespaced (``loss/…``, ``optim/…``, ``perf/…``, ``balance/…``, ``memory/…``, ``plan/…``, ``tokens/…``;
 the trainer adds ``sp/…`` and ``time/…`` from hbp_train/model/ulysses.py and ``loss/eval`` from heldout.py). The balance
 figures compare what the plan predicted (its step ABR/DBR) with what the ranks measured: every rank's compute time
@@ -52,7 +56,9 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard events to RUN_DIR/tb."""
     progress_bar: bool = True
-    """Show a tqdm bar on rank 0 (the per-step line is then written through tqdm.write)."""
+    """Show a tqdm bar on rank 0 when its output is a terminal (the per-step line is then written through
+    tqdm.write). In a log file (a SLURM .out) there is no bar, whose redraws would be joined by carriage returns:
+    the per-step lines carry the elapsed time and the ETA, with or without it."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for MFU, e.g. 989e12 for an H100 in bf16. 0 = look the GPU up in
     KNOWN_PEAK_FLOPS; on a CPU (or an unknown GPU) with 0, MFU is reported as n/a."""
@@ -231,6 +237,8 @@ class MetricsLogger:
         self.wandb = None
         self.rank_times: dict = {}  # rank -> [(step, compute seconds)]: one line per rank at the end (W&B)
         self.bar = None
+        self.started = time.monotonic()  # elapsed time and ETA count from here: this invocation's training
+        self.start_step = start_step
         if rank != 0:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -248,7 +256,7 @@ class MetricsLogger:
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step)
         if cfg.wandb:
             self.wandb = _start_wandb(cfg, run_dir)
-        if cfg.progress_bar:
+        if cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -268,6 +276,7 @@ class MetricsLogger:
         ``groups``: every group the step ran (a step that mixes groups), else [group]; with sp_mix_columns among
         ``columns``, ``plan/sp`` is the largest degree the step ran and ``plan/group`` its largest group."""
         col = {name: gathered[:, i] for i, name in enumerate(columns)}
+        elapsed = time.monotonic() - self.started
         compute = col["compute_time"]
         timed = bool(torch.isfinite(compute).all())  # NaN: a step between timed ones (comm_wait_mode "skip")
         loss_tokens = float(col["loss_tokens"].sum())
@@ -306,6 +315,10 @@ class MetricsLogger:
             "plan/sp": sp,
             "plan/micro_batches": num_micro_batches,
             "tokens/ave_t": tokens / world,
+            "time/elapsed_s": elapsed,
+            # The mean step time of this invocation so far, over the steps left.
+            "time/eta_s": elapsed / (step + 1 - self.start_step) * (total_steps - step - 1)
+            if step + 1 > self.start_step else None,
         }
         metrics.update(sp_mix_metrics(col))
         if metrics.get("plan/sp_degrees"):
@@ -421,4 +434,21 @@ def format_line(m: dict) -> str:
         f"{' | mix tv ' + format(m['mix/tv'], '.2f') if m.get('mix/tv') is not None else ''}"
         f" | data {m['perf/data_wait_pct']:.1f}%"
         f"{' | eval loss ' + format(m['loss/eval'], '.4f') if 'loss/eval' in m else ''}"
+        f"{_times(m)}"
     )
+
+
+def clock(seconds: Optional[float]) -> str:
+    """``1:02:03`` (or ``2:03`` under an hour) for a duration in seconds; ``?`` when unknown."""
+    if seconds is None or not seconds == seconds or seconds < 0:
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _times(m: dict) -> str:
+    """`` | 1:02 elapsed, ETA 10:00``: the line's own progress figures (no bar is needed to read them)."""
+    if "time/elapsed_s" not in m:
+        return ""
+    return f" | {clock(m['time/elapsed_s'])} elapsed, ETA {clock(m.get('time/eta_s'))}"

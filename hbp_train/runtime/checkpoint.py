@@ -139,8 +139,11 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
 
     Publishing is the last act: DeepSpeed writes its shards without touching ``latest``, every rank writes its RNG
     file, rank 0 the config, resume.json and hf/; after a barrier the files are checksummed into manifest.json, and
-    only then does ``latest`` move and do older checkpoints get pruned. A crash or a full disk before that leaves a
-    tag without a manifest, which no resume uses. A failed write (full disk, quota) is a one-line UserError."""
+    only then does ``latest`` move and do older checkpoints get pruned. The manifest lists what every rank wrote
+    (DeepSpeed's files as its checkpoint engine wrote them and as its naming says this rank saves them, the RNG
+    files, rank 0's config, resume.json and hf/ files): one of them missing fails the save. A crash or a full disk
+    before that leaves a tag without a manifest, which no resume uses. A failed write (full disk, quota), a file
+    gone before the manifest and a peer lost during the save are one-line UserErrors (``_save_failure``)."""
     tag = tag_for(next_step)
     tag_dir = os.path.join(ckpt_root, tag)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -150,12 +153,15 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
         _remove_file(os.path.join(tag_dir, manifest.MANIFEST))
         shutil.rmtree(tag_dir, ignore_errors=True)
     _barrier()
+    written = _record_writes(engine)  # what DeepSpeed's checkpoint engine writes from here on: the manifest's due
     try:
         engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False,
                                client_state={"next_step": next_step, "config": config_yaml,
                                              "total_steps": total_steps, "counters": counters or {}})
         _atomic(os.path.join(tag_dir, f"rng_rank{_rank()}.pt"), lambda p: torch.save(rng_state(), p))
+        ours = [f"rng_rank{_rank()}.pt"]
         if _rank() == 0:
+            ours += ["config.yaml", "resume.json"]
             _atomic(os.path.join(tag_dir, "config.yaml"), lambda p: _write_text(p, config_yaml))
             record = json.dumps({"next_step": next_step, "world_size": world_size, "data_shards": shards,
                                  "plan_sha256": plan_fingerprint(shards) if shards else None})
@@ -168,16 +174,13 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
                     hf_model.generation_config.save_pretrained(hf_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(hf_dir)
+            ours += [os.path.join("hf", rel) for rel in manifest.tag_files(hf_dir)]
         _barrier()
-        manifest.write(tag_dir, next_step, world_size)
+        manifest.write(tag_dir, next_step, world_size, _engine_files(engine, ckpt_root, tag, written) + ours)
         if _rank() == 0:
             _atomic(os.path.join(ckpt_root, "latest"), lambda p: _write_text(p, tag))
     except (OSError, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and not _is_write_failure(exc):
-            raise
-        raise UserError(f"saving checkpoint {tag_dir} failed ({_write_failure_text(exc, ckpt_root)}); it is left "
-                        f"unpublished and {ckpt_root}/latest still names the previous complete checkpoint: free "
-                        "space and resume with train.resume=auto") from None
+        raise _save_failure(exc, tag_dir, ckpt_root) from None
     if _rank() == 0 and keep_last > 0:
         prune(ckpt_root, keep_last, next_step)
     _barrier()
@@ -208,10 +211,76 @@ def _remove_file(path: str) -> None:
         pass
 
 
-def _is_write_failure(exc: RuntimeError) -> bool:
-    """torch.save reports a full disk as a RuntimeError from its zip writer ("... file write failed")."""
+def _record_writes(engine) -> list:
+    """A list that, until the next call, collects the path of every file ``engine``'s DeepSpeed checkpoint engine
+    saves on this rank (its ``save`` wrapped once per engine; engines without one record nothing)."""
+    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    if ckpt_engine is None or not callable(getattr(ckpt_engine, "save", None)):
+        return []
+    written = getattr(ckpt_engine, "_hbp_written", None)
+    if written is None:
+        written = ckpt_engine._hbp_written = []
+        save = ckpt_engine.save
+
+        def recording_save(state_dict, path, *args, **kwargs):
+            written.append(str(path))  # before the write: a file the write leaves out is still due
+            return save(state_dict, path, *args, **kwargs)
+
+        ckpt_engine.save = recording_save
+    written.clear()
+    return written
+
+
+def _engine_files(engine, ckpt_root: str, tag: str, written: list) -> list:
+    """This rank's part of the DeepSpeed checkpoint, relative to the tag folder: what its checkpoint engine wrote
+    there, and what DeepSpeed's own naming says this rank saves (the model states where it writes them, its ZeRO
+    optimizer shard), so a file the engine skipped is due all the same."""
+    tag_dir = os.path.abspath(os.path.join(ckpt_root, tag))
+    paths = list(written)
+    for flag, name in (("save_non_zero_checkpoint", "_get_ckpt_name"), ("save_zero_checkpoint", "_get_zero_ckpt_name")):
+        if getattr(engine, flag, False) and callable(getattr(engine, name, None)):
+            paths.append(getattr(engine, name)(ckpt_root, tag))
+    out = []
+    for path in paths:
+        rel = os.path.relpath(os.path.abspath(path), tag_dir)
+        if not rel.startswith(os.pardir) and rel not in out:
+            out.append(rel)
+    return out
+
+
+def _save_failure(exc: BaseException, tag_dir: str, ckpt_root: str) -> BaseException:
+    """The one-line UserError of a save that did not finish (a failed write, a file gone before the manifest, a peer
+    that stopped during it), or ``exc`` itself when it is none of these (a bug keeps its traceback)."""
+    latest = _read_latest(ckpt_root)
+    kept = "it is left unpublished and " + (f"{ckpt_root}/latest still names the previous complete checkpoint, "
+                                            f"{latest}" if latest else "no checkpoint of this run is complete yet")
+    if isinstance(exc, manifest.IncompleteCheckpoint):
+        return UserError(f"saving checkpoint {tag_dir} failed: {exc} (a folder not every rank shares, or something "
+                         f"deleting files there?); {kept}: resume with train.resume=auto")
+    if isinstance(exc, OSError) or _is_write_failure(exc):
+        return UserError(f"saving checkpoint {tag_dir} failed ({_write_failure_text(exc, ckpt_root)}); {kept}: free "
+                         "space and resume with train.resume=auto")
+    if _is_peer_lost(exc):
+        return UserError(f"saving checkpoint {tag_dir} did not finish: another rank stopped during the save (its own "
+                         f"line says why); {kept}: resume with train.resume=auto")
+    return exc
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """torch.save reports a failed write (a full disk, a quota) as a RuntimeError from its zip writer: "... file write
+    failed", "... failed writing file data/0", or, when the short write surfaces at the next record,
+    "[enforce fail at inline_container.cc:NNN] . unexpected pos N vs M"."""
     text = str(exc).lower()
-    return "write" in text and ("fail" in text or "space" in text)
+    return ("write" in text and ("fail" in text or "space" in text)) or (
+        "inline_container" in text and "unexpected pos" in text)
+
+
+def _is_peer_lost(exc: BaseException) -> bool:
+    """A collective that failed because a peer process went away (gloo's "Connection closed/reset by peer", NCCL's
+    aborted communicator): that peer's own failure is the one to report."""
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "communicator was aborted"))
 
 
 def _write_failure_text(exc: BaseException, ckpt_root: str) -> str:

@@ -6,9 +6,15 @@ not a deliberate forgery). The files are checksummed by all ranks together, each
 i mod W), so the cost per rank is the checkpoint's size / W. A tag folder without a manifest is a save that did not
 finish; ``latest`` is moved only after the manifest exists (checkpoint.save).
 
+What it lists is what the checkpoint must have, not merely what is there: every rank passes ``write`` the files it
+wrote (DeepSpeed's model and optimizer shards as the engine wrote them, its RNG file; rank 0 also the config,
+resume.json and hf/), and a file one of them wrote that is not there when the manifest is made — deleted, or on a
+disk only its writer sees — fails the save on every rank (IncompleteCheckpoint, naming the file and the rank), so
+the checkpoint is never published. Every rank checksums the same list (rank 0's view plus what every rank wrote).
+
 ``problem(tag_dir)`` re-reads the folder against its manifest (the same shared work) and returns the first thing
-that is wrong, naming the file, or None. It also requires what a resume needs besides DeepSpeed's own files:
-``resume.json`` and one ``rng_rank<r>.pt`` per rank of the run that saved it.
+that is wrong, naming the file, or None, the same answer on every rank. It also requires what a resume needs besides
+DeepSpeed's own files: ``resume.json`` and one ``rng_rank<r>.pt`` per rank of the run that saved it.
 """
 
 from __future__ import annotations
@@ -63,43 +69,81 @@ def _gather(value) -> list:
     return out
 
 
+def _broadcast(value):
+    """Rank 0's ``value`` on every rank."""
+    if _rank_world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _shared_crc32(tag_dir: str, files: list) -> dict:
-    """{file: crc32 or an error string}, each rank reading its share of ``files``; collective."""
+    """{file: (bytes, crc32) or an error phrase}, each rank reading its share of ``files`` (which must be the same
+    list on every rank); collective, and every rank gets the whole answer."""
     rank, world = _rank_world()
     mine = {}
     for i, rel in enumerate(files):
         if i % world == rank:
+            path = os.path.join(tag_dir, rel)
             try:
-                mine[rel] = file_crc32(os.path.join(tag_dir, rel))
+                mine[rel] = (os.path.getsize(path), file_crc32(path))
+            except FileNotFoundError:
+                mine[rel] = "is missing"
             except OSError as exc:
-                mine[rel] = f"cannot read ({exc.strerror})"
+                mine[rel] = f"cannot be read ({exc.strerror})"
     merged = {}
     for part in _gather(mine):
         merged.update(part)
     return merged
 
 
-def write(tag_dir: str, next_step: int, world_size: int) -> None:
+class IncompleteCheckpoint(OSError):
+    """A file the checkpoint must have is missing or unreadable at the end of its save (the same on every rank)."""
+
+
+def write(tag_dir: str, next_step: int, world_size: int, expected=()) -> None:
     """Checksum the finished tag folder (every rank its share) and write manifest.json on rank 0; collective.
-    Every rank must have finished writing its files (a barrier) before this is called."""
-    files = tag_files(tag_dir)
-    crcs = _shared_crc32(tag_dir, files)
-    if _rank_world()[0] != 0:
-        return
-    entries = {rel: {"bytes": os.path.getsize(os.path.join(tag_dir, rel)), "crc32": crcs[rel]} for rel in files}
-    bad = {rel: e["crc32"] for rel, e in entries.items() if not isinstance(e["crc32"], int)}
-    if bad:
-        rel, why = next(iter(bad.items()))
-        raise OSError(f"{os.path.join(tag_dir, rel)}: {why}")
-    record = {"version": VERSION, "next_step": next_step, "world_size": world_size, "checksum": "crc32",
-              "files": entries}
-    path = os.path.join(tag_dir, MANIFEST)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    Every rank must have finished writing its files (a barrier) before this is called.
+
+    ``expected``: the files this rank wrote (paths relative to ``tag_dir``). The manifest lists every rank's, and
+    whatever else rank 0 finds in the folder: a file some rank wrote that is not there (deleted, or on a disk only
+    that rank sees) or cannot be read raises IncompleteCheckpoint on every rank, naming it and its writer, and no
+    manifest is written. So is a manifest rank 0 cannot write."""
+    rank, world = _rank_world()
+    views = _gather((sorted(set(expected)), tag_files(tag_dir) if rank == 0 else [], tag_dir))
+    writer = {}
+    for r, (wrote, _, _) in enumerate(views):
+        for rel in wrote:
+            writer.setdefault(rel, r)
+    files = sorted(set(writer) | set(views[0][1]))  # the same list on every rank
+    found = _shared_crc32(tag_dir, files)
+    for i, rel in enumerate(files):
+        if isinstance(found[rel], str):  # the same message on every rank: rank 0's path, the writer, the reader
+            by = f", written by rank {writer[rel]}," if rel in writer else ""
+            where = f" where rank {i % world} looks" if world > 1 else ""
+            raise IncompleteCheckpoint(f"{os.path.join(views[0][2], rel)}{by} {found[rel]}{where}")
+    failed = None
+    if rank == 0:
+        record = {"version": VERSION, "next_step": next_step, "world_size": world_size, "checksum": "crc32",
+                  "files": {rel: {"bytes": found[rel][0], "crc32": found[rel][1]} for rel in files}}
+        path = os.path.join(tag_dir, MANIFEST)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            failed = f"{path}: {exc.strerror or exc}"
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+    failed = _broadcast(failed)  # rank 0's outcome, on every rank
+    if failed is not None:
+        raise OSError(failed)
 
 
 def has_manifest(tag_dir: str) -> bool:
@@ -107,12 +151,12 @@ def has_manifest(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, MANIFEST))
 
 
-def problem(tag_dir: str) -> Optional[str]:
-    """What is wrong with a checkpoint folder (one phrase naming the file), or None when it matches its manifest;
-    collective when torch.distributed is initialized (every rank must call it, and all get the same answer)."""
+def _local_problem(tag_dir: str) -> tuple:
+    """(what is wrong with the folder as this rank sees it, without reading the files' contents, or None; the
+    manifest's files {path: entry})."""
     path = os.path.join(tag_dir, MANIFEST)
     if not os.path.isfile(path):
-        return f"no {MANIFEST} in {tag_dir} (its save did not finish)"
+        return f"no {MANIFEST} in {tag_dir} (its save did not finish)", {}
     try:
         with open(path) as f:
             record = json.load(f)
@@ -121,21 +165,34 @@ def problem(tag_dir: str) -> Optional[str]:
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc})"
+        return f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc})", {}
     needed = ["resume.json"] + [f"rng_rank{r}.pt" for r in range(world_size)]
     for rel in needed:
         if rel not in files:
-            return f"{path} lists no {rel} (saved by an older hbp-train, or damaged)"
+            return f"{path} lists no {rel} (saved by an older hbp-train, or damaged)", files
     for rel, entry in sorted(files.items()):
         full = os.path.join(tag_dir, rel)
         if not os.path.isfile(full):
-            return f"{full} is missing"
+            return f"{full} is missing", files
         size = os.path.getsize(full)
         if size != entry.get("bytes"):
-            return f"{full} has {size} bytes, the manifest says {entry.get('bytes')} (truncated or overwritten)"
-    crcs = _shared_crc32(tag_dir, sorted(files))
+            return f"{full} has {size} bytes, the manifest says {entry.get('bytes')} (truncated or overwritten)", files
+    return None, files
+
+
+def problem(tag_dir: str) -> Optional[str]:
+    """What is wrong with a checkpoint folder (one phrase naming the file), or None when it matches its manifest;
+    collective when torch.distributed is initialized (every rank must call it, and all get the same answer, also
+    when the ranks see different folders: the first rank's problem, naming that rank)."""
+    why, files = _local_problem(tag_dir)
+    for r, why in enumerate(_gather(why)):
+        if why is not None:
+            return why if r == 0 else f"{why} (as rank {r} sees it)"
+    files = _broadcast(files)  # rank 0's manifest: the same list on every rank
+    found = _shared_crc32(tag_dir, sorted(files))
     for rel, entry in sorted(files.items()):
-        if crcs[rel] != entry.get("crc32"):
-            why = crcs[rel] if isinstance(crcs[rel], str) else "its CRC-32 differs from the manifest's (damaged)"
-            return f"{os.path.join(tag_dir, rel)}: {why}"
+        if isinstance(found[rel], str):
+            return f"{os.path.join(tag_dir, rel)} {found[rel]}"
+        if found[rel][1] != entry.get("crc32"):
+            return f"{os.path.join(tag_dir, rel)}: its CRC-32 differs from the manifest's (damaged)"
     return None

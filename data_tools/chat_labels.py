@@ -281,9 +281,11 @@ class ChatEncoder:
     def _encode_incremental(self, turns: list[dict], tools: list | None = None,
                             untrained: Collection[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         full = self.render(turns, tools=tools)
-        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(encoded["input_ids"], dtype=np.int32)
-        offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # The Rust tokenizer, as for every other sample: the Python call would also compare the length with the
+        # tokenizer's model_max_length and warn of "indexing errors" for a sample --max-len then drops.
+        encoding = self._backend.encode(full, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int32)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         mask = np.zeros(len(ids), dtype=bool)
         for i, turn in enumerate(turns):
             if turn["role"] == "assistant" and i not in untrained:

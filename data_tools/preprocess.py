@@ -14,14 +14,18 @@ saved with ``datasets.save_to_disk``; a folder of such files as a hub dataset sh
 ``path:N``) with ``data_tools.sft_inputs``; detect each record's shape (OpenAI ``messages``, ShareGPT
 ``conversations``, Alpaca, TRL prompt/completion, plain text) and normalise it with ``data_tools.sft_formats``;
 render the turns with the tokenizer's chat template (plain text with none) and label the trained tokens (``labels``
-= ``input_ids`` there, ``-100`` elsewhere, not shifted) with ``data_tools.chat_labels``. This module runs them over
-a worker pool, writes the dataset and the report, and is the CLI. docs/input_formats.md describes every shape.
+= ``input_ids`` there, ``-100`` elsewhere, not shifted) with ``data_tools.chat_labels``; all three in the worker
+processes of ``data_tools.preprocess_workers``. This module hands them the input, applies the held-out split and
+the input weights (``data_tools.mixing``), writes the dataset and the report, and is the CLI.
+docs/input_formats.md describes every shape, and how to split and weight inputs.
 
 Output DIR: the dataset (columns ``input_ids``, ``labels`` list<int32>; ``length``, ``num_loss_tokens`` int32;
 ``source`` string; ``num_loss_tokens`` = ``labels[1:] != -100`` counted, always >= 1), ``report.json`` (``read ==
 kept + sum(dropped.values())``) and ``dropped.jsonl`` (one ``{"source", "reason", "detail"}`` per dropped sample).
 It is built in a staging directory next to DIR and moved into place at the end; an existing DIR is replaced only if
-it holds an earlier preprocess output (a ``report.json``).
+it holds an earlier preprocess output (a ``report.json``). With ``--heldout-fraction``/``--heldout-count`` the
+held-out samples go to a second dataset of the same format (``--heldout-output``, default DIR_heldout) with its own
+report.json; a sample a weight below 1 leaves out is a line of dropped.jsonl with reason ``weight``.
 
 Drops: ``overlong`` (with ``--overlong drop``), ``no_loss_tokens``, ``no_loss_tokens_after_truncation`` are policy
 drops, always counted. Everything else (see ``ERROR_REASONS``) is bad input: with ``--on-error fail`` (default) the
@@ -35,25 +39,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from data_tools.chat_labels import TEMPLATE_REASONS, ChatEncoder
+from data_tools.mixing import Mix, apply_mix, parse_input
 from data_tools.preprocess_report import Counts, format_report
-from data_tools.sft_formats import FORMATS, REASONS, FormatError, parse_record
-from data_tools.sft_inputs import (FILE_REASONS, KINDS, input_kind, iter_records, jsonl_blocks, parse_jsonl_block,
-                                   resolve_input)
-from hbp_train.common.cli import ArgumentParser, existing_dir, int_range, output_dir, positive_int
+from data_tools.preprocess_workers import Chunk, encode_task, init_worker, start_pool
+from data_tools.sft_formats import FORMATS, REASONS, FormatError
+from data_tools.sft_inputs import FILE_REASONS, KINDS, input_kind, iter_records, jsonl_blocks, resolve_input
+from hbp_train.common.cli import ArgumentParser, existing_dir, float_range, int_range, output_dir, positive_int
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
-from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.common.outputs import interrupted, replace_dir, staging_dir
 from hbp_train.batches.vocab import data_record
 
@@ -67,121 +68,6 @@ _TASK_RECORDS = 2048  # parsed records per worker task (inputs other than JSONL,
 class PreprocessError(UserError):
     """A user-facing failure; ``str(e)`` is one line naming the file/line, the problem and the fix. (An unusable
     --tokenizer is chat_labels.TokenizerError, also a UserError.)"""
-
-
-# Per-process state of the tokenizing workers (forked workers inherit the parent's encoder, spawned ones load one).
-_ENCODER: ChatEncoder | None = None
-_LIMITS: tuple[int | None, str, str] = (None, "drop", "auto")
-
-
-def _init_worker(tokenizer_dir: str, max_len: int | None, overlong: str, encoder: ChatEncoder | None = None,
-                 fmt: str = "auto"):
-    global _ENCODER, _LIMITS
-    _ENCODER = encoder or ChatEncoder(tokenizer_dir)
-    _LIMITS = (max_len, overlong, fmt)
-
-
-def _init_pool_worker(*args):
-    """_init_worker for a pool process, which leaves Ctrl-C to the parent: the terminal sends SIGINT to every
-    process of the job, and each worker would print its own KeyboardInterrupt traceback. The tokenizer encodes
-    each batch on this process's thread only: the workers already use the CPUs, and a thread pool per worker on top
-    of them costs a quarter more CPU time for the same tokens."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _init_worker(*args)
-
-
-def _start_pool(num_proc: int, tokenizer_dir: str, max_len: int | None, overlong: str, encoder: ChatEncoder,
-                fmt: str = "auto"):
-    """Worker pool. Fork where available (as datasets.map does): workers start in milliseconds with the parent's
-    tokenizer instead of re-importing transformers/torch for seconds each. It is created before this process opens
-    the Arrow writer or the progress bar, so no thread of ours holds a lock at fork time; the parent has not
-    encoded yet, so the tokenizers library has no thread pool to warn about. Spawn elsewhere."""
-    if "fork" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("fork").Pool(
-            num_proc, initializer=_init_pool_worker, initargs=(tokenizer_dir, max_len, overlong, encoder, fmt))
-    return multiprocessing.get_context("spawn").Pool(
-        num_proc, initializer=_init_pool_worker, initargs=(tokenizer_dir, max_len, overlong, None, fmt))
-
-
-@dataclass
-class _Chunk:
-    """What a worker makes of one task: the kept rows as flat arrays, every drop in record order, counts."""
-
-    read: int
-    formats: dict
-    ignored: dict  # field -> records (or turns) that hold it unused
-    untrained: dict  # why -> assistant turns not trained on
-    drops: list  # (source, reason, detail, fix), record order
-    sources: list
-    input_ids: np.ndarray  # all kept rows, one after the other (int32)
-    labels: np.ndarray
-    lengths: np.ndarray  # tokens of every kept row (int32)
-    num_loss_tokens: np.ndarray
-    truncated: int
-
-
-def _encode_task(task: tuple) -> _Chunk:
-    """Parse, normalise and encode one task: ``("lines", path, first_line, bytes)`` (a block of JSONL lines) or
-    ``("records", [(source, record or FormatError), ...])``. The whole batch is encoded at once
-    (``ChatEncoder.encode_batch``); length limits and loss-token checks are numpy over the batch."""
-    max_len, overlong, fmt = _LIMITS
-    records = parse_jsonl_block(task[1], task[3], task[2]) if task[0] == "lines" else task[1]
-    drops, formats, ignored, untrained, sources, samples, ordinal = [], {}, {}, {}, [], [], []
-    read = 0
-    for source, record in records:
-        read += 1
-        if isinstance(record, FormatError):
-            drops.append((read, source, record.reason, record.detail, record.fix))
-            continue
-        try:
-            sample = parse_record(record, fmt)
-        except FormatError as e:
-            drops.append((read, source, e.reason, e.detail, e.fix))
-            continue
-        formats[sample.shape] = formats.get(sample.shape, 0) + 1
-        for name in sample.ignored:
-            ignored[name] = ignored.get(name, 0) + 1
-        for why in sample.untrained.values():
-            untrained[why] = untrained.get(why, 0) + 1
-        sources.append(source)
-        samples.append(sample)
-        ordinal.append(read)
-    ids, labels, row_ptr, errors = _ENCODER.encode_batch(samples)
-    lengths = np.diff(row_ptr)
-    keep = np.ones(len(lengths), bool)
-    for i, e in errors.items():
-        keep[i] = False
-        drops.append((ordinal[i], sources[i], e.reason, e.detail, e.fix))
-    truncated = np.zeros(len(lengths), bool)
-    if max_len is not None and np.any(lengths > max_len):
-        over = np.flatnonzero(lengths > max_len)
-        if overlong == "drop":
-            keep[over] = False
-            drops += [(ordinal[i], sources[i], "overlong", f"{int(lengths[i])} tokens > --max-len {max_len}", "")
-                      for i in over.tolist()]
-        else:
-            truncated[over] = True
-            position = np.arange(len(ids)) - np.repeat(row_ptr[:-1], lengths)
-            short = position < max_len
-            ids, labels = ids[short], labels[short]
-            lengths = np.minimum(lengths, max_len)
-            row_ptr = np.concatenate([[0], np.cumsum(lengths)])
-    # Trainable targets after the shift: labelled tokens that are not their row's first.
-    counted = labels != IGNORE_INDEX
-    counted[row_ptr[:-1][lengths > 0]] = False
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    num_loss = np.bincount(row, weights=counted, minlength=len(lengths)).astype(np.int32)
-    for i in np.flatnonzero(keep & (num_loss == 0)).tolist():
-        keep[i] = False
-        reason = "no_loss_tokens_after_truncation" if truncated[i] else "no_loss_tokens"
-        drops.append((ordinal[i], sources[i], reason, "no token left to train on", ""))
-    drops.sort(key=lambda d: d[0])
-    kept = np.repeat(keep, lengths)
-    return _Chunk(read=read, formats=formats, ignored=ignored, untrained=untrained, drops=[d[1:] for d in drops],
-                  sources=[src for src, k in zip(sources, keep.tolist()) if k], input_ids=ids[kept],
-                  labels=labels[kept], lengths=lengths[keep].astype(np.int32), num_loss_tokens=num_loss[keep],
-                  truncated=int(np.count_nonzero(truncated & keep)))
 
 
 # ------------------------------------------------------------------------------------------------------ output
@@ -199,7 +85,7 @@ def _features():
     })
 
 
-def _record_batch(chunk: _Chunk, schema):
+def _record_batch(chunk: Chunk, schema):
     """One Arrow record batch of a chunk's kept rows (no Python object per token)."""
     import pyarrow as pa
 
@@ -213,28 +99,28 @@ def _record_batch(chunk: _Chunk, schema):
 
 
 def _tasks(resolved: list[tuple[str, list[str] | FormatError]]):
-    """``(task, input bytes it covers)`` for every input file (``resolved``: each input with its files, or the
-    FormatError that says why it has none): JSONL files as blocks of lines (parsed by the workers), other files as
-    lists of parsed records (``_TASK_RECORDS`` each; their bytes counted when the file is done)."""
-    for path, files in resolved:
+    """``(task, input bytes it covers, index of its input)`` for every input file (``resolved``: each input with its
+    files, or the FormatError that says why it has none): JSONL files as blocks of lines (parsed by the workers),
+    other files as lists of parsed records (``_TASK_RECORDS`` each; their bytes counted when the file is done)."""
+    for index, (path, files) in enumerate(resolved):
         if isinstance(files, FormatError):
-            yield ("records", [(path, files)]), 0
+            yield ("records", [(path, files)]), 0, index
             continue
         for file in files:
             if input_kind(file) == "jsonl" and Path(file).is_file():
                 for head, block, size in jsonl_blocks(file):  # (first line, lines, bytes) or (path, error, 0)
                     if isinstance(block, FormatError):
-                        yield ("records", [(head, block)]), 0
+                        yield ("records", [(head, block)]), 0, index
                     else:
-                        yield ("lines", file, head, block), size
+                        yield ("lines", file, head, block), size, index
                 continue
             records = []
             for item in iter_records(file):
                 records.append(item)
                 if len(records) == _TASK_RECORDS:
-                    yield ("records", records), 0
+                    yield ("records", records), 0, index
                     records = []
-            yield ("records", records), _input_bytes(file)
+            yield ("records", records), _input_bytes(file), index
 
 
 def _input_bytes(path: str) -> int:
@@ -243,12 +129,12 @@ def _input_bytes(path: str) -> int:
     return p.stat().st_size if p.is_file() else 0
 
 
-def _check_output(output: Path) -> None:
+def _check_output(output: Path, flag: str = "--output") -> None:
     if output.exists() and not output.is_dir():
-        raise PreprocessError(f"{output}: output exists and is a file; pass a directory path to --output")
+        raise PreprocessError(f"{output}: output exists and is a file; pass a directory path to {flag}")
     if output.is_dir() and any(output.iterdir()) and not (output / "report.json").exists():
         raise PreprocessError(f"{output}: output directory is not empty and holds no earlier preprocess output; "
-                              f"choose a new or empty --output directory")
+                              f"choose a new or empty {flag} directory")
 
 
 # ------------------------------------------------------------------------------------------------------ driver
@@ -256,12 +142,15 @@ def _check_output(output: Path) -> None:
 
 def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto", max_len: int | None = None,
                overlong: str = "drop", on_error: str = "fail", num_proc: int = 1, num_shards: int | None = None,
-               progress: bool | None = None) -> dict:
+               progress: bool | None = None, heldout_fraction: float | None = None, heldout_count: int | None = None,
+               heldout_output: str | None = None, seed: int = 0) -> dict:
     """Tokenize ``inputs`` into the dataset directory ``output`` and return the report (also in report.json).
 
+    An input may end in ``:<weight>``; ``heldout_fraction`` or ``heldout_count`` hold kept samples out into
+    ``heldout_output`` (default OUTPUT_heldout); ``seed`` draws both (data_tools/mixing.py).
     Raises ``PreprocessError`` (one-line message) for bad arguments, the first bad record when
-    ``on_error == "fail"``, or when no sample is kept; ``TokenizerError`` for an unusable tokenizer.
-    ``progress=None`` shows a bar only on a terminal.
+    ``on_error == "fail"``, or when no sample is kept; ``TokenizerError`` for an unusable tokenizer; ``UserError``
+    for a bad weight or held-out size. ``progress=None`` shows a bar only on a terminal.
     """
     import datasets
     import pyarrow as pa
@@ -286,10 +175,17 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
         num_proc = num_cpus
     if num_shards is not None and num_shards < 1:
         raise PreprocessError(f"--num-shards {num_shards} must be >= 1")
-    inputs = [str(p) for p in inputs]
+    parsed = [parse_input(str(p)) for p in inputs]
+    inputs = [path for path, _ in parsed]
+    mix = Mix([weight for _, weight in parsed], heldout_fraction, heldout_count, heldout_output, seed)
     resolved = [(path, resolve_input(path)) for path in inputs]
     output_dir = Path(output)
     _check_output(output_dir)
+    heldout_dir = mix.heldout_dir(output) if mix.heldout else None
+    if heldout_dir is not None:
+        if heldout_dir.resolve() == output_dir.resolve():
+            raise PreprocessError(f"--heldout-output {heldout_dir}: the same folder as --output; choose another")
+        _check_output(heldout_dir, "--heldout-output")
 
     encoder = ChatEncoder(str(tokenizer))
     features = _features()
@@ -298,13 +194,15 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
     except OSError as e:
         raise PreprocessError(f"{output_dir}: cannot create the output directory ({e.strerror}); pass a writable "
                               f"--output path") from None
-    pool = dropped_file = writer = bar = None
+    pool = dropped_file = writer = bar = heldout_staged = None
     try:
         if num_proc > 1:
-            pool = _start_pool(num_proc, str(tokenizer), max_len, overlong, encoder, fmt)
+            pool = start_pool(num_proc, str(tokenizer), max_len, overlong, encoder, fmt)
         else:
-            _init_worker(str(tokenizer), max_len, overlong, encoder, fmt)
+            init_worker(str(tokenizer), max_len, overlong, encoder, fmt)
         counts = Counts()
+        read_per_input = [0] * len(inputs)
+        row_input = []  # the input of each kept row, chunk by chunk
         dropped_file = open(work / "dropped.jsonl", "w", encoding="utf-8")
         schema = features.arrow_schema
         writer = pa.ipc.new_stream(str(work / "rows.arrow"), schema)
@@ -312,7 +210,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
                    unit="B", unit_scale=True, desc="preprocess",
                    dynamic_ncols=True, disable=(None if progress is None else not progress))
 
-        def take(chunk: _Chunk) -> None:
+        def take(index: int, chunk: Chunk) -> None:
             for source, reason, detail, fix in chunk.drops:
                 if reason not in POLICY_DROPS and on_error == "fail":
                     raise PreprocessError(f"{source}: {detail}; {fix} ({_SKIP_HINT})")
@@ -322,25 +220,27 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
             if len(chunk.lengths):
                 writer.write_batch(_record_batch(chunk, schema))
             counts.add(chunk)
+            read_per_input[index] += chunk.read
+            row_input.append(np.full(len(chunk.lengths), index, np.int32))
 
         # Tasks go to the workers in order and come back in order, at most a few per worker in flight: the output
         # is the same for any --num-proc and memory stays bounded however large the input.
         in_flight: deque = deque()
-        for task, size in _tasks(resolved):
+        for task, size, index in _tasks(resolved):
             if pool is None:
-                take(_encode_task(task))
+                take(index, encode_task(task))
             else:
-                in_flight.append(pool.apply_async(_encode_task, (task,)))
+                in_flight.append((index, pool.apply_async(encode_task, (task,))))
                 if len(in_flight) >= 2 * num_proc:
-                    take(in_flight.popleft().get())
+                    index, result = in_flight.popleft()
+                    take(index, result.get())
             bar.update(size)
         while in_flight:
-            take(in_flight.popleft().get())
+            index, result = in_flight.popleft()
+            take(index, result.get())
         bar.close()
         writer.close()
         writer = None
-        dropped_file.close()
-
         report = counts.report()
         report.update({
             "inputs": inputs, "output": str(output_dir), "tokenizer": str(tokenizer), "format": fmt,
@@ -354,22 +254,37 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
                                   f"--format and --max-len")
 
         dataset = datasets.Dataset.from_file(str(work / "rows.arrow"))
-        report.update(data_record(encoder.tokenizer, str(tokenizer), dataset))  # checked by the trainer (vocab.py)
-        shards = min(num_shards, len(dataset)) if num_shards else None
-        report["num_shards"] = shards
-        staged = work / "dataset"
+        # The held-out split and the weights (report: where the kept samples went; dropped.jsonl: what a weight
+        # left out); without them the rows are written as they are.
+        dataset, heldout = apply_mix(dataset, np.concatenate(row_input), mix, inputs, read_per_input, report,
+                                     dropped_file, heldout_dir)
+        dropped_file.close()
         # datasets has its own bar: silence it whenever ours is off (non-terminal runs stay quiet), then restore.
         silence = bar.disable and not datasets.utils.are_progress_bars_disabled()
         if silence:
             datasets.disable_progress_bars()
         try:
-            dataset.save_to_disk(str(staged), num_shards=shards)
+            staged, heldout_staged = work / "dataset", None
+            report["num_shards"] = _save(dataset, staged, num_shards)
+            report.update(_data_record(encoder, tokenizer, staged))  # checked by the trainer (vocab.py)
+            if heldout is not None:
+                heldout_staged = staging_dir(heldout_dir)
+                held = report["heldout"]
+                held["num_shards"] = _save(heldout, heldout_staged, num_shards)
+                held.update(_data_record(encoder, tokenizer, heldout_staged))
         finally:
             if silence:
                 datasets.enable_progress_bars()
-        del dataset
+        del dataset, heldout
         (staged / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         shutil.move(str(work / "dropped.jsonl"), str(staged / "dropped.jsonl"))
+        if heldout_staged is not None:
+            held_report = {**report["heldout"], "heldout_of": str(output_dir), "inputs": inputs,
+                           "tokenizer": str(tokenizer), "chat_template": encoder.template_source,
+                           "label_mode": encoder.label_mode, "max_len": max_len, "overlong": overlong}
+            (heldout_staged / "report.json").write_text(json.dumps(held_report, indent=2) + "\n")
+            replace_dir(heldout_staged, heldout_dir)
+            heldout_staged = None
         replace_dir(staged, output_dir)
         return report
     finally:
@@ -380,6 +295,22 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
             if handle is not None and not getattr(handle, "closed", False):
                 handle.close()
         shutil.rmtree(work, ignore_errors=True)
+        if heldout_staged is not None:  # interrupted between the two folders' writes
+            shutil.rmtree(heldout_staged, ignore_errors=True)
+
+
+def _save(dataset, folder: Path, num_shards: int | None) -> int | None:
+    """``dataset.save_to_disk(folder)`` in ``num_shards`` files (at most one per row); returns that count."""
+    shards = min(num_shards, len(dataset)) if num_shards else None
+    dataset.save_to_disk(str(folder), num_shards=shards)
+    return shards
+
+
+def _data_record(encoder: ChatEncoder, tokenizer: str, folder: Path) -> dict:
+    """The tokenizer record of the dataset saved in ``folder`` (hbp_train/batches/vocab.py)."""
+    import datasets
+
+    return data_record(encoder.tokenizer, str(tokenizer), datasets.load_from_disk(str(folder)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -395,17 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "content<|im_end|> trained). Plain text (text, prompt/completion strings): no template, the eos\n"
                     "after it, the text (the completion) trained. Shapes with examples: docs/input_formats.md.",
         epilog="Output DIR: the dataset (input_ids, labels, length, num_loss_tokens, source='path:N' with N the\n"
-               "1-based JSONL line, CSV line or 0-based row), report.json (with ignored_fields, untrained_turns),\n"
-               "dropped.jsonl. An existing DIR is replaced only if it holds an earlier preprocess output.\n"
+               "1-based JSONL line, CSV line or 0-based row), report.json (with ignored_fields, untrained_turns,\n"
+               "per_input counts before and after weighting, heldout), dropped.jsonl (with the samples a weight\n"
+               "below 1 left out, reason 'weight'). An existing DIR is replaced only if it holds an earlier\n"
+               "preprocess output. How to split and weight inputs: docs/input_formats.md.\n"
                "Policy drops (always counted): overlong, no_loss_tokens, no_loss_tokens_after_truncation.\n"
                f"Bad-input reasons (fail or skip per --on-error):{reasons}\n"
                "Exit codes: 0 ok; 2 bad input, tokenizer, output or flags (one line on stderr);\n"
                "130 interrupted (Ctrl-C; an existing DIR is left as it was).",
     )
     # No path check here: a missing input file is a bad-input reason like the others (--on-error skip drops it).
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH[:WEIGHT]",
                         help=f"input files ({', '.join(KINDS)}), folders of them as a hub dataset ships them (one "
-                             "split), or saved HF dataset directories (required)")
+                             "split), or saved HF dataset directories (required). A trailing :WEIGHT (> 0) weights "
+                             "an input: its samples taken floor(WEIGHT) times plus a seeded fraction once more, e.g. "
+                             "a.jsonl:2 b.parquet:0.5 (a path that exists as given is never split at ':')")
     parser.add_argument("--output", required=True, metavar="DIR", type=output_dir,
                         help="output dataset directory, built beside DIR and moved into "
                         "place when complete (required)")
@@ -430,6 +365,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "any N (default 1)")
     parser.add_argument("--num-shards", type=positive_int, default=None, metavar="N",
                         help="number of dataset shard files (default: datasets' choice, ~500 MB each)")
+    held = parser.add_mutually_exclusive_group()
+    held.add_argument("--heldout-fraction", type=float_range(0.0, 1.0, low_open=True), default=None, metavar="F",
+                      help="hold out this fraction (0 < F < 1) of the kept samples, drawn with --seed from all "
+                           "inputs before weighting, whole samples only, into --heldout-output")
+    held.add_argument("--heldout-count", type=positive_int, default=None, metavar="N",
+                      help="hold out N kept samples (as --heldout-fraction)")
+    parser.add_argument("--heldout-output", default=None, metavar="DIR", type=output_dir,
+                        help="the held-out dataset, in the output's format: pack it for data.eval_shards, or give "
+                             "it to hbp-eval offline --dataset (default: OUTPUT_heldout beside OUTPUT)")
+    parser.add_argument("--seed", type=int_range(0), default=0, metavar="S",
+                        help="seed of the held-out draw and of the weights' fractions (default 0)")
     return parser
 
 
@@ -438,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = preprocess(args.input, args.output, args.tokenizer, fmt=args.format, max_len=args.max_len,
                             overlong=args.overlong, on_error=args.on_error, num_proc=args.num_proc,
-                            num_shards=args.num_shards)
+                            num_shards=args.num_shards, heldout_fraction=args.heldout_fraction,
+                            heldout_count=args.heldout_count, heldout_output=args.heldout_output, seed=args.seed)
     except UserError as e:  # PreprocessError: bad flags, an unusable tokenizer or output, a bad record
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -48,7 +48,10 @@ REASONS = {
     "unknown_role": "a turn has a role that is not system/user/assistant/tool (or a ShareGPT alias)",
     "empty_conversation": "the conversation has no turns",
     "no_assistant_turn": "nothing to train on: no assistant turn",
+    "empty": "the field a record needs is there but empty: an empty CSV cell, or null",
 }
+# The fields whose presence decides a record's shape (detect_format).
+_SHAPE_KEYS = ("messages", "conversations", "instruction", "output", "prompt", "completion", "text")
 
 MESSAGES_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 SHAREGPT_ROLES = {
@@ -136,6 +139,7 @@ def detect_format(record: object) -> str:
         return "prompt_completion"
     if record.get("text") is not None:
         return "text"
+    _raise_if_empty(record, _SHAPE_KEYS)
     keys = ", ".join(sorted(map(str, record))[:8]) or "none"
     raise FormatError("unknown_format", f"unrecognised record shape (keys: {keys})",
                       "use 'messages' (OpenAI), 'conversations' (ShareGPT), 'instruction'+'output' (Alpaca), "
@@ -187,8 +191,26 @@ def _list_field(fmt: str) -> str:
     return {"messages": "messages", "sharegpt": "conversations", "prompt_completion": "prompt"}[fmt]
 
 
+def _raise_if_empty(record: dict, names) -> None:
+    """A record that lacks what its shape needs only because the field is there and empty (a CSV row's empty cell:
+    the reader lists them in ``empty_cells``; a null) says so, naming the fields: its header or keys are right."""
+    cells = getattr(record, "empty_cells", ())
+    empty = [name for name in names if name in cells]
+    if empty:
+        columns = ", ".join(f"'{name}'" for name in empty)
+        raise FormatError("empty", f"the cell{'s' if len(empty) > 1 else ''} of column{'s' if len(empty) > 1 else ''}"
+                                   f" {columns} {'are' if len(empty) > 1 else 'is'} empty",
+                          "fill it in or drop the row")
+    null = [name for name in names if name in record and record[name] is None]
+    if null:
+        fields = ", ".join(f"'{name}'" for name in null)
+        raise FormatError("empty", f"field{'s' if len(null) > 1 else ''} {fields} {'are' if len(null) > 1 else 'is'}"
+                                   " null", "give it a value or drop the record")
+
+
 def _required(record: dict, field: str, kind: type):
     if record.get(field) is None:
+        _raise_if_empty(record, (field,))
         keys = ", ".join(sorted(map(str, record))[:8]) or "none"
         raise FormatError("missing_field", f"missing field '{field}' (keys: {keys})",
                           f"add '{field}' or pick the right --format")
@@ -381,6 +403,7 @@ def _prompt_completion(sample: Sample, record: dict) -> None:
         return
     for name, value in (("prompt", prompt), ("completion", completion)):
         if value is None:
+            _raise_if_empty(record, (name,))
             raise FormatError("missing_field", f"missing field '{name}'", "give both 'prompt' and 'completion'")
     if not (isinstance(prompt, list) and isinstance(completion, list)):
         raise FormatError("bad_field_type", f"'prompt' is {json_kind(prompt)} and 'completion' {json_kind(completion)}",

@@ -10,10 +10,11 @@ other files are not data). A folder holding several splits is refused: which one
 Each record's ``source`` is ``path:N``: N is the 1-based line for JSONL, the line a record starts on for CSV (the
 header is line 1), the 0-based row for JSON arrays, Parquet and HF datasets (``ds[N]``); a whole-file problem is
 reported as ``path`` (or ``path:LINE`` for a JSON syntax error). A ``.json`` file holding JSON lines is read as
-JSONL. A CSV's columns become the fields of its records, all strings, an empty cell an absent field: it carries the
-flat shapes (Alpaca, prompt/completion strings, text), not lists of turns. Nothing here raises for bad input: a bad
-line, row, file or folder is yielded as a ``FormatError`` in place of the record, with one of ``FILE_REASONS`` as
-its reason, so ``data_tools.preprocess`` can stop at it or count it (``--on-error``).
+JSONL. A CSV's columns become the fields of its records, all strings, an empty cell an absent field (the record
+lists the columns whose cell is empty, ``CsvRecord.empty_cells``, so a record that needed one says which cell is
+empty): it carries the flat shapes (Alpaca, prompt/completion strings, text), not lists of turns. Nothing here
+raises for bad input: a bad line, row, file or folder is yielded as a ``FormatError`` in place of the record, with
+one of ``FILE_REASONS`` as its reason, so ``data_tools.preprocess`` can stop at it or count it (``--on-error``).
 
 JSONL is streamed: ``jsonl_blocks`` reads a file (decompressing a ``.gz`` as it goes) in blocks of whole lines
 (``BLOCK_BYTES`` each), which ``parse_jsonl_block`` turns into records; memory stays bounded however large the
@@ -53,6 +54,14 @@ BLOCK_BYTES = 1 << 20
 _CSV_FIELD_LIMIT = 2**31 - 1
 # A gzip file cut short or corrupt: what gzip and zlib raise.
 _GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+
+
+class CsvRecord(dict):
+    """A CSV row's record: its non-empty cells by column, and ``empty_cells``, the columns whose cell is empty."""
+
+    def __init__(self, header: list[str], cells: list[str]):
+        super().__init__((name, cell) for name, cell in zip(header, cells) if cell != "")
+        self.empty_cells = tuple(name for name, cell in zip(header, cells) if cell == "")
 
 
 def input_kind(path: str) -> str | None:
@@ -222,7 +231,7 @@ def _iter_csv(path: str) -> Iterator[tuple[str, object]]:
             line = reader.line_num + 1
             for cells in reader:
                 if len(cells) == len(header):
-                    yield f"{path}:{line}", {name: cell for name, cell in zip(header, cells) if cell != ""}
+                    yield f"{path}:{line}", CsvRecord(header, cells)
                 elif cells:  # a blank line is no record
                     yield f"{path}:{line}", FormatError(
                         "malformed_csv", f"the row has {len(cells)} cells, the header {len(header)}",

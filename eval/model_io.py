@@ -100,6 +100,29 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
     return model, tokenizer
 
 
+def untrained_model(model_dir: Path, device: torch.device, dtype: torch.dtype, seed: int):
+    """The model of ``model_dir/config.json`` with freshly initialised weights (seeded), in eval mode on ``device``:
+    what training started from when the run built its model from a config, and the chance level of a score
+    otherwise. The weights are made on ``device`` directly."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def check_same_vocabulary(model_dir: Path, baseline_dir: Path, tokenizer) -> None:
+    """A base model scored on the model's samples must read their token ids as the model does: UserError if its
+    tokenizer's vocabulary differs."""
+    if load_tokenizer(baseline_dir).get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"--baseline {baseline_dir}: its tokenizer's vocabulary differs from {model_dir}'s, so it "
+                        "cannot score the same token ids; pass the base model the export was trained from, or "
+                        "--baseline untrained")
+
+
 def stop_token_ids(model, tokenizer) -> set[int]:
     """Token ids that end an answer: the eos of the tokenizer and of the generation config, and the token that
     ends an assistant turn in the chat template (a chat model trained with ChatML ends its turn with

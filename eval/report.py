@@ -34,18 +34,28 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def needle_table(needle: dict) -> str:
-    """Per-length accuracies (averaged over depths) plus the overall row."""
+    """Per-length accuracies (averaged over depths) plus the overall row; the reference model's beside them when
+    there is one (``needle["baseline"]``), and the chance level under the table."""
+    baseline = needle.get("baseline")
+    metrics = ("loglik_acc", "greedy_acc")
     rows = []
     for length in needle["lengths"]:
         cells = [c for c in needle["cells"] if c["length"] == length]
-        rows.append([
-            length,
-            sum(c["mean_tokens"] for c in cells) / len(cells),
-            sum(c["loglik_acc"] for c in cells) / len(cells),
-            sum(c["greedy_acc"] for c in cells) / len(cells),
-        ])
-    rows.append(["all", None, needle["loglik_acc"], needle["greedy_acc"]])
-    return markdown_table(["length", "mean tokens", "loglik acc", "greedy acc"], rows)
+        row = [length, sum(c["mean_tokens"] for c in cells) / len(cells),
+               *[sum(c[m] for c in cells) / len(cells) for m in metrics]]
+        if baseline:
+            base = [c for c in baseline["cells"] if c["length"] == length]
+            row += [sum(c[m] for c in base) / len(base) for m in metrics]
+        rows.append(row)
+    rows.append(["all", None, *[needle[m] for m in metrics], *([baseline[m] for m in metrics] if baseline else [])])
+    header = ["length", "mean tokens", "loglik acc", "greedy acc"]
+    if baseline:
+        header += [f"loglik acc ({baseline['model']})", f"greedy acc ({baseline['model']})"]
+    note = (f"\nChance for loglik acc: {needle['chance_loglik_acc']:.2f} (the true value against "
+            f"{needle['num_distractors']} distractors of as many tokens)"
+            + (f"; {baseline['model']}: {baseline['loglik_acc']:.2f}, measured on the same samples.\n" if baseline
+               else ".\n"))
+    return markdown_table(header, rows) + note
 
 
 def _length_depth_heatmap(fig, ax, grid, lengths, depths, vmax: float, fmt: str, title: str) -> None:
@@ -77,8 +87,10 @@ def plot_needle_heatmap(needle: dict, path: Path) -> Path:
         for c in needle["cells"]:
             grid[lengths.index(c["length"]), depths.index(c["depth"])] = c[metric]
         _length_depth_heatmap(fig, ax, grid, lengths, depths, 1.0, ".2f", f"{title}: {needle[metric]:.2f}")
+    baseline = needle.get("baseline")
     fig.suptitle(f"needle in a haystack ({needle['trials']} trials/cell, "
-                 f"chance {needle['chance_loglik_acc']:.2f} for log-likelihood)")
+                 f"chance {needle['chance_loglik_acc']:.2f} for log-likelihood"
+                 + (f", {baseline['model']} {baseline['loglik_acc']:.2f})" if baseline else ")"))
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,19 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"warning: {message}", file=sys.stderr if file is None else file)
 
 
+def baseline_arg(text: str):
+    """``--baseline``: ``untrained``, ``none``, or an existing folder (a base model, checked by run_offline)."""
+    if text in ("untrained", "none"):
+        return text
+    path = Path(text).expanduser()
+    if text.strip() and path.is_dir():
+        return path
+    raise argparse.ArgumentTypeError(f"{text!r} is neither 'untrained', 'none' nor a model folder (give one of them)")
+
+
+baseline_arg.bad_values = ("no-such-model", "/nonexistent/base")  # for tests/test_cli_walk.py: two refused values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m eval.run",
@@ -73,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="greedy-decoding budget per sample (default 16)")
     off.add_argument("--seed", type=nonneg_int, default=0, help="seed of the needle sample generator (default 0)")
     off.add_argument("--no-needle", action="store_true", help="skip the needle test (perplexity only)")
+    off.add_argument("--baseline", default="untrained", metavar="untrained|none|DIR", type=baseline_arg,
+                     help="the reference the needle scores are reported beside: 'untrained' (the model's config "
+                          "with random weights, seeded by --seed: the measured chance level), a base model "
+                          "directory with the same tokenizer (what training started from), or 'none' (default "
+                          "untrained)")
     off.add_argument("--dataset", type=existing_dir.path, default=None,
                      help="tokenized dataset directory (data_tools.preprocess output: input_ids, labels, ...) "
                           "for held-out loss and perplexity; omitted = no perplexity")
@@ -159,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_offline(args) -> int:
-    from eval.model_io import (check_model_dir, load_model, load_tokenizer, pick_device, pick_dtype,
-                               set_cpu_threads, stop_token_ids)
+    from eval.model_io import (check_model_dir, check_same_vocabulary, load_model, load_tokenizer, pick_device,
+                               pick_dtype, set_cpu_threads, stop_token_ids)
     from eval.needle import run_needle
     from eval.perplexity import load_tokenized, run_perplexity
     from eval.report import needle_table, plot_needle_heatmap, score_table
@@ -175,9 +193,16 @@ def run_offline(args) -> int:
         raise UserError("--no-needle without --dataset leaves nothing to evaluate; add --dataset DIR")
     # Everything that can be wrong with the input fails before the model loads.
     model_dir = check_model_dir(args.model)
+    baseline = None if args.no_needle or args.baseline == "none" else args.baseline
+    if isinstance(baseline, Path):
+        baseline = _baseline_dir(baseline)
+    samples = None
     if not args.no_needle:
         _check_lengths_fit(model_dir, needle_config.lengths)
-    samples = None if args.no_needle else generate_samples(load_tokenizer(model_dir), needle_config)
+        tokenizer = load_tokenizer(model_dir)
+        if isinstance(baseline, Path):
+            check_same_vocabulary(model_dir, baseline, tokenizer)
+        samples = generate_samples(tokenizer, needle_config)
     if args.dataset is not None:
         load_tokenized(args.dataset)
     out = make_out(args.out)
@@ -198,8 +223,9 @@ def run_offline(args) -> int:
     if not args.no_needle:
         # The samples as an OpenCompass dataset: the same rows `eval.run opencompass --datasets needle` generates.
         result["files"]["needle_samples"] = str(write_jsonl(out / "needle.jsonl", [to_record(s) for s in samples]))
-        needle = run_needle(model, tokenizer, needle_config, stop_token_ids(model, tokenizer),
-                            max_new_tokens=args.max_new_tokens, progress=not args.no_progress, samples=samples)
+        stop_ids = stop_token_ids(model, tokenizer)
+        needle = run_needle(model, tokenizer, needle_config, stop_ids, max_new_tokens=args.max_new_tokens,
+                            progress=not args.no_progress, samples=samples)
         result["needle"] = needle
         result["scores"] += [{"dataset": "needle (offline)", "metric": metric, "mode": "offline",
                               "score": 100.0 * needle[metric]} for metric in ("loglik_acc", "greedy_acc")]
@@ -207,13 +233,22 @@ def run_offline(args) -> int:
                               "mode": "breakdown", "score": 100.0 * sum(c[metric] for c in cells) / len(cells)}
                              for metric in ("loglik_acc", "greedy_acc") for length in needle["lengths"]
                              for cells in [[c for c in needle["cells"] if c["length"] == length]]]
-        result["files"]["heatmap"] = str(plot_needle_heatmap(needle, out / "needle_heatmap.png"))
-        report += ["## Needle in a haystack\n", needle_table(needle)]
     if args.dataset is not None:
         ppl = run_perplexity(model, args.dataset, args.max_samples, progress=not args.no_progress)
         result["perplexity"] = ppl
         result["scores"] += [{"dataset": "held-out", "metric": metric, "mode": "offline", "score": ppl[metric]}
                              for metric in ("loss", "perplexity")]
+    if baseline is not None:
+        del model  # one model in memory at a time: the reference may be as large
+        needle["baseline"] = _score_baseline(args, baseline, model_dir, tokenizer, stop_ids, device, dtype,
+                                             needle_config, samples)
+        result["scores"] += [{"dataset": "needle (offline)", "metric": f"{metric}, {needle['baseline']['model']}",
+                              "mode": "baseline", "score": 100.0 * needle["baseline"][metric]}
+                             for metric in ("loglik_acc", "greedy_acc")]
+    if not args.no_needle:
+        result["files"]["heatmap"] = str(plot_needle_heatmap(needle, out / "needle_heatmap.png"))
+        report += ["## Needle in a haystack\n", needle_table(needle)]
+    if args.dataset is not None:
         report += ["## Held-out perplexity\n",
                    f"{ppl['num_samples']} samples, {ppl['num_loss_tokens']} label tokens: "
                    f"loss {ppl['loss']:.4f}, perplexity {ppl['perplexity']:.3f}\n"]
@@ -229,6 +264,34 @@ def run_offline(args) -> int:
           + (f", {result['files']['heatmap']}" if "heatmap" in result["files"] else "")
           + f" ({result['seconds']} s)")
     return 0
+
+
+def _baseline_dir(path: Path) -> Path:
+    """``--baseline DIR``: a model directory (config.json and a tokenizer); else the one-line error."""
+    from eval.model_io import check_model_dir
+
+    try:
+        return check_model_dir(path)
+    except UserError as err:
+        raise UserError(str(err).replace("--model", "--baseline", 1)) from None
+
+
+def _score_baseline(args, baseline, model_dir: Path, tokenizer, stop_ids: set[int], device, dtype, needle_config,
+                    samples) -> dict:
+    """The needle samples scored by the reference model (``--baseline``), loaded or built on ``device``, with the
+    evaluated model's tokenizer and stop tokens."""
+    from eval.model_io import load_model, set_cpu_threads, untrained_model
+    from eval.needle import baseline_needle
+
+    if baseline == "untrained":
+        model = untrained_model(model_dir, device, dtype, args.seed)
+        label = "untrained baseline"
+    else:
+        model, _ = load_model(baseline, device, dtype)
+        label = f"baseline {baseline.name}"
+    set_cpu_threads(model, args.threads)
+    return baseline_needle(model, tokenizer, needle_config, stop_ids, samples, label,
+                           max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
 
 
 def _check_lengths_fit(model_dir: Path, lengths: list[int]) -> None:

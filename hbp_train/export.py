@@ -4,11 +4,13 @@
 
 The weights are consolidated from the DeepSpeed ZeRO-1/2/3 shards with DeepSpeed's zero_to_fp32 utilities (fp32
 master weights, on the CPU, no GPU or process group needed); the HF config and the tokenizer come from the
-checkpoint's ``hf/`` folder (saved by hbp_train/runtime/checkpoint.py). The exported config re-enables the KV cache and
-the standard attention (training used use_cache=False and the packed attention). LoRA/DoRA adapters
-(model.lora) are merged into the base weights (hbp_train/model/lora.py), or with ``--adapter`` written alone as a peft
-adapter folder (``peft.PeftModel.from_pretrained(base_model, HF_DIR)``) with the tokenizer. ``--out`` must be new, empty or
-an earlier export (marked by the ``hbp_export.json`` written last), so another model's files are never overwritten.
+checkpoint's ``hf/`` folder (saved by hbp_train/runtime/checkpoint.py). The tokenizer's files are written as the user
+gave them (``write_tokenizer``: the run's tokenizer folder copied file for file, not re-saved by transformers). The
+exported config re-enables the KV cache and the standard attention (training used use_cache=False and the packed
+attention). LoRA/DoRA adapters (model.lora) are merged into the base weights (hbp_train/model/lora.py), or with
+``--adapter`` written alone as a peft adapter folder (``peft.PeftModel.from_pretrained(base_model, HF_DIR)``) with
+the tokenizer. ``--out`` must be new, empty or an earlier export (marked by the ``hbp_export.json`` written last), so
+another model's files are never overwritten.
 
 ``generation_config.json`` starts from the base model's own (saved in ``hf/`` with its sampling settings and eos
 list; else the one derived from the config) and adds to its ``eos_token_id`` the tokenizer's eos and the token that
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 from hbp_train.common.cli import ArgumentParser, existing_dir, output_dir
@@ -34,6 +37,11 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
     """Write HF_DIR (config, safetensors weights, generation config, tokenizer; ``adapter``: the peft adapter folder
     and the tokenizer); returns it. Raises UserError on bad input."""
     import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        # Name DeepSpeed's accelerator before its import (as launch.sh does): without a GPU it picks the CPU anyway,
+        # after a warning that it could not detect one. The consolidation runs on the CPU either way.
+        os.environ["DS_ACCELERATOR"] = "cpu"
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -110,11 +118,78 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
         model = model.to(torch_dtype)
         model.generation_config = generation_config
         model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    write_tokenizer(os.path.join(root, tag), tokenizer, out)
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump({"checkpoint": os.path.join(root, tag), "dtype": dtype, "adapter": adapter}, f)
         f.write("\n")
     return out
+
+
+# What transformers' from_pretrained records of its own call and save_pretrained then writes into
+# tokenizer_config.json: facts about one load, not settings of the tokenizer.
+LOADER_KEYS = ("is_local", "local_files_only")
+# A tokenizer's files besides the ones its class names (tokenizer.vocab_files_names).
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                   "chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def write_tokenizer(tag_dir: str, tokenizer, out: str) -> str:
+    """Write the tokenizer's files into ``out`` as the user gave them; returns the folder they came from.
+
+    The run's tokenizer folder (``model.tokenizer`` in the checkpoint's config.yaml) is copied file for file when it
+    still holds the tokenizer the checkpoint saved (same vocabulary, special tokens and chat template): a re-save by
+    transformers would rename a ``PreTrainedTokenizerFast`` class, move the chat template into its own file and add
+    the keys of its own load (``LOADER_KEYS``). Otherwise (the folder moved or changed since training) the
+    checkpoint's copy in ``hf/`` is written, without those keys."""
+    names = {*TOKENIZER_FILES, *getattr(tokenizer, "vocab_files_names", {}).values()}
+    for name in names:  # an earlier export's (checked: out is new, empty or an export)
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            os.remove(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+    source = _run_tokenizer_dir(tag_dir)
+    if source is None or not _same_tokenizer(source, tokenizer):
+        source = os.path.join(tag_dir, "hf")
+    for name in sorted(names):
+        path = os.path.join(source, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(out, name))
+        elif os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(out, name))
+    config_path = os.path.join(out, "tokenizer_config.json")
+    if source.endswith(os.sep + "hf") and os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if any(key in saved for key in LOADER_KEYS):
+            with open(config_path, "w", encoding="utf-8") as f:
+                json.dump({k: v for k, v in saved.items() if k not in LOADER_KEYS}, f, indent=2, ensure_ascii=False)
+                f.write("\n")
+    return source
+
+
+def _run_tokenizer_dir(tag_dir: str):
+    """The run's ``model.tokenizer`` (its config.yaml in the checkpoint) when that folder exists, else None."""
+    from omegaconf import OmegaConf
+
+    try:
+        path = OmegaConf.select(OmegaConf.load(os.path.join(tag_dir, "config.yaml")), "model.tokenizer")
+    except Exception:  # noqa: BLE001 -- no or an unreadable config.yaml: the checkpoint's own copy serves
+        return None
+    return str(path) if path and os.path.isdir(str(path)) else None
+
+
+def _same_tokenizer(folder: str, tokenizer) -> bool:
+    """Whether ``folder`` holds the tokenizer the checkpoint saved: the same vocabulary (added tokens included),
+    special tokens and chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        other = AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 -- an unloadable folder is not the run's tokenizer any more
+        return False
+    return (other.get_vocab() == tokenizer.get_vocab() and other.special_tokens_map == tokenizer.special_tokens_map
+            and other.chat_template == tokenizer.chat_template)
 
 
 def build_generation_config(hf_dir: str, config, tokenizer):

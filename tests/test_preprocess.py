@@ -482,9 +482,9 @@ def test_pool_workers_leave_ctrl_c_to_the_parent(encoder, ctrl_c_stops_python):
     the background, where SIGINT is ignored from the start.)"""
     import signal
 
-    from data_tools.preprocess import _start_pool
+    from data_tools.preprocess_workers import start_pool
 
-    pool = _start_pool(1, TOKENIZER, None, "drop", encoder)
+    pool = start_pool(1, TOKENIZER, None, "drop", encoder)
     try:
         assert pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
     finally:

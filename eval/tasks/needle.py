@@ -10,11 +10,23 @@ The same samples serve both evaluations: ``eval/needle.py`` scores them offline 
 template plus the answer prefix "The special magic number for <key> is"), and ``eval/suite.py`` writes them as an
 OpenCompass dataset (the user turn as ``prompt``, the value as ``answer``). Same lengths, depths, trials, seed and
 tokenizer, same prompts (the number of distractors does not change them).
+
+Every value of a sweep, the asked-for one, the other keys' and the distractors, is a 7-digit number that the
+tokenizer splits into the same number of tokens (``value_token_count``: the count most 7-digit numbers get). A
+tokenizer that merges digits splits some numbers into fewer tokens than others, and the offline score sums
+log-probabilities over a value's tokens, each costing some: a weak model ranked first whichever candidates had the
+fewest tokens, so its score followed how the tokenizer splits numbers, and among those the least preference for a
+number it had seen in the prompt (an untrained model's random weights have some) won it the sample; an untrained
+model scored 35% where chance is 20%. With equal counts only the model's preference among the candidates decides,
+and a model whose preference owes nothing to the needle is right ``1 / (distractors + 1)`` of the time over the
+draws: the true value and its distractors come from one distribution. (Dividing each sum by its token count would
+not do it: a mean over fewer tokens varies more, so it is the highest more often.)
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 from eval.tasks.haystack import fill, render_prompt, sentence_tokens
@@ -26,6 +38,10 @@ KEY_WORDS = [
     "velvet", "willow", "yarrow", "zephyr", "basalt", "cedar", "delta", "fjord", "granite",
 ]
 NUM_VALUE_DIGITS = 7
+# Values drawn to find the token count most 7-digit numbers get (their own fixed seed: the same count for a
+# tokenizer whatever the sweep's seed), and the draws allowed to find one value of that count.
+_COUNT_POOL = 512
+_MAX_DRAWS = 10_000
 # Kept short so that short contexts (a 128-token demo) still hold some haystack.
 INSTRUCTION = "Remember the special magic number in this text."
 MULTIKEY_INSTRUCTION = "Remember the special magic numbers in this text."
@@ -80,6 +96,8 @@ class NeedleSample:
     """The user turn alone (what OpenCompass renders with the chat template itself)."""
     key: str = ""
     num_keys: int = 1
+    value_tokens: int = 0
+    """Tokens of " <value>" (and of every distractor: the same count), as the offline score encodes them."""
 
 
 def _needle(key: str, value: str) -> str:
@@ -98,42 +116,68 @@ def _user(instruction: str, haystack: list[str], key: str) -> str:
     return f"{instruction}\n\n{' '.join(haystack)}\n\n{_question(key)}"
 
 
-def make_sample(tokenizer, length: int, depth: float, rng: random.Random, num_distractors: int,
-                tokens_per_sentence: list[int], num_keys: int = 1) -> NeedleSample:
-    """A prompt of at most ``length`` tokens (within about one short filler sentence) with the needle at ``depth``."""
+def candidate_tokens(tokenizer, value: str) -> list[int]:
+    """The token ids of ``value`` as a continuation of the answer prefix: " <value>", no special tokens."""
+    return tokenizer.encode(" " + value, add_special_tokens=False)
+
+
+def value_token_count(tokenizer) -> int:
+    """The number of tokens most 7-digit values split into with this tokenizer (the smaller on a tie); every value
+    of a sweep has this many (see the module docstring)."""
     low, high = 10 ** (NUM_VALUE_DIGITS - 1), 10**NUM_VALUE_DIGITS - 1
+    pool = random.Random("needle value token count")
+    counts = Counter(len(candidate_tokens(tokenizer, str(pool.randint(low, high)))) for _ in range(_COUNT_POOL))
+    return min(counts, key=lambda n: (-counts[n], n))
+
+
+def _draw_value(rng: random.Random, tokenizer, count: int, taken: list[str]) -> str:
+    """A 7-digit value not in ``taken`` that splits into ``count`` tokens."""
+    low, high = 10 ** (NUM_VALUE_DIGITS - 1), 10**NUM_VALUE_DIGITS - 1
+    for _ in range(_MAX_DRAWS):
+        value = str(rng.randint(low, high))
+        if value not in taken and len(candidate_tokens(tokenizer, value)) == count:
+            return value
+    # value_token_count found this count for most values of a pool: missing it this often cannot happen by chance.
+    raise RuntimeError(f"no 7-digit value of {count} tokens in {_MAX_DRAWS} draws")
+
+
+def make_sample(tokenizer, length: int, depth: float, rng: random.Random, num_distractors: int,
+                tokens_per_sentence: list[int], num_keys: int = 1, value_tokens: int | None = None) -> NeedleSample:
+    """A prompt of at most ``length`` tokens (within about one short filler sentence) with the needle at ``depth``;
+    every value (asked-for, other keys', distractors) splits into ``value_tokens`` tokens (default:
+    ``value_token_count``)."""
+    count = value_token_count(tokenizer) if value_tokens is None else value_tokens
     key = rng.choice(KEY_WORDS)
-    value = str(rng.randint(low, high))
+    value = _draw_value(rng, tokenizer, count, [])
     facts = [(depth, _needle(key, value))]
     values = [value]
     if num_keys > 1:
         for other in rng.sample([k for k in KEY_WORDS if k != key], num_keys - 1):
-            other_value = str(rng.randint(low, high))
-            while other_value in values:
-                other_value = str(rng.randint(low, high))
+            other_value = _draw_value(rng, tokenizer, count, values)
             values.append(other_value)
             facts.append((rng.random(), _needle(other, other_value)))
     # Their own generator: the prompts do not depend on how many distractors the offline score asks for.
     distractor_rng = random.Random(rng.random())
     distractors = values[1:][:num_distractors]
     while len(distractors) < num_distractors:
-        other = str(distractor_rng.randint(low, high))
-        if other not in values and other not in distractors:
-            distractors.append(other)
+        distractors.append(_draw_value(distractor_rng, tokenizer, count, values + distractors))
     instruction = INSTRUCTION if num_keys == 1 else MULTIKEY_INSTRUCTION
     what = "needle" if num_keys == 1 else f"{num_keys} needles"
     parts, prompt_ids = fill(length, lambda hay: render_prompt(tokenizer, _user(instruction, hay, key),
                                                                answer_prefix(key)),
                              facts, rng, tokens_per_sentence, what)
-    return NeedleSample(prompt_ids, value, distractors, length, depth, _user(instruction, parts, key), key, num_keys)
+    return NeedleSample(prompt_ids, value, distractors, length, depth, _user(instruction, parts, key), key, num_keys,
+                        count)
 
 
 def generate_samples(tokenizer, config: NeedleConfig) -> list[NeedleSample]:
     """All samples of the sweep, deterministic in ``config.seed``: lengths × depths × trials."""
     rng = random.Random(config.seed)
     tokens_per_sentence = sentence_tokens(tokenizer)
+    count = value_token_count(tokenizer)
     return [
-        make_sample(tokenizer, length, depth, rng, config.num_distractors, tokens_per_sentence, config.num_keys)
+        make_sample(tokenizer, length, depth, rng, config.num_distractors, tokens_per_sentence, config.num_keys,
+                    count)
         for length in config.lengths
         for depth in config.depths
         for _ in range(config.trials)

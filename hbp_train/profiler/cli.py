@@ -38,6 +38,7 @@ offload), loss.chunk_size=..., and the profile.* fields below.
 profile.* options (defaults in brackets):
   max_len [131072]          longest pack length (the longest training sample): l_max
   min_len [8192]            shortest candidate; candidates = powers of two in [min_len, max_len] + max_len
+                            (the default is lowered to max_len when max_len is shorter, with a note)
   lengths [[]]              explicit candidate lengths instead (e.g. profile.lengths=[4096,8192,16384])
   world_size [8]            GPUs of the training job: SP degrees = powers of two dividing it; ZeRO shards over it
   sp_degrees [[]]           SP degrees to try (default all of the above)
@@ -98,6 +99,27 @@ def usable_sp_degrees(candidates: list[int], shape: ModelShape) -> list[int]:
     return usable
 
 
+def default_min_len_override(overrides: list) -> Optional[str]:
+    """``profile.min_len=<max_len>`` when min_len is left at its default and profile.max_len is shorter (a profile
+    of shorter packs than the default's 8192 tokens), after a one-line note; None otherwise. A min_len set on the
+    command line is the user's: above max_len it stays an error."""
+    if any(o.lstrip("+~").startswith("profile.min_len=") for o in overrides):
+        return None
+    from hbp_train import config as run_config
+
+    try:
+        profile = run_config.compose(overrides).profile
+        max_len, min_len = int(profile.max_len), int(profile.min_len)
+    except Exception:  # noqa: BLE001 -- a bad override or value: config.load reports it in its own words
+        return None
+    default = ProfileConfig.min_len
+    if min_len != default or max_len >= min_len or max_len < 1:
+        return None
+    log.info("profile.min_len: the default %d is longer than profile.max_len=%d; using min_len=%d",
+             default, max_len, max_len)
+    return f"profile.min_len={max_len}"
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -123,6 +145,9 @@ def profile(argv: list) -> int:
         # The profiler reads no data (it runs before packing), but presets such as experiment=llama3_8b_128k
         # leave data.shards required.
         overrides.append("data.shards=unused-by-profiler")
+    clamp = default_min_len_override(overrides)
+    if clamp:
+        overrides.append(clamp)
     try:
         run = run_config.load(overrides)
     except run_config.ConfigError as e:

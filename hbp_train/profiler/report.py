@@ -9,10 +9,18 @@ from __future__ import annotations
 GIB = 1024 ** 3
 
 
+def throughput_unit(profile: dict) -> str:
+    """What one rank of the profiled job is: a GPU, or on the CPU (profile.device=cpu) a process."""
+    on_cpu = (profile.get("config") or {}).get("device") == "cpu" or \
+        (profile.get("hardware") or {}).get("backend") == "cpu"
+    return "proc" if on_cpu else "GPU"
+
+
 def format_table(profile: dict) -> str:
     """Every measurement, then the chosen groups, as a fixed-width text table."""
     budget = profile["memory_budget_bytes"]
-    rows = [f"{'pack_len':>9} {'sp':>3} {'ckpt':>4} {'purpose':<10} {'time ms':>9} {'tok/s/GPU':>10} "
+    unit = throughput_unit(profile)
+    rows = [f"{'pack_len':>9} {'sp':>3} {'ckpt':>4} {'purpose':<10} {'time ms':>9} {f'tok/s/{unit}':>10} "
             f"{'peak GiB':>8} {'nvml GiB':>8} {'status':<11} source"]
     for m in profile["measurements"]:
         mem = m["nvml_used_bytes"] if (profile.get("memory_metric") == "nvml" and m["nvml_used_bytes"]) \
@@ -31,7 +39,7 @@ def format_table(profile: dict) -> str:
         flags = (" estimated" if g["estimated"] else (" measured" if g["source"] in ("gpu", "cpu") else "")) + \
             (f" [{g['source']}]" if g["source"] != "gpu" else "")
         rows.append(f"  pack_len={g['pack_len']:>7} sp={g['sp']} ckpt_layers={g['ckpt_layers']:<3} "
-                    f"tok/s/GPU={_fmt(g['tokens_per_s_per_gpu'], 1, ',.0f')}  ({g['role']}){flags}")
+                    f"tok/s/{unit}={_fmt(g['tokens_per_s_per_gpu'], 1, ',.0f')}  ({g['role']}){flags}")
     for s in profile["skipped"]:
         rows.append(f"skipped: {s}")
     for w in profile["warnings"]:
@@ -41,7 +49,7 @@ def format_table(profile: dict) -> str:
         rows.append(f"sp={run['sp']}: {run['status']} on {run['ranks']} ranks (one torchrun, {run['attempts']} "
                     f"start(s), {run['measured']} points, {run['wall_s']:.1f} s); log: {run['log']}")
     if "measured" in p:
-        rows.append(f"points: {p['measured']} measured, {p['estimated']} estimated from a 1-GPU slice")
+        rows.append(f"points: {p['measured']} measured, {p['estimated']} estimated from a 1-{unit} slice")
     rows.append(f"profiler: {p['num_measurements']} measurements, {p['wall_s']:.1f} s "
                 f"(budget {p['time_budget_s']:g} s{', exhausted' if p['budget_exhausted'] else ''})")
     if "predicted_gpu_measure_s" in p:

@@ -20,7 +20,8 @@ class ProfileConfig:
     max_len: int = 131072
     """Longest pack length to consider: the longest sample the training data holds (l_max of Alg. 1)."""
     min_len: int = 8192
-    """Shortest candidate pack length; candidates are the powers of two from here up to max_len, plus max_len."""
+    """Shortest candidate pack length; candidates are the powers of two from here up to max_len, plus max_len. Left at
+    its default with a shorter max_len, hbp-profile lowers it to max_len (one note); set above max_len, an error."""
     lengths: list[int] = field(default_factory=list)
     """Explicit candidate pack lengths (overrides min_len and the powers of two; max_len is always added)."""
     world_size: int = 8

@@ -366,20 +366,24 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("head", [LogitHead(), HEADS["scale + softcap"]], ids=["plain", "scale + softcap"])
 @pytest.mark.parametrize("impl, gemms", [("chunked", 4), ("fused", 3)])
-def test_fused_loss_makes_three_gemm_passes_over_the_logits_and_no_host_sync(impl, gemms):
+def test_fused_loss_makes_three_gemm_passes_over_the_logits_and_no_host_sync(impl, gemms, head):
     """Per chunk the fused path runs three GEMMs that touch the vocabulary (logits, d hidden, d W), the chunked one
     four (the logits again in backward). Given the trained-token count, neither reads a value back to the host
-    (aten._local_scalar_dense, what .item() / int() / nonzero's count run) in forward or backward."""
+    (aten._local_scalar_dense, what .item() / int() / nonzero's count run) in forward or backward; the model's logit
+    transform (a scale, soft-capping) adds neither."""
     vocab, chunk = 50, 8
     hidden_TH, weight_VH, _, labels_T = _problem(num_tokens=40, hidden=16, vocab=vocab)
     num_rows = int((labels_T != IGNORE_INDEX).sum())
     weights_T = _weights(labels_T, "ave_token")
     with _OpLog() as log:
         if impl == "fused":
-            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk, num_rows=num_rows)
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk, num_rows=num_rows,
+                                          logit_head=head)
         else:
-            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk, num_rows=num_rows) * weights_T).sum()
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk, num_rows=num_rows,
+                                          logit_head=head) * weights_T).sum()
         total.backward()
     names = [func.__name__ for func, _ in log.ops]
     assert not [n for n in names if n.startswith(("_local_scalar_dense", "nonzero.")) or n == "item"], names
@@ -433,11 +437,13 @@ def test_token_loss_weights_are_the_normalizers():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head", [LogitHead(), HEADS["granite"], HEADS["scale + softcap"]],
+                         ids=["plain", "granite", "scale + softcap"])
 @pytest.mark.parametrize("impl", ["fused", "chunked"])
-def test_gpu_loss_forward_and_backward_never_synchronise(impl):
+def test_gpu_loss_forward_and_backward_never_synchronise(impl, head):
     """On a GPU, with the trained-token count given (as the trainer gives it), neither head + loss synchronises the
     host with the device (CUDA's sync debug mode raises on any op that would), and the fused sum and gradients are
-    the chunked path's within bf16 rounding."""
+    the chunked path's within bf16 rounding, with the model's logit transform too."""
     cuda = torch.device("cuda")
     hidden_TH, weight_VH, _, labels_T = (x.detach().to(cuda) for x in _problem(
         num_tokens=3000, hidden=64, vocab=5000, dtype=torch.bfloat16))
@@ -449,13 +455,15 @@ def test_gpu_loss_forward_and_backward_never_synchronise(impl):
     torch.cuda.set_sync_debug_mode("error")
     try:
         if impl == "fused":
-            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows)
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows,
+                                          logit_head=head)
         else:
-            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows) * weights_T).sum()
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows,
+                                          logit_head=head) * weights_T).sum()
         grads = torch.autograd.grad(total, (hidden_TH, weight_VH))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512) * weights_T).sum()
+    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, logit_head=head) * weights_T).sum()
     torch.testing.assert_close(total, reference, atol=1e-4, rtol=1e-4)
     for got, want in zip(grads, torch.autograd.grad(reference, (hidden_TH, weight_VH))):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)

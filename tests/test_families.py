@@ -162,8 +162,9 @@ def test_our_per_sample_losses_are_the_models_own_loss(family):
     samples = make_samples()
     ids, positions, labels, cu, max_len, sample_ids = pack_of(samples)
     reference = hf_reference(model)
-    theirs = hf_losses(reference, samples)
-    torch.stack(theirs).sum().backward()
+    theirs = torch.stack(hf_losses(reference, samples))
+    theirs.sum().backward()
+    theirs = theirs.detach()
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     # sample_mean's weights (one micro-batch, one rank): the weighted sum is the sum of the samples' mean losses
     weights = token_loss_weights(labels, sample_ids, "sample_mean", global_num_samples=1)
@@ -173,9 +174,9 @@ def test_our_per_sample_losses_are_the_models_own_loss(family):
         total, loss_T = wrapper(ids, positions, labels, cu, max_len, loss_weights=weights)
         total.backward()
         ours = per_sample_means(loss_T.detach(), samples)
-        torch.testing.assert_close(ours, torch.stack(theirs).detach(), rtol=1e-5, atol=1e-5,
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5,
                                    msg=f"{family} {'fused' if fused else 'chunked'}: ours {ours.tolist()} vs HF "
-                                       f"{[float(x) for x in theirs]}")
+                                       f"{theirs.tolist()}")
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=f"{family} fused={fused}: {name}")

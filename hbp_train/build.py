@@ -157,8 +157,9 @@ class PackedCausalLM(torch.nn.Module):
     sum of the chunked losses; loss_T is then for the statistics.
 
     The loss applies what the model's own forward applies to its logits (a scale, soft-capping: compat.logit_head_of),
-    so that it is the model's own loss. Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the LM-head weight, used here outside
-    its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
+    so that it is the model's own loss. Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the
+    LM-head weight, used here outside its own module's forward, is registered as an external parameter
+    (build_engine) so it is gathered for the loss.
     """
 
     def __init__(self, model, chunk_size: int, router_aux: bool = False, router_choices: bool = False,

@@ -27,7 +27,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from hbp_train.common.cli import ArgumentParser, existing_dir, existing_file, nonneg_int, output_file, positive_int
+from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_file, existing_path, nonneg_int, output_file,
+                                  positive_int)
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.common.outputs import check_output_file, interrupted, write_output
 from data_tools.simulate import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-tokens", type=positive_int, default=4 * 1024 * 1024,
                    help="real tokens per optimizer step: every strategy makes round(T / G) steps (default 4194304)")
     p.add_argument("--seed", type=nonneg_int, default=0, help="planning seed (default 0)")
+    p.add_argument("--model", metavar="DIR", default=None, type=existing_path,
+                   help="the model to be trained: its local HF folder (or config.json); refuses SP degrees that cannot "
+                        "split its heads and costs its shape (default: --model-shape, else the calibration's own, "
+                        "said in a warning)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {', '.join(STRATEGIES)} (default: all)")
     add_cost_model_args(p)
@@ -198,7 +203,13 @@ def run(argv=None) -> int:
     if bad or not strategies:
         raise UserError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(STRATEGIES)}")
     groups = parse_groups(args.groups, args.profile, args.world_size)
-    model = cost_model_from_args(args)
+    record = None
+    if args.model:
+        from data_tools.model_record import check_sp_degrees, read_model
+
+        record = read_model(args.model)
+        check_sp_degrees(record, groups, "--groups" if args.groups != "auto" else f"--profile {args.profile}:")
+    model, warning = cost_model_from_args(args, [record], "--model", "no --model given")
     sim_cfg = sim_config_from_args(args)
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
     if len(lengths) == 0:
@@ -210,6 +221,8 @@ def run(argv=None) -> int:
     check_output_file("--out", args.out, json_key="simulated", kind="comparison report")
     check_output_file("--plot", args.plot, image=True)
     rows, out = compare_strategies(lengths, plan_kwargs, model, sim_cfg, strategies, progress=not args.quiet)
+    if warning:  # with the results: a run stopped by bad input prints its one error line only
+        print(warning, file=sys.stderr)
     print(f"{len(lengths)} samples, W={args.world_size}, groups {args.groups}; SIMULATED with cost model "
           f"{model.source} ({model.note}), shape {model.shape.name}; {sim_cfg.comm_model()}")
     if any(r["zero_stage"] != sim_cfg.zero_stage for r in rows):

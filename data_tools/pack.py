@@ -3,7 +3,11 @@
     python -m data_tools.pack --lengths lengths.txt --max-len 131072 --world-size 32 \\
         --groups 16384:1,131072:8 --strategy hbp --global-tokens 4194304 --out plan.json --plot plan.png
 
-    python -m data_tools.pack --dataset tokenized/ --shards packed/ --world-size 8 --groups 4096:1,16384:4
+    python -m data_tools.pack --dataset tokenized/ --shards packed/ --world-size 8 --groups 4096:1,16384:4 \\
+        --model my-model/
+
+With --model (the folder of the model to be trained) the groups' SP degrees are checked against the model's heads
+and the plan records the model (data_tools/model_record.py), whose shape the simulator then costs.
 
 Without --global-tokens the step size comes from the data (about 100 optimizer steps, at most 4,194,304 tokens
 each, at least one pack of every group per replica); a plan of fewer than 10 optimizer steps is warned about.
@@ -41,6 +45,7 @@ class CliError(UserError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hbp_train.common.cli import existing_path
     from hbp_train.planning.plan import MAX_ISF_ROUNDS
 
     p = ArgumentParser(
@@ -81,9 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="balance predicted pack time from this cost-model calibration (hbp_train.perf.calibrate JSON) "
                    "instead of sum of len^2 (default: sum of len^2; wlb/bytescale use the shipped calibration, kk "
                    "veRL's 24576*s + s^2)")
+    p.add_argument("--model", metavar="DIR", default=None, type=existing_path,
+                   help="the model the plan is for: its local HF folder (or config.json). Refuses SP degrees that "
+                   "cannot split its heads, records it in the plan (hbp-simulate then costs its shape) and, with "
+                   "--calibration, balances on its shape (default: none recorded)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
-                   help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: the "
-                   "calibration's own shape)")
+                   help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: "
+                   "--model's shape, else the calibration's own)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
                    "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
@@ -319,6 +328,12 @@ def run(argv=None) -> int:
     if args.shards:
         check_shards_dir(args.shards)
     groups = parse_groups(args.groups, args.profile, args.world_size)
+    model_record = None
+    if args.model:  # before any planning: SP degrees the model's heads cannot be split by fail training later
+        from data_tools.model_record import check_sp_degrees, read_model
+
+        model_record = read_model(args.model)
+        check_sp_degrees(model_record, groups, "--groups" if args.groups != "auto" else f"--profile {args.profile}:")
     if args.max_len is not None and args.max_len > groups[-1].pack_len:
         if args.groups == "auto":  # the groups are the profiler's: only it can add a longer one
             raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len} of --profile "
@@ -338,7 +353,8 @@ def run(argv=None) -> int:
     if args.calibration or args.model_shape:
         from hbp_train.perf.cost_model import CostModel, pack_cost_fn
 
-        pack_cost = pack_cost_fn(CostModel.from_calibration(args.calibration, args.model_shape))
+        shape = args.model_shape or (model_record["shape"] if model_record else None)
+        pack_cost = pack_cost_fn(CostModel.from_calibration(args.calibration, shape))
     read_start = time.process_time()
     lengths = read_lengths(args.lengths) if args.lengths else read_dataset_lengths(args.dataset)
     cpu = {"read": time.process_time() - read_start}
@@ -376,6 +392,8 @@ def run(argv=None) -> int:
         record = recorded_tokenizer(args.dataset)
         if record is not None:
             plan.extra["tokenizer"] = record
+    if model_record is not None:  # the model the plan is for (hbp-simulate costs its shape)
+        plan.extra["model"] = model_record
     if args.out:
         t0, c0 = time.perf_counter(), time.process_time()
         try:

@@ -13,6 +13,9 @@ bound of the speed-up); --zero-stage adds ZeRO's collectives and the optimizer s
 exposed, the pessimistic bound); a calibration with fitted step costs (hbp_train.perf.step_costs) adds what a step
 costs besides its packs, so the times are absolute. Times print with the unit that shows them (µs to h). Nothing
 runs on a GPU: every figure is a model prediction (docs/simulator.md).
+
+The shape costed: --model-shape, else the model the plan records (hbp-pack --model), else the calibration's own
+(the shipped one: a Llama-3-8B layer); a shape that is not the plan's model is named in one warning line.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
                              "layer, hbp_train/perf/calibration/h100_llama3_8b_layer.json")
     parser.add_argument("--model-shape", default=None, metavar="SHAPE",
                         help=f"model shape: a preset ({', '.join(MODEL_SHAPES)}), a JSON object, or a JSON file "
-                             "(HF config.json keys work); default: the calibration's own shape. Another shape "
-                             "scales the measurement by FLOPs (labelled 'scaled')")
+                             "(HF config.json keys work); default: the model the plan records (hbp-pack --model), "
+                             "else the calibration's own shape (said in a warning). Another shape than the "
+                             "calibration's scales the measurement by FLOPs (labelled 'scaled')")
     parser.add_argument("--analytic", action="store_true",
                         help="ignore calibrations: time = FLOPs / (peak * efficiency) (labelled 'analytic'); "
                              "needs --model-shape (default llama3-8b)")
@@ -99,16 +103,23 @@ def comm_columns(config) -> list[tuple[str, str, str]]:
             ("optimizer_seconds_per_step", "opt/step", "time")]
 
 
-def cost_model_from_args(args) -> CostModel:
-    """Build the CostModel the options ask for (UserError with a one-line message on bad input)."""
+def cost_model_from_args(args, records: list, what: str, unknown: str) -> tuple[CostModel, str | None]:
+    """(the CostModel the options ask for, a warning line or None); UserError with a one-line message on bad input.
+    ``records``: the model records (or None) of the plans (model_record.plan_model) or of --model, ``what`` names
+    them: the shape is --model-shape, else the recorded model's, else the calibration's own. The warning says when
+    it is not the recorded model (model_record.cost_shape) or that no model is known (``unknown`` says why); the
+    caller prints it with its results, so that a run stopped by bad input prints its one error line only."""
+    from data_tools.model_record import cost_shape, unrecorded_line
+
+    shape, warning = cost_shape(args.model_shape, records, what)
     if args.analytic:
-        model = CostModel.analytic(args.model_shape or "llama3-8b", args.peak_tflops, args.efficiency)
+        model = CostModel.analytic(shape or "llama3-8b", args.peak_tflops, args.efficiency)
     else:
-        model = CostModel.from_calibration(args.calibration, args.model_shape)
+        model = CostModel.from_calibration(args.calibration, shape)
     if getattr(args, "ckpt_layers", 0) > model.shape.num_layers:
         raise UserError(f"--ckpt-layers {args.ckpt_layers} exceeds the {model.shape.num_layers} layers of model "
                         f"shape {model.shape.name}")
-    return model
+    return model, warning or (unrecorded_line(model.shape.name, unknown) if shape is None else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +243,8 @@ def run(argv=None) -> int:
 
     if args.name and len(args.name) != len(args.plan):
         raise UserError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
-    model = cost_model_from_args(args)
+    from data_tools.model_record import describe, plan_model
+
     sim_cfg = sim_config_from_args(args, args.sync)
     plans = [load_plan(p) for p in args.plan]
     if sim_cfg.zero_stage is not None:
@@ -243,6 +255,11 @@ def run(argv=None) -> int:
                 raise UserError(f"{path}: {exc}") from None
     check_output_file("--out", args.out, json_key="simulated", kind="simulation report")
     check_output_file("--plot", args.plot, image=True)
+    records = [plan_model(p) for p in plans]
+    model, warning = cost_model_from_args(args, records, ", ".join(args.plan),
+                                          f"{'the plans record' if len(plans) > 1 else 'the plan records'} no model")
+    if args.model_shape is None and any(records):  # the shape costed is the plan's own model's
+        print(f"model: {describe(next(r for r in records if r))}, recorded in the plan (hbp-pack --model)")
     for path, plan in zip(args.plan, plans):
         over = sorted({g.ckpt_layers for g in plan.config.groups
                        if g.ckpt_layers is not None and g.ckpt_layers > model.shape.num_layers})
@@ -268,6 +285,8 @@ def run(argv=None) -> int:
     if len({r["tokens"] for r in rows}) > 1:
         print("note: the plans train different token counts (dropped samples differ); speed-up compares simulated "
               "tokens/s", file=sys.stderr)
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"SIMULATED with cost model: {model.source} ({model.note}); shape {model.shape.name}; links "
           f"{args.intra_node_gbps:g}/{args.inter_node_gbps:g} GB/s intra/inter, {args.gpus_per_node} GPUs/node; "
           f"{sim_cfg.comm_model()}; {model.step_costs.note()}")

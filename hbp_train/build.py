@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from hbp_train.model import hf_model as modeling
-from hbp_train.model.compat import check_model_support, check_positions
+from hbp_train.model.compat import check_model_support, check_positions, logit_head_of
 from hbp_train.batches.loader import PackedData
 from hbp_train.distributed import groups as dist_groups
 from hbp_train.model.ulysses import SequenceParallel, setup_sequence_parallel
@@ -156,8 +156,10 @@ class PackedCausalLM(torch.nn.Module):
     backward on, made by the fused head + loss when ``fused_loss`` (loss.fused_token_losses), else as the weighted
     sum of the chunked losses; loss_T is then for the statistics.
 
-    Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the LM-head weight, used here outside
-    its own module's forward, is registered as an external parameter (build_engine) so it is gathered for the loss.
+    The loss applies what the model's own forward applies to its logits (a scale, soft-capping: compat.logit_head_of),
+    so that it is the model's own loss. Wrapping both in one module lets DeepSpeed see one forward; under ZeRO-3 the
+    LM-head weight, used here outside its own module's forward, is registered as an external parameter
+    (build_engine) so it is gathered for the loss.
     """
 
     def __init__(self, model, chunk_size: int, router_aux: bool = False, router_choices: bool = False,
@@ -166,6 +168,8 @@ class PackedCausalLM(torch.nn.Module):
         self.model = model
         self.chunk_size = chunk_size
         self.fused_loss = fused_loss
+        self.logit_head = logit_head_of(model.config)
+        """What the model's forward does to its LM head's output before the loss (loss.LogitHead)."""
         self.router_aux = router_aux
         self.router_logits = None
         """With router_aux: the last forward's router logits (one [T, E] per MoE layer) for moe.pack_aux_loss."""
@@ -188,9 +192,9 @@ class PackedCausalLM(torch.nn.Module):
         bias = getattr(head, "bias", None)
         if loss_weights is not None and self.fused_loss:
             return fused_token_losses(hidden, head.weight, shift_labels, loss_weights, self.chunk_size,
-                                      lm_head_bias=bias, num_rows=num_loss_tokens)
+                                      lm_head_bias=bias, num_rows=num_loss_tokens, logit_head=self.logit_head)
         loss_T = chunked_token_losses(hidden, head.weight, shift_labels, self.chunk_size, lm_head_bias=bias,
-                                      num_rows=num_loss_tokens)
+                                      num_rows=num_loss_tokens, logit_head=self.logit_head)
         if loss_weights is None:
             return loss_T
         return (loss_T * loss_weights.reshape(-1)).sum(), loss_T

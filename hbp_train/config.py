@@ -7,8 +7,8 @@ type-checked against it), and turns the composed DictConfig into dataclasses wit
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
 
 ``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value), its
-input paths and run folder included (``check_paths``: ./launch.sh train runs it before starting any worker), and
-prints the resolved YAML.
+input paths, the data's SP degrees against the model's heads and the run folder included (``check_paths``:
+./launch.sh train runs it before starting any worker), and prints the resolved YAML.
 """
 
 from __future__ import annotations
@@ -119,10 +119,11 @@ def load(overrides: list | None = None) -> HBPConfig:
 
 def check_paths(cfg: HBPConfig) -> None:
     """ConfigError naming the field for a path of a training run that is not what it must be: data.shards
-    and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder,
-    and train.out_dir a writable folder with room for one checkpoint that holds no other run's checkpoints
-    (runtime/preflight.py). model.name_or_path is checked with the model section itself. Not part of ``load``: the
-    profiler reads no data and writes no run folder."""
+    and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder;
+    the SP degrees of the shards' groups against the model's heads (``check_sp_degrees``); and train.out_dir a
+    writable folder with room for one checkpoint that holds no other run's checkpoints (runtime/preflight.py).
+    model.name_or_path is checked with the model section itself. Not part of ``load``: the profiler reads no data
+    and writes no run folder."""
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         problem = shards_dir_problem(path) if path is not None else None
         if problem:
@@ -133,6 +134,7 @@ def check_paths(cfg: HBPConfig) -> None:
         implied = cfg.model.tokenizer == cfg.model.name_or_path  # the default: the model's own folder
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
+    check_sp_degrees(cfg)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg))
     except UserError as e:
@@ -148,6 +150,53 @@ def _checkpoint_bytes(cfg: HBPConfig) -> int:
         return 0
     return preflight.checkpoint_bytes(num_params, cfg.deepspeed.zero_stage, cfg.model.torch_dtype().itemsize,
                                       lora=cfg.model.lora.r > 0)
+
+
+def check_sp_degrees(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when a group of data.shards or data.eval_shards runs at an SP degree Ulysses cannot
+    split the model's heads by: found here from the plans' groups and the model's config (no weights), before any
+    worker starts, rather than by every rank once it has built its groups (build_run checks it again)."""
+    from hbp_train.model.compat import check_sp_degrees as check_heads
+    from hbp_train.model.hf_model import hf_config_for
+
+    for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+        degrees = _planned_sp_degrees(path) if path is not None else None
+        if not degrees:
+            continue
+        hf_config = hf_config_for(cfg.model)
+        model = cfg.model.name_or_path or f"model.architecture={cfg.model.architecture}"
+        try:
+            check_heads(hf_config, degrees, f"{field_name}={path} (groups at sp {', '.join(map(str, degrees))}) "
+                                            f"for {getattr(hf_config, 'model_type', 'the model')} {model}")
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _planned_sp_degrees(shards: str) -> list | None:
+    """The SP degrees of a packed-shards folder's groups, without reading its steps: plan.npz's JSON header, or the
+    "groups" entry near the top of plan.json (written before the steps; the whole file only when it is not there).
+    None when there is no readable plan: the loader names that problem when the run opens the shards."""
+    import json
+
+    folder = Path(shards)
+    try:
+        if (folder / "plan.npz").is_file():
+            from hbp_train.planning.plan_npz import open_npz
+
+            groups = open_npz(folder / "plan.npz", mmap=True)[0].get("groups")
+        else:
+            with open(folder / "plan.json") as f:
+                head = f.read(1 << 16)
+            at = head.find('"groups":')
+            try:
+                groups = json.JSONDecoder().raw_decode(head, at + len('"groups":'))[0] if at >= 0 else None
+            except ValueError:  # cut off by the 64 KB read
+                groups = None
+            if groups is None:
+                groups = json.loads((folder / "plan.json").read_text()).get("groups")
+        return sorted({int(g.get("sp", 1)) for g in groups})
+    except (OSError, ValueError, TypeError, AttributeError, UserError):
+        return None
 
 
 def _section_fields() -> dict:

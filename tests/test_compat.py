@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from hbp_train.model.compat import check_model_support
+from hbp_train.model.compat import _meta_model, check_logit_head, check_model_support, logit_head_of
 from hbp_train.common.errors import UserError
 from hbp_train.model.families import FAMILIES, tiny_config
 from hbp_train.model.hf_model import ModelConfig, hf_config_for
+from hbp_train.model.loss import LogitHead
 
 
 def _config(family, **overrides):
@@ -24,7 +25,7 @@ def test_every_family_of_the_matrix_is_supported(family):
     # a window shorter than the longest sample: layer windows (Gemma) and the config's (Mistral)
     ("gemma3_text", {"sliding_window": 32}, 64, [1], r"gemma3_text.*sliding-window.*sliding_window=32.*--max-len 32"),
     ("mistral", {"sliding_window": 48}, 64, [1], r"mistral.*sliding_window=48.*sliding_window=null"),
-    ("gemma3_text", {"final_logit_softcapping": 30.0}, 16, [1], r"final logit soft-capping.*chunked LM-head loss"),
+    ("cohere", {"logit_scale": 0.0}, 16, [1], r"cohere \(model.config.logit_scale\): must be a positive number"),
     ("llama", {"attention_dropout": 0.1}, 16, [1], r"llama.*attention dropout.*attention_dropout=0"),
     ("llama", {}, 16, [1, 3], r"llama.*sp=3 does not divide.*SP degrees that work: 1, 2, 4"),
     ("mistral", {"num_attention_heads": 8, "num_key_value_heads": 4}, 16, [8, 16],
@@ -51,6 +52,75 @@ def test_families_outside_the_matrix_with_unsupported_features():
         check_model_support(AutoConfig.for_model("gemma2", **tiny), 16, [1], "sdpa_block")
     with pytest.raises(UserError, match=r"gpt_oss.*attention sinks"):
         check_model_support(AutoConfig.for_model("gpt_oss", **tiny, num_local_experts=4), 16, [1], "sdpa_block")
+
+
+def test_what_the_head_does_to_the_logits_is_read_from_the_config():
+    """Granite divides the logits by logits_scaling, Cohere multiplies them by logit_scale, Gemma soft-caps them:
+    the loss's LogitHead says so; the other families of the matrix leave them as the LM head makes them."""
+    assert logit_head_of(_config("granite")) == LogitHead(scale=1 / 16)
+    assert logit_head_of(_config("cohere")) == LogitHead(scale=0.0625)
+    assert logit_head_of(_config("gemma3_text", final_logit_softcapping=30.0)) == LogitHead(softcap=30.0)
+    assert logit_head_of(_config("granite", logits_scaling=1.0)) == LogitHead()
+    for family in set(FAMILIES) - {"granite", "cohere"}:
+        assert logit_head_of(_config(family)) == LogitHead(), family
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "xlstm", "inkling_text"])
+def test_a_head_the_loss_would_not_reproduce_is_refused_in_one_line(family):
+    """Families transformers ships whose forward changes the logits otherwise (RecurrentGemma and xLSTM soft-cap
+    them under other config fields, Inkling slices the vocabulary): the probe of their own forward finds it."""
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[family]()
+    with pytest.raises(UserError, match=rf"^{family} .*: its forward changes the LM head's logits in a way the packed "
+                                        r"LM-head loss does not reproduce \(on a probe: .*apart") as err:
+        check_logit_head(_meta_model(config), logit_head_of(config), f"{family} (model.architecture)")
+    assert "\n" not in str(err.value)
+
+
+def test_a_head_with_layers_before_its_output_embeddings_is_refused_in_one_line():
+    """BERT-style heads (a dense layer and a norm before the output embeddings): the loss would skip them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("roberta", is_decoder=True, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32, vocab_size=128)
+    with pytest.raises(UserError, match=r"roberta.*its forward changes the LM head's logits"):
+        check_logit_head(_meta_model(config), logit_head_of(config), "roberta")
+
+
+@pytest.mark.full  # ~40 s: every causal LM transformers ships, built on the meta device
+def test_every_causal_lm_transformers_ships_gets_its_own_logits_or_is_refused_in_one_line():
+    """The probe runs on every causal LM whose default config builds: no crash, only one-line refusals; the ones
+    whose forward scales or soft-caps the logits under a field the loss reads are accepted with that transform,
+    and the ones that do something else are refused."""
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    accepted, refused = {}, {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                config = CONFIG_MAPPING[model_type]()
+                model = _meta_model(config)
+            except Exception:  # a default config that does not build (needs arguments, an extra package)
+                continue
+        try:
+            head = logit_head_of(config)
+            check_logit_head(model, head, model_type)
+            accepted[model_type] = head
+        except UserError as err:
+            assert "\n" not in str(err), model_type
+            refused[model_type] = str(err)
+    assert len(accepted) >= 120, len(accepted)
+    assert {"llama", "qwen3", "mixtral", "deepseek_v3", "opt"} <= set(accepted)
+    for model_type, head in {"cohere": LogitHead(scale=0.0625), "cohere2": LogitHead(scale=0.0625),
+                             "gemma2": LogitHead(softcap=30.0), "vaultgemma": LogitHead(softcap=30.0),
+                             "minicpm3": LogitHead(scale=0.1)}.items():
+        assert accepted[model_type] == head, model_type
+    assert {"recurrent_gemma", "xlstm", "inkling_text", "bert", "roberta"} <= set(refused)
 
 
 def test_samples_longer_than_the_models_positions_are_refused_unless_rope_scaling_provides_them():

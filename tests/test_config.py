@@ -155,6 +155,48 @@ def test_input_paths_are_checked_before_any_worker_starts(tmp_path, fake_hf_mode
     assert config.main(good) == 0
 
 
+def test_sp_degrees_the_models_heads_cannot_split_are_refused_before_any_worker_starts(tmp_path, capsys):
+    """Shards with a group at sp=2 and a model of 5 heads: python -m hbp_train.config (what ./launch.sh train runs
+    before starting workers) says so in one line, exit 2, naming the shards, the model and the degrees that work
+    (it used to surface 21 s into training, from every rank). data.eval_shards too; 4 heads pass."""
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
+
+    steps = [{"group": 0, "replicas": [[[0]], [[1]]]}, {"group": 1, "replicas": [[[2, 3]]]}]
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(4, 100), steps, world_size=2,
+                          groups={1: {"sp": 2}})
+    one = write_packed(str(tmp_path / "sp1"), synthetic_samples(4, 100), [{"group": 0, "replicas": [[[0, 1]]]}], 1)
+    five_heads = ["++model.config.hidden_size=40", "++model.config.num_attention_heads=5",
+                  "++model.config.num_key_value_heads=5"]
+    capsys.readouterr()
+    for data in ([f"data.shards={shards}"], [f"data.shards={one}", f"data.eval_shards={shards}"]):
+        assert config.main([*data, *five_heads]) == 2
+        err = capsys.readouterr().err
+        field = data[-1].split("=")[0]
+        assert err.count("\n") == 1 and err.startswith(f"config error: {field}={shards} (groups at sp 1, 2) for "
+                                                         "llama model.architecture=llama: sp=2 does not divide the "
+                                                         "model's 5 attention heads"), err
+        assert "(SP degrees that work: 1; data_tools.pack --groups)" in err, err  # powers of two only
+    assert config.main([f"data.shards={one}", *five_heads]) == 0  # sp=1 splits nothing
+    assert config.main([f"data.shards={shards}"]) == 0  # the tiny Llama's 4 heads: sp=2 splits them
+    capsys.readouterr()
+
+
+def test_the_planned_sp_degrees_are_read_from_the_plans_head_or_its_binary_header(tmp_path):
+    """The check reads only the groups: the top of plan.json (the steps of a large plan are never parsed) or the
+    JSON header of plan.npz."""
+    from data_tools import pack
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [30, 60, 200, 250] * 50))
+    for name in ("plan.json", "plan.npz"):
+        (tmp_path / name.replace(".", "_")).mkdir()
+        out = tmp_path / name.replace(".", "_") / name
+        assert pack.main(["--lengths", str(lengths), "--world-size", "4", "--groups", "64:1,256:4", "--out",
+                          str(out), "--quiet", "--no-baseline"]) == 0
+        assert config._planned_sp_degrees(str(out.parent)) == [1, 4], name
+    assert config._planned_sp_degrees(str(tmp_path / "nowhere")) is None
+
+
 def test_added_keys_inside_free_form_fields_still_work():
     cfg = config.load(["+deepspeed.extra.foo=1"])
     assert cfg.deepspeed.extra["foo"] == 1

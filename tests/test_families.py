@@ -2,7 +2,10 @@
 
 (a) one pack of several samples gives the same per-token losses and gradients as each sample run alone (no
 attention across samples, no state leaking between them); (b) SP=2 equals SP=1 on 2 gloo processes (slow);
-(c) a short run of the trainer over a plan with sp=1 and sp=2 groups (slow). No test branches on a family name.
+(c) a short run of the trainer over a plan with sp=1 and sp=2 groups (slow); (d) the loss is the model's own: at
+initialisation our per-sample losses on a packed micro-batch equal each sample's loss from the model's HF
+``forward(labels=...)`` run alone, at SP=1 (both loss paths, with gradients) and at SP=2 (slow, the spawn of (b)).
+No test branches on a family name.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from hbp_train.build import PackedCausalLM
 from hbp_train.model.families import FAMILIES, tiny_config
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model.lora import LoraSettings
+from hbp_train.model.loss import token_loss_weights
 from hbp_train.model.hf_model import ModelConfig, build_model
 from hbp_train.model.moe import pack_aux_loss, router_aux_of
 
@@ -112,6 +116,72 @@ def test_packed_equals_per_sample(family, boundaries):
         torch.testing.assert_close(grad, single_grads[name], rtol=1e-4, atol=1e-5, msg=f"{family}: {name}")
 
 
+# ------------------------------------------------------------------------ (d) our loss is the model's own
+def hf_reference(model):
+    """The same weights in the family's own HF causal LM: eager attention, no packed attention, its own forward and
+    loss (what a user's evaluation of the export runs); eval mode, no router loss added to the LM loss."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = False
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # tied heads: the same
+    return reference.eval()
+
+
+def hf_losses(reference, samples) -> list:
+    """Each sample's loss from the model's own ``forward(labels=...)`` on the sample alone (HF shifts the labels)."""
+    out = []
+    for ids, shift_labels in samples:
+        labels = torch.cat([torch.tensor([IGNORE_INDEX]), shift_labels[:-1]])
+        out.append(reference(input_ids=ids[None], labels=labels[None]).loss)
+    return out
+
+
+def per_sample_means(loss_T, samples) -> torch.Tensor:
+    """The mean of each sample's token losses in a pack's per-token losses (samples in pack order)."""
+    means, start = [], 0
+    for ids, shift_labels in samples:
+        trained = shift_labels != IGNORE_INDEX
+        means.append(loss_T[start:start + len(ids)][trained].sum() / trained.sum())
+        start += len(ids)
+    return torch.stack(means)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_our_per_sample_losses_are_the_models_own_loss(family):
+    """At initialisation, one pack of three samples: each sample's mean token loss from our LM-head loss (chunked
+    and fused) equals the loss the model's own HF forward(labels=...) gives the sample alone, and the gradient of
+    their sum equals that of the sum of HF's losses: whatever the family's head does to the logits (Granite's
+    logits_scaling, Cohere's logit_scale) is in our loss too."""
+    model = tiny_model(family)
+    samples = make_samples()
+    ids, positions, labels, cu, max_len, sample_ids = pack_of(samples)
+    reference = hf_reference(model)
+    theirs = torch.stack(hf_losses(reference, samples))
+    theirs.sum().backward()
+    theirs = theirs.detach()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    # sample_mean's weights (one micro-batch, one rank): the weighted sum is the sum of the samples' mean losses
+    weights = token_loss_weights(labels, sample_ids, "sample_mean", global_num_samples=1)
+    for fused in (False, True):
+        wrapper = PackedCausalLM(model, chunk_size=16, fused_loss=fused)
+        model.zero_grad(set_to_none=True)
+        total, loss_T = wrapper(ids, positions, labels, cu, max_len, loss_weights=weights)
+        total.backward()
+        ours = per_sample_means(loss_T.detach(), samples)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5,
+                                   msg=f"{family} {'fused' if fused else 'chunked'}: ours {ours.tolist()} vs HF "
+                                       f"{theirs.tolist()}")
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=f"{family} fused={fused}: {name}")
+
+
 # ------------------------------------------------------------------------------------ (b) SP=2 == SP=1
 def _pack_batch(seed: int) -> dict:
     ids, positions, labels, cu, max_len, sample_ids = pack_of(make_samples(seed=seed))
@@ -172,18 +242,26 @@ def _sp_worker(rank, world_size, families):
     return out if rank == 0 else None
 
 
+# with adapters (LoRA on the MoE family: attention, router and fused experts; DoRA on a dense one, whose kv head is
+# replicated at sp=2): only the adapters get gradients
+SP_FAMILIES = [*sorted(FAMILIES), "qwen3_moe+lora", "mistral+dora"]
+
+
+@pytest.fixture(scope="module")
+def sp_runs():
+    """One spawn of 2 gloo processes for every family of SP_FAMILIES (_sp_worker), shared by the SP=2 tests."""
+    from tests.distributed import run_distributed
+
+    return run_distributed(_sp_worker, 2, SP_FAMILIES, timeout=900)[0]
+
+
 @pytest.mark.slow
-def test_sp2_equals_sp1_for_every_family():
+def test_sp2_equals_sp1_for_every_family(sp_runs):
     """2 gloo processes, every family in one spawn: SP=2 (kv heads split or replicated; MLA's unequal head dims;
     MoE with the router loss summed over the SP group) and the following SP=1 step give the single-process losses
     (and router loss) and gradients."""
-    from tests.distributed import run_distributed
-
-    # with adapters (LoRA on the MoE family: attention, router and fused experts; DoRA on a dense one, whose kv head
-    # is replicated at sp=2): only the adapters get gradients
-    families = [*sorted(FAMILIES), "qwen3_moe+lora", "mistral+dora"]
-    result = run_distributed(_sp_worker, 2, families, timeout=900)[0]
-    for family in families:
+    result = sp_runs
+    for family in SP_FAMILIES:
         model = tiny_model(family, **router_loss_keys(family))
         ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())], with_aux=True)
         for degree in (2, 1):
@@ -193,6 +271,25 @@ def test_sp2_equals_sp1_for_every_family():
             for name, ref in ref_grads.items():
                 torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-5,
                                            msg=f"{family} sp={degree}: {name}")
+
+
+@pytest.mark.slow
+def test_sp2_losses_are_the_models_own_loss_for_every_family(sp_runs):
+    """(d) at SP=2: each sample of the pack split over 2 ranks, its mean token loss gathered from both equals the
+    loss of the model's own HF forward(labels=...) on the sample alone (the spawn of (b); the token losses are the
+    last ones of each result, after an MoE family's router loss)."""
+    samples = make_samples(seed=1)
+    num_tokens = sum(len(ids) for ids, _ in samples)
+    differ = []  # every family that differs, named together
+    for family in sorted(FAMILIES):
+        with torch.no_grad():
+            theirs = torch.stack(hf_losses(hf_reference(tiny_model(family, **router_loss_keys(family))), samples))
+        for degree in (2, 1):
+            ours = per_sample_means(sp_runs[family, degree][0][-num_tokens:], samples)
+            if not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5):
+                differ.append(f"{family} sp={degree}: ours {[round(x, 5) for x in ours.tolist()]} vs HF "
+                              f"{[round(x, 5) for x in theirs.tolist()]}")
+    assert not differ, "\n".join(differ)
 
 
 # ------------------------------------------------------------------------ (c) the trainer over an SP1/SP2 plan

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
-from hbp_train.model.loss import (NORMALIZERS, LossConfig, chunked_token_losses, fused_token_losses, normalize_loss,
-                            token_loss_weights)
+from hbp_train.model.loss import (NORMALIZERS, LogitHead, LossConfig, chunked_token_losses, fused_token_losses,
+                                  normalize_loss, token_loss_weights)
 
 
 def _problem(num_tokens=37, hidden=16, vocab=50, seed=0, dtype=torch.float32):
@@ -261,6 +261,64 @@ def test_fused_loss_and_gradients_equal_full_cross_entropy(mode, dtype, tol, chu
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+HEADS = {"granite": LogitHead(scale=1 / 16), "cohere": LogitHead(scale=0.0625), "scale 3": LogitHead(scale=3.0),
+         "softcap": LogitHead(softcap=1.5), "scale + softcap": LogitHead(scale=0.5, softcap=2.0)}
+
+
+def _head_reference(hidden_TH, weight_VH, bias_V, labels_T, head):
+    """HF's order: logits = head(hidden @ W.T + b) (logits / logits_scaling, logits * logit_scale, then c tanh(z / c))
+    and F.cross_entropy on the full logits, by autograd."""
+    logits_TV = F.linear(hidden_TH, weight_VH, bias_V) * head.scale
+    if head.softcap is not None:
+        logits_TV = torch.tanh(logits_TV / head.softcap) * head.softcap
+    return F.cross_entropy(logits_TV, labels_T, reduction="none")
+
+
+@pytest.mark.parametrize("head", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("impl", ["chunked", "fused"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_models_logit_transform_is_exact_in_both_paths(head, impl, dtype, tol, with_bias):
+    """A scale of the logits and soft-capping, as the model's own head applies them: per-token losses, the weighted
+    sum and its gradients of hidden, W and b equal autograd on the full transformed logits, over several chunks
+    (the logits span a few units, so a cap of 1.5 bites)."""
+    hidden_TH, weight_VH, bias_V, labels_T = _problem(dtype=dtype)
+    bias = bias_V if with_bias else None
+    weights_T = _weights(labels_T, "sample_mean").to(dtype)
+    if impl == "fused":
+        total, loss_T = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 16, lm_head_bias=bias,
+                                           logit_head=head)
+    else:
+        loss_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, 16, lm_head_bias=bias, logit_head=head)
+        total = (loss_T * weights_T).sum()
+    ref_T = _head_reference(hidden_TH, weight_VH, bias, labels_T, head)
+    ref_total = (ref_T * weights_T).sum()
+    torch.testing.assert_close(loss_T.double(), torch.where(labels_T == IGNORE_INDEX, 0, ref_T).double(),
+                               atol=tol, rtol=tol)
+    torch.testing.assert_close(total.double(), ref_total.double(), atol=tol, rtol=tol)
+    plain_T = chunked_token_losses(hidden_TH, weight_VH, labels_T, 16, lm_head_bias=bias)
+    assert (plain_T - loss_T).abs().max() > 1e-2  # the transform matters on this problem
+    inputs = (hidden_TH, weight_VH, bias_V) if with_bias else (hidden_TH, weight_VH)
+    for got, want in zip(torch.autograd.grad(2.0 * total, inputs), torch.autograd.grad(2.0 * ref_total, inputs)):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head", [HEADS["granite"], HEADS["scale + softcap"]], ids=["granite", "scale + softcap"])
+def test_the_logit_transform_in_bf16_fused_equals_chunked(head):
+    """bf16 weights with the head's transform: fused against chunked (the reference path of the same precision)."""
+    hidden_TH, weight_VH, bias_V, labels_T = _problem(num_tokens=300, hidden=32, vocab=97, dtype=torch.bfloat16)
+    weights_T = _weights(labels_T, "sample_mean")
+    inputs = (hidden_TH, weight_VH, bias_V)
+    total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 64, lm_head_bias=bias_V,
+                                  logit_head=head)
+    ref_total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 64, lm_head_bias=bias_V, logit_head=head)
+                 * weights_T).sum()
+    torch.testing.assert_close(total, ref_total, atol=1e-5, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad(total, inputs), torch.autograd.grad(ref_total, inputs)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)
+
+
 def test_fused_loss_equals_chunked_loss_times_weights_in_bf16():
     """bf16 weights: the fused sum and its gradients against the chunked path's weighted losses (the reference path
     of the same precision) within bf16 rounding; the gradients come back in bf16."""
@@ -308,20 +366,24 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("head", [LogitHead(), HEADS["scale + softcap"]], ids=["plain", "scale + softcap"])
 @pytest.mark.parametrize("impl, gemms", [("chunked", 4), ("fused", 3)])
-def test_fused_loss_makes_three_gemm_passes_over_the_logits_and_no_host_sync(impl, gemms):
+def test_fused_loss_makes_three_gemm_passes_over_the_logits_and_no_host_sync(impl, gemms, head):
     """Per chunk the fused path runs three GEMMs that touch the vocabulary (logits, d hidden, d W), the chunked one
     four (the logits again in backward). Given the trained-token count, neither reads a value back to the host
-    (aten._local_scalar_dense, what .item() / int() / nonzero's count run) in forward or backward."""
+    (aten._local_scalar_dense, what .item() / int() / nonzero's count run) in forward or backward; the model's logit
+    transform (a scale, soft-capping) adds neither."""
     vocab, chunk = 50, 8
     hidden_TH, weight_VH, _, labels_T = _problem(num_tokens=40, hidden=16, vocab=vocab)
     num_rows = int((labels_T != IGNORE_INDEX).sum())
     weights_T = _weights(labels_T, "ave_token")
     with _OpLog() as log:
         if impl == "fused":
-            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk, num_rows=num_rows)
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, chunk, num_rows=num_rows,
+                                          logit_head=head)
         else:
-            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk, num_rows=num_rows) * weights_T).sum()
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, chunk, num_rows=num_rows,
+                                          logit_head=head) * weights_T).sum()
         total.backward()
     names = [func.__name__ for func, _ in log.ops]
     assert not [n for n in names if n.startswith(("_local_scalar_dense", "nonzero.")) or n == "item"], names
@@ -375,11 +437,13 @@ def test_token_loss_weights_are_the_normalizers():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head", [LogitHead(), HEADS["granite"], HEADS["scale + softcap"]],
+                         ids=["plain", "granite", "scale + softcap"])
 @pytest.mark.parametrize("impl", ["fused", "chunked"])
-def test_gpu_loss_forward_and_backward_never_synchronise(impl):
+def test_gpu_loss_forward_and_backward_never_synchronise(impl, head):
     """On a GPU, with the trained-token count given (as the trainer gives it), neither head + loss synchronises the
     host with the device (CUDA's sync debug mode raises on any op that would), and the fused sum and gradients are
-    the chunked path's within bf16 rounding."""
+    the chunked path's within bf16 rounding, with the model's logit transform too."""
     cuda = torch.device("cuda")
     hidden_TH, weight_VH, _, labels_T = (x.detach().to(cuda) for x in _problem(
         num_tokens=3000, hidden=64, vocab=5000, dtype=torch.bfloat16))
@@ -391,13 +455,15 @@ def test_gpu_loss_forward_and_backward_never_synchronise(impl):
     torch.cuda.set_sync_debug_mode("error")
     try:
         if impl == "fused":
-            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows)
+            total, _ = fused_token_losses(hidden_TH, weight_VH, labels_T, weights_T, 512, num_rows=num_rows,
+                                          logit_head=head)
         else:
-            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows) * weights_T).sum()
+            total = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, num_rows=num_rows,
+                                          logit_head=head) * weights_T).sum()
         grads = torch.autograd.grad(total, (hidden_TH, weight_VH))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512) * weights_T).sum()
+    reference = (chunked_token_losses(hidden_TH, weight_VH, labels_T, 512, logit_head=head) * weights_T).sum()
     torch.testing.assert_close(total, reference, atol=1e-4, rtol=1e-4)
     for got, want in zip(grads, torch.autograd.grad(reference, (hidden_TH, weight_VH))):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)

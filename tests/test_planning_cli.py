@@ -404,3 +404,47 @@ def test_out_npz_writes_the_binary_plan_and_refuses_other_npz(tmp_path, lengths_
     before = data.read_bytes()
     _error(capsys, ["--lengths", str(path), *BASE, "--out", str(data)], f"--out {data}: exists and is not a binary plan")
     assert data.read_bytes() == before
+
+
+def save_model_config(folder, **fields):
+    """A model folder as the user has it (its config.json; no weights are read), a Llama of ``fields``."""
+    from transformers import AutoConfig
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000)
+    AutoConfig.for_model("llama", **{**shape, **fields}).save_pretrained(folder)
+    return folder
+
+
+def test_model_records_the_model_in_json_and_npz_plans_and_refuses_sp_its_heads_cannot_split(tmp_path, lengths_file,
+                                                                                            capsys):
+    """--model DIR: the groups' SP degrees against the model's heads before any planning (a 5-head model with a
+    group at sp=2 used to pass pack and simulate and stop training 21 s in), and the model recorded in the plan,
+    JSON and binary, which loads back with it (plans without it load as before)."""
+    from hbp_train.planning.plan_npz import load_plan
+
+    path, _ = lengths_file
+    five = save_model_config(tmp_path / "five-heads", hidden_size=40, num_attention_heads=5, num_key_value_heads=5)
+    assert exit_code(main, ["--lengths", str(path), *BASE, "--out", str(tmp_path / "p.json"), "--model",
+                            str(five)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pack: error: --groups 1024:2: sp=2 does not divide the model's "
+                                                   "5 attention heads"), err
+    assert "model five-heads (llama, 5 heads, 5 kv heads;" in err and "SP degrees that work: 1" in err, err
+    assert not (tmp_path / "p.json").exists()
+    no_model = tmp_path / "empty"
+    no_model.mkdir()
+    assert exit_code(main, ["--lengths", str(path), *BASE, "--out", str(tmp_path / "p.json"), "--model",
+                            str(no_model)]) == 2
+    assert "--model " in capsys.readouterr().err
+
+    mine = save_model_config(tmp_path / "my-llama")
+    for name in ("plan.json", "plan.npz"):
+        out = tmp_path / name
+        assert main(["--lengths", str(path), *BASE, "--out", str(out), "--model", str(mine)]) == 0
+        record = load_plan(out).extra["model"]
+        assert record["name"] == "my-llama" and record["model_type"] == "llama" and record["path"] == str(mine)
+        assert {k: record["shape"][k] for k in ("hidden", "num_layers", "num_heads", "num_kv_heads", "ffn", "vocab")} \
+            == {"hidden": 64, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "ffn": 96, "vocab": 1000}, name
+    assert main(["--lengths", str(path), *BASE, "--out", str(tmp_path / "old.json")]) == 0
+    assert "model" not in load_plan(tmp_path / "old.json").extra

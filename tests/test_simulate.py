@@ -528,3 +528,85 @@ def test_compare_cost_balancing_strategies_plan_with_the_cost_model():
     assert np.array_equal(plans["hbp-cost"][0].pack_samples, want.pack_samples)
     assert np.array_equal(plans["hbp"][0].pack_samples, plain.pack_samples)
     assert not np.array_equal(want.pack_samples, plain.pack_samples), "the two costs must plan differently here"
+
+
+def _planned(tmp_path, name, lengths, model=None):
+    """A plan of ``lengths`` by data_tools.pack (hbp, W=4, groups 256:1,1024:2), with --model when given."""
+    from data_tools import pack
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    out = tmp_path / name
+    flags = ["--model", str(model)] if model else []
+    assert pack.main(["--lengths", str(path), "--world-size", "4", "--groups", "256:1,1024:2", "--global-tokens",
+                      "8192", "--quiet", "--no-baseline", "--out", str(out), *flags]) == 0
+    return out
+
+
+def test_simulate_costs_the_model_the_plan_records_and_says_when_it_costs_another(tmp_path, capsys):
+    """A plan packed with --model: hbp-simulate costs that model's shape (its time is the cost model's for that
+    shape, not for the calibration's Llama-3-8B), naming it; --model-shape another shape costs that one with one
+    warning line naming the plan's model; a plan without a record is costed on the calibration's shape with one
+    warning line saying so; plans of different models are refused in one line."""
+    from data_tools import simulate as cli
+    from tests.test_planning_cli import save_model_config
+
+    lengths = np.random.default_rng(3).integers(10, 1024, 400)
+    mine = save_model_config(tmp_path / "my-qwen", hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                             num_hidden_layers=3)
+    recorded = _planned(tmp_path, "recorded.json", lengths, mine)
+    plain = _planned(tmp_path, "plain.json", lengths)
+    capsys.readouterr()
+
+    def run(plan, *flags):
+        out = tmp_path / "report.json"
+        assert cli.main(["--plan", str(plan), "--out", str(out), *flags]) == 0
+        captured = capsys.readouterr()
+        report = json.loads(out.read_text())
+        return report["cost_model"]["model_shape"], report["plans"][1]["simulated_seconds"], captured
+
+    shape, seconds, captured = run(recorded)
+    assert shape["name"] == "my-qwen" and (shape["hidden"], shape["num_heads"], shape["num_layers"]) == (96, 6, 3)
+    assert not captured.err and "model: my-qwen (llama, 6 heads, 2 kv heads;" in captured.out
+    assert "shape my-qwen" in captured.out
+    expected = CostModel.from_calibration(None, shape)
+    assert seconds == pytest.approx(simulate(cli.load_plan(str(recorded)), expected).summary()["simulated_seconds"])
+
+    shape, other_seconds, captured = run(recorded, "--model-shape", "llama3-8b")
+    assert shape["name"] == "llama3-8b" and other_seconds > 100 * seconds  # an 8B model, not the user's
+    assert captured.err.count("\n") == 1 and captured.err.startswith(
+        "warning: costing --model-shape llama3-8b, not the model of ") and "my-qwen (llama, 6 heads" in captured.err
+
+    shape, plain_seconds, captured = run(plain)
+    assert shape["name"] == "llama3-8b" and plain_seconds == pytest.approx(other_seconds, rel=1e-9)
+    assert captured.err.count("\n") == 1 and captured.err.startswith(
+        "warning: the plan records no model: costing llama3-8b (the calibration's shape)"), captured.err
+
+    other = _planned(tmp_path, "other.json", lengths, save_model_config(tmp_path / "other", num_hidden_layers=2))
+    capsys.readouterr()
+    assert exit_code(cli.main, ["--plan", str(recorded), "--plan", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "made for different models (my-qwen" in err and "give --model-shape" in err
+
+
+def test_compare_costs_and_checks_the_model_given(tmp_path, capsys):
+    """hbp-compare --model DIR: its SP degrees checked against the model's heads, its shape costed; without it,
+    one warning line names the calibration's shape it costs instead."""
+    from data_tools import compare
+    from tests.test_planning_cli import save_model_config
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(map(str, np.random.default_rng(4).integers(10, 1024, 200))))
+    base = ["--lengths", str(lengths), "--world-size", "4", "--groups", "256:1,1024:2", "--strategies", "isf,hbp",
+            "--global-tokens", "8192", "--quiet", "--out", str(tmp_path / "cmp.json")]
+    five = save_model_config(tmp_path / "five", hidden_size=40, num_attention_heads=5, num_key_value_heads=5)
+    assert exit_code(compare.main, [*base, "--model", str(five)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--groups 1024:2: sp=2 does not divide the model's 5 attention heads" in err
+    assert compare.main([*base, "--model", str(save_model_config(tmp_path / "mine"))]) == 0
+    captured = capsys.readouterr()
+    assert not captured.err and "shape mine" in captured.out
+    assert json.loads((tmp_path / "cmp.json").read_text())["cost_model"]["model_shape"]["name"] == "mine"
+    assert compare.main(base) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: no --model given: costing llama3-8b"), err

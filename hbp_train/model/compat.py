@@ -8,7 +8,14 @@ memory), so the rule is about features, never about family names:
   window only when no sample is longer than the window; a plan whose samples may be longer is refused;
 * attention sinks (a learned per-head logit, a ``sinks`` parameter of the attention module): not implemented;
 * attention logit soft-capping (``attn_logit_softcapping``): no packed backend implements it;
-* final logit soft-capping (``final_logit_softcapping``): the chunked LM-head loss does not implement it;
+* an LM head whose logits the loss does not reproduce: the loss (model/loss.py) applies the head's weight and bias
+  itself, then what the model's own forward applies to the logits before its loss, as ``logit_head_of`` reads it
+  from the config: Granite's ``logits_scaling`` (HF divides the logits by it; also Granite-MoE, MiniCPM3, which
+  divides the hidden states), Cohere's ``logit_scale`` (multiplies; Cohere 2 too) and final logit soft-capping
+  (``final_logit_softcapping``: Gemma 2/3, VaultGemma, NanoChat). Those are what transformers' causal LMs apply
+  there (read in their forwards). ``check_logit_head`` then runs the model's own forward on a probe (the decoder's
+  output given, a small real head in place of its LM head, on the CPU) and refuses the model when its logits are
+  not ours (another transform, a sliced vocabulary, a head that is not a linear layer);
 * attention dropout: the packed attention has none;
 * an SP degree Ulysses cannot split the heads by (perf.shape.sp_heads_problem).
 
@@ -26,6 +33,7 @@ from typing import Iterable, Optional
 import torch
 
 from hbp_train.common.errors import UserError
+from hbp_train.model.loss import LogitHead
 from hbp_train.perf.shape import parse_model_shape, sp_heads_problem
 
 
@@ -37,18 +45,17 @@ def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int
     """
     family = getattr(hf_config, "model_type", "this model")
     where = f"{family} (model.architecture / model.name_or_path)"
-    for feature, value in (("attn_logit_softcapping", "attention logit soft-capping"),
-                           ("final_logit_softcapping", "final logit soft-capping")):
-        if getattr(hf_config, feature, None) is not None:
-            what = "the packed attention backends (any of them)" if feature.startswith("attn") else \
-                "the chunked LM-head loss"
-            raise UserError(f"{where}: {value} ({feature}={getattr(hf_config, feature)}) is not implemented by "
-                            f"{what} (backend {backend}); set model.config.{feature}=null to train without it "
-                            "(the model then differs from the pretrained one), or use a model without it")
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise UserError(f"{where}: attention logit soft-capping (attn_logit_softcapping="
+                        f"{hf_config.attn_logit_softcapping}) is not implemented by the packed attention backends (any "
+                        f"of them; backend {backend}); set model.config.attn_logit_softcapping=null to train without "
+                        "it (the model then differs from the pretrained one), or use a model without it")
     if float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
         raise UserError(f"{where}: attention dropout ({hf_config.attention_dropout}) is not implemented by the packed "
                         "attention; set model.config.attention_dropout=0")
-    modules = _meta_modules(hf_config)
+    head = logit_head_of(hf_config)  # its values checked before the model is built
+    model = _meta_model(hf_config)
+    modules = list(model.modules())
     if any(name.split(".")[-1] == "sinks" for m in modules for name, _ in m.named_parameters(recurse=False)):
         raise UserError(f"{where}: attention sinks (a learned per-head 'sinks' logit) are not implemented by the "
                         f"packed attention (backend {backend}); use a model without them")
@@ -58,6 +65,12 @@ def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int
                         f"packed attention (backend {backend}) and the plan's samples reach {longest_sample} tokens; "
                         f"re-plan with samples of at most {window} tokens (data_tools.preprocess/pack --max-len "
                         f"{window}), or set model.config.sliding_window=null (full causal attention)")
+    check_sp_degrees(hf_config, sp_degrees, where)
+    check_logit_head(model, head, where)
+
+
+def check_sp_degrees(hf_config, sp_degrees: Iterable[int], where: str) -> None:
+    """UserError (one line, from ``where``) for the first SP degree Ulysses cannot split the model's heads by."""
     shape = parse_model_shape(hf_config)
     for sp in sorted(set(sp_degrees)):
         problem = sp_heads_problem(shape.num_heads, shape.num_kv_heads, sp)
@@ -65,6 +78,116 @@ def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int
             good = [d for d in (1, 2, 4, 8, 16, 32, 64) if sp_heads_problem(shape.num_heads, shape.num_kv_heads, d) is None]
             raise UserError(f"{where}: {problem} (SP degrees that work: {', '.join(map(str, good))}; "
                             "data_tools.pack --groups)")
+
+
+# The config fields transformers' causal LMs read between the LM head and the loss (their forwards, transformers 5):
+# (field, what the loss's LogitHead takes from it).
+LOGIT_SCALES = {
+    "logits_scaling": lambda v: 1.0 / v,  # Granite, Granite-MoE (logits / v), MiniCPM3 (hidden / v: the same)
+    "logit_scale": lambda v: v,           # Cohere, Cohere 2 (logits * v)
+}
+
+
+def logit_head_of(hf_config) -> LogitHead:
+    """What the model's forward applies to its LM head's output before the loss, read from its config (the fields
+    of LOGIT_SCALES and ``final_logit_softcapping``); a value that is not a positive number is refused in one line."""
+    family = getattr(hf_config, "model_type", "this model")
+    scale, softcap = 1.0, None
+    for name, value in [(n, getattr(hf_config, n, None)) for n in (*LOGIT_SCALES, "final_logit_softcapping")]:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise UserError(f"{family} (model.config.{name}): must be a positive number, got {value!r}")
+        if name == "final_logit_softcapping":
+            softcap = float(value)
+        else:
+            scale *= LOGIT_SCALES[name](float(value))
+    return LogitHead(scale=scale, softcap=softcap)
+
+
+def check_logit_head(model, head: LogitHead, where: str) -> None:
+    """Refuse (one line) a model whose forward turns its LM head's output into logits otherwise than ``head``.
+
+    ``model``: the causal LM built on the meta device (``_meta_model``; it is changed here: use it no more). Its
+    decoder is replaced by a module returning given hidden states and its LM head by a small real linear layer, so
+    that the model's own forward runs on the CPU in microseconds; its logits must equal ``head`` applied to that
+    layer's output. The logits span 0.1 to 300 in size, so that soft-capping at any cap below about a thousand, or
+    any scale, shows."""
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise UserError(f"{where}: its LM head ({type(lm_head).__name__}) is not a linear layer, which the packed "
+                        "LM-head loss applies itself; use a model whose output embeddings are a linear layer")
+    gen = torch.Generator().manual_seed(0)
+    tokens, width, columns = 5, lm_head.in_features, 24
+    hidden = torch.randn(1, tokens, width, generator=gen)
+    # skip_init: no draw from the global random stream (the model's weights are drawn from it later)
+    probe = torch.nn.utils.skip_init(torch.nn.Linear, width, columns, bias=lm_head.bias is not None, device="cpu",
+                                     dtype=torch.float32)
+    with torch.no_grad():
+        sizes = torch.logspace(-1, math.log10(300.0), columns)[:, None]  # each column's logits' size
+        probe.weight.copy_(torch.randn(columns, width, generator=gen) * sizes / math.sqrt(width))
+        if probe.bias is not None:
+            probe.bias.copy_(torch.randn(columns, generator=gen))
+        ours = head.apply_(probe(hidden).double()).float()
+
+    decoder = model.base_model  # what forward_hidden runs (the model itself when base_model_prefix names nothing)
+    if decoder is model:
+        raise UserError(f"{where}: its decoder is not at model.{model.base_model_prefix}, where the packed path runs "
+                        "it without the LM head; use a family of docs/models.md")
+    _set_submodule(model, lm_head, probe)
+    setattr(model, model.base_model_prefix, _GivenHidden(decoder, hidden))
+    try:
+        with torch.no_grad():
+            theirs = model(input_ids=torch.zeros(1, tokens, dtype=torch.long)).logits
+        same = theirs.shape == ours.shape and torch.allclose(theirs.float(), ours, rtol=1e-4, atol=1e-4)
+        found = "" if same else (f"logits of shape {tuple(theirs.shape)} for {tuple(ours.shape)}"
+                                 if theirs.shape != ours.shape else
+                                 f"up to {float((theirs.float() - ours).abs().max()):.3g} apart")
+    except Exception as exc:  # noqa: BLE001 -- a forward that cannot run on a given decoder output: not checkable
+        found = f"its forward does not run on a given decoder output ({type(exc).__name__})"
+    if found:
+        raise UserError(f"{where}: its forward changes the LM head's logits in a way the packed LM-head loss does not "
+                        f"reproduce (on a probe: {found}; the loss applies scale {head.scale:g}"
+                        f"{f', soft-cap {head.softcap:g}' if head.softcap else ''}); use a family of docs/models.md")
+
+
+class _DecoderOutput:
+    """A decoder's output for check_logit_head: the given hidden states, and None for anything else a forward reads
+    from it (router logits, caches, a multimodal model's image features)."""
+
+    def __init__(self, hidden):
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name):
+        return None
+
+    def __getitem__(self, index):
+        return (self.last_hidden_state,)[index]
+
+
+class _GivenHidden(torch.nn.Module):
+    """In a decoder's place for check_logit_head: returns the given hidden states, also when the forward calls one
+    of the decoder's parts (OPT's ``model.decoder``); the decoder's other attributes (a multiplier) are its own."""
+
+    def __init__(self, decoder, hidden):
+        super().__init__()
+        object.__setattr__(self, "decoder_", decoder)  # not a submodule
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        return _DecoderOutput(self.hidden)
+
+    def __getattr__(self, name):
+        value = getattr(object.__getattribute__(self, "decoder_"), name)
+        return self if isinstance(value, torch.nn.Module) else value
+
+
+def _set_submodule(model, old, new) -> None:
+    """Put ``new`` where ``old`` is in ``model`` (under every name it has)."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        for child_name, child in list(module.named_children()):
+            if child is old:
+                setattr(module, child_name, new)
 
 
 # RoPE scalings that stretch the trained positions by their factor (transformers' rope_type names).
@@ -115,13 +238,12 @@ def _rope_scaled_positions(hf_config) -> Optional[tuple]:
     return min(found) if found and len(found) == len(sets) else None
 
 
-def _meta_modules(hf_config) -> list:
-    """The model's modules, built on the meta device: their structure, no memory, no initialisation."""
+def _meta_model(hf_config):
+    """The causal LM, built on the meta device: its structure, no memory, no initialisation."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # eager: every model supports it (some not sdpa); the attention is not used here
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
-    return list(model.modules())
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
 
 
 def _smallest_window(hf_config, modules) -> int | None:

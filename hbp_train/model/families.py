@@ -2,12 +2,14 @@
 
 Data only: nothing in the trainer reads this table or branches on a family name (any HF causal LM whose attention
 goes through transformers' attention-function interface is trained the same way). tests/test_families.py trains
-every entry (packed == per-sample, SP=2 == SP=1, a run over a plan with sp=1 and sp=2 groups) and
-bench/bench_families.py tabulates them; docs/models.md lists what was tested per family.
+every entry (packed == per-sample, SP=2 == SP=1, a run over a plan with sp=1 and sp=2 groups, our per-sample losses
+== the model's own HF loss) and bench/bench_families.py tabulates them; docs/models.md lists what was tested per
+family.
 
 Each entry is ``model.config`` for ``model.architecture=<name>``: small enough for a CPU test, but keeping what
 makes the family different (GQA, kv heads fewer than SP=2, q/k norms, MoE routing, MLA's latent projections with
-unequal q/k and v head dims, sliding-window layers, tied embeddings).
+unequal q/k and v head dims, sliding-window layers, tied embeddings, and what the head does to the logits: Granite
+divides them by logits_scaling, Cohere multiplies them by logit_scale).
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 256,
                     "layer_types": ["sliding_attention", "full_attention"]},
     "phi3": {},  # no pad_token_id given: its default (32000) lies outside the tiny vocabulary
+    # the multipliers of Granite-3.x-8B: embeddings, residual branches, attention scale, logits divided by 16
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                "logits_scaling": 16.0},
+    # LayerNorm (not RMSNorm) with q/k norms per head, parallel attention + MLP, interleaved RoPE, tied embeddings,
+    # logits multiplied by logit_scale (Command R's)
+    "cohere": {"use_qk_norm": True, "logit_scale": 0.0625},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "decoder_sparse_step": 1, "mlp_only_layers": []},

@@ -12,6 +12,11 @@ instead of O(T x V): a 32K pack with a 128K vocabulary would otherwise hold 16 G
   recasts the logits and makes five. A weighted sum has a scalar upstream gradient g (DeepSpeed's loss scale, the
   SP loss all-reduce: see ``_FusedCrossEntropy.backward``), so backward only multiplies the stored gradients by g.
 
+Both apply what the model's own head applies between its LM-head matmul and the loss (``LogitHead``: a scale
+such as Granite's ``logits_scaling`` or Cohere's ``logit_scale``, and final logit soft-capping c tanh(x / c) as
+Gemma 2/3 configure it), so the loss is the model's own; model/compat.py reads them from the config and checks
+them against the model's forward.
+
 Tokens whose label is IGNORE_INDEX are skipped entirely. Their count is known on the host (the collate step counts
 it), and with ``num_rows`` the trained rows are selected without a host sync (``torch.nonzero`` would read the count
 back from the device mid-forward).
@@ -32,6 +37,7 @@ Shape legend: T tokens, N trained tokens (label not IGNORE_INDEX), C tokens of a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -73,23 +79,53 @@ class LossConfig:
         return self.impl == "fused" or (self.impl == "auto" and torch.device(device).type == "cuda")
 
 
+@dataclass(frozen=True)
+class LogitHead:
+    """What a model's own head does to its LM-head output x = hidden @ W.T + b before the loss: z = scale * x,
+    then, with ``softcap`` c, z = c * tanh(z / c). The identity for most families."""
+
+    scale: float = 1.0
+    """Multiplies the logits: Cohere's ``logit_scale``; 1 / ``logits_scaling`` for Granite (HF divides by it)."""
+    softcap: Optional[float] = None
+    """Final logit soft-capping (``final_logit_softcapping``), or None."""
+
+    def apply_(self, logits_CV: torch.Tensor) -> torch.Tensor:
+        """The head's transform of one chunk of fp32 logits, in place."""
+        if self.scale != 1.0:
+            logits_CV.mul_(self.scale)
+        if self.softcap is not None:
+            logits_CV.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits_CV
+
+    def slope(self, logits_CV: torch.Tensor) -> Optional[torch.Tensor]:
+        """dz / dx of soft-capping per element (scale * (1 - (z / c)^2)) from the transformed logits z, as a new
+        buffer; None without soft-capping (the slope is then the scalar ``scale``, folded into a row factor)."""
+        if self.softcap is None:
+            return None
+        return (logits_CV / self.softcap).square_().neg_().add_(1.0).mul_(self.scale)
+
+
+IDENTITY = LogitHead()
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-token CE of (hidden @ W.T + b) for the given rows; saves only hidden, W, b and the logsumexp per row."""
+    """Per-token CE of head(hidden @ W.T + b) for the given rows; saves only hidden, W, b and the logsumexp per row."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, chunk_size):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, chunk_size, head=IDENTITY):
         num_rows = hidden_NH.shape[0]
         loss_N = torch.empty(num_rows, dtype=_loss_dtype(weight_VH.dtype), device=hidden_NH.device)
         lse_N = torch.empty_like(loss_N)
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
             logits_CV, lse_C, target_C = _chunk_cross_entropy(hidden_NH[start:end], weight_VH, bias_V,
-                                                              labels_N[start:end])
+                                                              labels_N[start:end], head)
             loss_N[start:end] = lse_C - target_C
             lse_N[start:end] = lse_C
             del logits_CV
         ctx.save_for_backward(hidden_NH, weight_VH, bias_V, labels_N, lse_N)
         ctx.chunk_size = chunk_size
+        ctx.head = head
         return loss_N
 
     @staticmethod
@@ -105,15 +141,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         sum_VH = (torch.zeros_like(weight_VH, dtype=wide_dtype)
                   if need_weight and num_chunks > 1 and weight_VH.dtype != wide_dtype else None)
         grad_bias_V = torch.zeros(weight_VH.shape[0], dtype=wide_dtype, device=weight_VH.device) if need_bias else None
-        grad_loss_N = grad_loss_N.to(wide_dtype)
+        head = ctx.head
+        # the head's scale is a factor of every row's gradient (soft-capping's slope is per element, below)
+        grad_loss_N = grad_loss_N.to(wide_dtype) * (head.scale if head.softcap is None else 1.0)
         for start in range(0, hidden_NH.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden_NH.shape[0])
-            # d loss / d logits = softmax - onehot(label), times the incoming gradient of each row's loss.
-            grad_logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, bias_V)
+            # d loss / d logits = softmax - onehot(label), times the incoming gradient of each row's loss (and
+            # the head's slope dz / dx: d loss / d x is what the matmul's gradients take).
+            grad_logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, bias_V, head)
+            slope_CV = head.slope(grad_logits_CV)
             grad_logits_CV.sub_(lse_N[start:end, None]).exp_()
             rows = torch.arange(end - start, device=grad_logits_CV.device)
             grad_logits_CV[rows, labels_N[start:end]] -= 1.0
             grad_logits_CV.mul_(grad_loss_N[start:end, None])
+            if slope_CV is not None:
+                grad_logits_CV.mul_(slope_CV)
+                del slope_CV
             if need_bias:
                 grad_bias_V += grad_logits_CV.sum(0)
             grad_logits_CV = grad_logits_CV.to(weight_VH.dtype)
@@ -129,21 +172,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_weight_VH.copy_(sum_VH)
         if need_bias:
             grad_bias_V = grad_bias_V.to(bias_V.dtype)
-        return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None
+        return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None, None
 
 
-def _chunk_logits(hidden_CH, weight_VH, bias_V):
-    """The logits of one chunk in fp32 (float64 for float64 weights); the matmul runs in the model's dtype as the HF
-    LM head does."""
+def _chunk_logits(hidden_CH, weight_VH, bias_V, head=IDENTITY):
+    """The logits of one chunk in fp32 (float64 for float64 weights), the model's head transform applied; the matmul
+    runs in the model's dtype as the HF LM head does."""
     logits_CV = hidden_CH @ weight_VH.t()
     if bias_V is not None:
         logits_CV = logits_CV + bias_V
-    return logits_CV.to(_loss_dtype(weight_VH.dtype))
+    return head.apply_(logits_CV.to(_loss_dtype(weight_VH.dtype)))  # a new tensor: transformed in place
 
 
-def _chunk_cross_entropy(hidden_CH, weight_VH, bias_V, labels_C):
+def _chunk_cross_entropy(hidden_CH, weight_VH, bias_V, labels_C, head=IDENTITY):
     """One chunk's (logits, log-sum-exp, target logit): its cross-entropy is lse - target."""
-    logits_CV = _chunk_logits(hidden_CH, weight_VH, bias_V)
+    logits_CV = _chunk_logits(hidden_CH, weight_VH, bias_V, head)
     return logits_CV, torch.logsumexp(logits_CV, dim=-1), logits_CV.gather(1, labels_C[:, None])[:, 0]
 
 
@@ -153,16 +196,18 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
-    """sum_i w_i CE_i of (hidden @ W.T + b) for the given rows, with its gradients made in forward (no recompute).
+    """sum_i w_i CE_i of head(hidden @ W.T + b) for the given rows, with its gradients made in forward (no recompute).
 
     Returns (the weighted sum, the per-row losses; the latter carries no gradient). Saves no input for backward,
     only the gradients: d hidden [N, H] in the hidden's dtype (what chunked saves instead is hidden itself), d W and
     d b. Per chunk: the logits in the model's dtype, one cast to fp32, their log-sum-exp, then d logits =
     w (softmax - onehot) as exp(logits - lse + log w), the exponential written in the weights' dtype (w (p - 1) at the
-    target, from fp32, so every element is rounded once), and the two GEMMs of d hidden and d W."""
+    target, from fp32, so every element is rounded once), and the two GEMMs of d hidden and d W. The head's scale s
+    is folded into the weights (w s (p - onehot)); soft-capping's slope, per element, multiplies the fp32 gradient
+    before its one rounding (one more chunk-sized fp32 buffer, for soft-capped models only)."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, weights_N, chunk_size):
+    def forward(ctx, hidden_NH, weight_VH, bias_V, labels_N, weights_N, chunk_size, head=IDENTITY):
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         num_rows, dtype, wide_dtype = hidden_NH.shape[0], weight_VH.dtype, _loss_dtype(weight_VH.dtype)
         loss_N = torch.empty(num_rows, dtype=wide_dtype, device=hidden_NH.device)
@@ -177,14 +222,16 @@ class _FusedCrossEntropy(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
             logits_CV, lse_C, target_C = _chunk_cross_entropy(hidden_NH[start:end], weight_VH, bias_V,
-                                                              labels_N[start:end])
+                                                              labels_N[start:end], head)
             loss_N[start:end] = lse_C - target_C
             if not (need_hidden or need_weight or need_bias):
                 continue
-            w_C = weights_N[start:end]
+            slope_CV = head.slope(logits_CV)  # soft-capping: d z / d x per element, before z is overwritten
+            # d loss / d x = w s (p - onehot): without soft-capping the head's scale s is a factor of the weight
+            w_C = weights_N[start:end] * (head.scale if slope_CV is None else 1.0)
             # w softmax = exp(logits - lse + log w): the weight folded into the exponent (w >= 0; w = 0 gives 0).
             logits_CV.sub_((lse_C - w_C.log())[:, None])
-            if dtype == wide_dtype:
+            if dtype == wide_dtype or slope_CV is not None:
                 grad_logits_CV = logits_CV.exp_()
             else:
                 # fp32 math, rounded once on the store; a new buffer per chunk, so that none is held while the
@@ -193,7 +240,13 @@ class _FusedCrossEntropy(torch.autograd.Function):
                                                                       device=logits_CV.device))
             rows = torch.arange(end - start, device=logits_CV.device)
             # the target's w (p - 1), from fp32 (expm1: exact as p -> 1), rounded once
-            grad_logits_CV[rows, labels_N[start:end]] = (w_C * torch.expm1(target_C - lse_C)).to(dtype)
+            target_grad_C = w_C * torch.expm1(target_C - lse_C)
+            if slope_CV is None:
+                grad_logits_CV[rows, labels_N[start:end]] = target_grad_C.to(dtype)
+            else:  # soft-capping's slope multiplies in fp32, then the one rounding to the weights' dtype
+                grad_logits_CV[rows, labels_N[start:end]] = target_grad_C
+                grad_logits_CV = grad_logits_CV.mul_(slope_CV).to(dtype)
+                del slope_CV
             del logits_CV
             if need_bias:
                 grad_bias_V += grad_logits_CV.sum(0, dtype=wide_dtype)
@@ -228,7 +281,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
             grad_weight_VH = grad_weight_VH.mul_(grad_sum).to(weight_dtype)
         if grad_bias_V is not None:
             grad_bias_V = grad_bias_V.mul_(grad_sum).to(bias_dtype)
-        return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None, None
+        return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None, None, None
 
 
 def _trained_rows(shift_labels_T, num_rows):
@@ -251,40 +304,42 @@ def _flat_inputs(hidden_TH, shift_labels_T, chunk_size):
 
 
 def chunked_token_losses(hidden_TH, lm_head_weight_VH, shift_labels_T, chunk_size: int = 4096, lm_head_bias=None,
-                         num_rows=None):
+                         num_rows=None, logit_head: LogitHead = IDENTITY):
     """Per-token cross-entropy loss_T (fp32; float64 for float64 weights) of the LM head applied to hidden_TH; 0 where
     shift_labels is IGNORE_INDEX.
 
-    Equals F.cross_entropy(hidden @ W.T + b, labels, reduction="none") with gradients to hidden, W and b, but
-    holds at most chunk_size x V logits at a time in forward and in backward (backward recomputes them).
-    hidden_TH may also be [1, T, H] and shift_labels_T [1, T]; the result is always [T]. ``num_rows``: how many
-    labels are not IGNORE_INDEX, if known (no host sync then; it must be exact).
+    Equals F.cross_entropy(head(hidden @ W.T + b), labels, reduction="none") with gradients to hidden, W and b
+    (``logit_head``: the model's own transform of the logits, default none), but holds at most chunk_size x V logits
+    at a time in forward and in backward (backward recomputes them). hidden_TH may also be [1, T, H] and
+    shift_labels_T [1, T]; the result is always [T]. ``num_rows``: how many labels are not IGNORE_INDEX, if known (no
+    host sync then; it must be exact).
     """
     hidden_TH, shift_labels_T = _flat_inputs(hidden_TH, shift_labels_T, chunk_size)
     # Prompt tokens (label IGNORE_INDEX) cost nothing: only the trained rows go through the LM head.
     rows_N = _trained_rows(shift_labels_T, num_rows)
     loss_N = _ChunkedCrossEntropy.apply(
-        hidden_TH.index_select(0, rows_N), lm_head_weight_VH, lm_head_bias, shift_labels_T[rows_N].long(), chunk_size
-    )
+        hidden_TH.index_select(0, rows_N), lm_head_weight_VH, lm_head_bias, shift_labels_T[rows_N].long(), chunk_size,
+        logit_head)
     loss_T = torch.zeros(shift_labels_T.shape[0], dtype=loss_N.dtype, device=hidden_TH.device)
     return loss_T.index_put((rows_N,), loss_N)
 
 
 def fused_token_losses(hidden_TH, lm_head_weight_VH, shift_labels_T, weights_T, chunk_size: int = 4096,
-                       lm_head_bias=None, num_rows=None):
+                       lm_head_bias=None, num_rows=None, logit_head: LogitHead = IDENTITY):
     """(sum_t weights_T[t] loss_t, loss_T): the weighted sum of the per-token cross-entropy of the LM head, with
     its gradients to hidden, W and b made in forward (``_FusedCrossEntropy``), and the per-token losses (as there, 0
     where shift_labels is IGNORE_INDEX, no gradient) for the statistics.
 
     The sum and its gradients equal those of ``(chunked_token_losses(...) * weights_T).sum()`` (tests/test_loss.py);
     only the sum may be back-propagated, once. weights_T: [T] or [1, T], >= 0 (``token_loss_weights``); tokens
-    labelled IGNORE_INDEX are skipped whatever their weight. ``num_rows`` as in ``chunked_token_losses``.
+    labelled IGNORE_INDEX are skipped whatever their weight. ``num_rows`` and ``logit_head`` as in
+    ``chunked_token_losses``.
     """
     hidden_TH, shift_labels_T = _flat_inputs(hidden_TH, shift_labels_T, chunk_size)
     rows_N = _trained_rows(shift_labels_T, num_rows)
     weighted, loss_N = _FusedCrossEntropy.apply(
         hidden_TH.index_select(0, rows_N), lm_head_weight_VH, lm_head_bias, shift_labels_T[rows_N].long(),
-        weights_T.reshape(-1)[rows_N], chunk_size)
+        weights_T.reshape(-1)[rows_N], chunk_size, logit_head)
     loss_T = torch.zeros(shift_labels_T.shape[0], dtype=loss_N.dtype, device=hidden_TH.device)
     return weighted, loss_T.index_put((rows_N,), loss_N)
 

@@ -1,0 +1,107 @@
+"""Granite and Cohere train their own objective: the trainer's held-out loss equals `hbp-eval offline` on the export.
+
+Both families change the logits after the LM head (Granite divides them by ``logits_scaling``, Cohere multiplies them
+by ``logit_scale``); the trainer's loss reads the LM head's weight itself (hbp_train/model/loss.py), so it must apply
+the same change or it trains, and reports, another model's loss. Here a tiny model of each family, saved as a user
+saves one, goes through the real commands: preprocess -> pack -> the trainer (held-out loss after its last step, on the
+same samples) -> export -> ``eval.run offline --no-needle`` on the preprocessed samples, and the export's own HF
+``forward(labels=...)`` per sample. The three losses agree to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hbp_train.model.families import tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = REPO / "data_tools" / "assets" / "tokenizer"
+FAMILIES = ("granite", "cohere")
+STEPS = 2
+
+
+def save_model(family: str, folder: Path) -> None:
+    """The tiny ``family`` model of the support matrix with the shipped tokenizer's vocabulary and special tokens,
+    saved with save_pretrained beside the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    config = AutoConfig.for_model(family, **tiny_config(family, vocab_size=len(tokenizer)),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _train_and_export(rank, world_size, root: str):
+    """One rank: each family's model trained (at most STEPS steps) with the held-out loss after the last step, then
+    exported."""
+    from hbp_train import config, trainer
+    from hbp_train.distributed.groups import init_distributed
+    from hbp_train.export import export
+
+    init_distributed()
+    for family in FAMILIES:
+        out = f"{root}/{family}"
+        trainer.train(config.load([f"model.name_or_path={out}/model", f"data.shards={root}/packed",
+                                   f"data.eval_shards={root}/packed", f"train.out_dir={out}/run", "logging=quiet",
+                                   f"train.max_steps={STEPS}", "train.lr=1e-3", "train.warmup_steps=0"]))
+        export(f"{out}/run/checkpoints", f"{out}/export")
+    return True
+
+
+def export_token_mean_loss(export_dir: Path, dataset_dir: Path) -> tuple[float, int]:
+    """The export's own loss: HF forward(labels=...) per sample, token-weighted over the samples' label tokens."""
+    import torch
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    total, tokens = 0.0, 0
+    for row in load_from_disk(str(dataset_dir)):
+        labels = torch.tensor(row["labels"])
+        count = int((labels[1:] != -100).sum())
+        with torch.no_grad():
+            loss = model(input_ids=torch.tensor(row["input_ids"])[None], labels=labels[None]).loss
+        total += float(loss) * count
+        tokens += count
+    return total / tokens, tokens
+
+
+@pytest.mark.slow
+def test_trainer_heldout_loss_is_the_exports_own_loss(tmp_path):
+    from data_tools import make_demo_data, pack, preprocess
+    from eval.run import main as eval_main
+    from tests.distributed import run_distributed
+
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in make_demo_data.generate(24, max_tokens=200, seed=5))
+    for family in FAMILIES:
+        save_model(family, tmp_path / family / "model")
+    assert preprocess.main(["--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "tok"),
+                            "--tokenizer", str(TOKENIZER_DIR), "--max-len", "256"]) == 0
+    assert pack.main(["--dataset", str(tmp_path / "tok"), "--shards", str(tmp_path / "packed"), "--max-len", "256",
+                      "--world-size", "1", "--groups", "256:1", "--global-tokens", "512", "--quiet"]) == 0
+    assert run_distributed(_train_and_export, 1, str(tmp_path), timeout=600) == [True]
+
+    differ = []  # both families named, with their numbers
+    for family in FAMILIES:
+        rows = [json.loads(line) for line in (tmp_path / family / "run" / "metrics.jsonl").read_text().splitlines()]
+        trainer_loss, trainer_tokens = rows[-1]["loss/eval"], rows[-1]["eval/loss_tokens"]
+        assert len(rows) == STEPS and all("loss/eval" not in r for r in rows[:-1])  # trained, then evaluated
+        own_loss, own_tokens = export_token_mean_loss(tmp_path / family / "export", tmp_path / "tok")
+        assert trainer_tokens == own_tokens  # the same samples' label tokens
+        assert eval_main(["offline", "--model", str(tmp_path / family / "export"), "--dataset", str(tmp_path / "tok"),
+                          "--no-needle", "--out", str(tmp_path / family / "eval"), "--no-progress"]) == 0
+        evaluated = json.loads((tmp_path / family / "eval" / "results.json").read_text())["perplexity"]
+        assert evaluated["num_loss_tokens"] == own_tokens
+        line = (f"{family}: trainer held-out {trainer_loss:.6f}, hbp-eval offline {evaluated['loss']:.6f}, "
+                f"export's HF loss {own_loss:.6f} over {own_tokens} tokens")
+        print(line)
+        if not (trainer_loss == pytest.approx(evaluated["loss"], rel=1e-5, abs=1e-5)
+                and trainer_loss == pytest.approx(own_loss, rel=1e-5, abs=1e-5)):
+            differ.append(line)
+    assert not differ, "; ".join(differ)

@@ -368,9 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     held = parser.add_mutually_exclusive_group()
     held.add_argument("--heldout-fraction", type=float_range(0.0, 1.0, low_open=True), default=None, metavar="F",
                       help="hold out this fraction (0 < F < 1) of the kept samples, drawn with --seed from all "
-                           "inputs before weighting, whole samples only, into --heldout-output")
+                           "inputs before weighting, whole samples only, into --heldout-output (default: none held out)")
     held.add_argument("--heldout-count", type=positive_int, default=None, metavar="N",
-                      help="hold out N kept samples (as --heldout-fraction)")
+                      help="hold out N kept samples (as --heldout-fraction; default: none held out)")
     parser.add_argument("--heldout-output", default=None, metavar="DIR", type=output_dir,
                         help="the held-out dataset, in the output's format: pack it for data.eval_shards, or give "
                              "it to hbp-eval offline --dataset (default: OUTPUT_heldout beside OUTPUT)")

@@ -223,8 +223,10 @@ class NodeWatch:
         self._seen: dict = {}  # node -> (last counter value, time.monotonic() it changed)
         self._store_down = False  # the last read of the store failed: node 0 is gone or frozen
         self._warned: set = set()
+        self._reporting = False  # a worker failed: the last line says who went quiet, no more warnings
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # _seen
+        self._say_lock = threading.Lock()  # a warning is said whole before the failure report starts, or not at all
 
     # The roll call.
     def join(self, timeout: float, report_every: float) -> None:
@@ -362,21 +364,26 @@ class NodeWatch:
     def _warn_silent(self) -> None:
         """Once per silent node, by the lowest node still answering: which node went quiet, while the others wait
         in a collective for it (until its timeout, HBP_PG_TIMEOUT)."""
-        silent = self.silent_nodes()
-        live = [k for k in range(self.count) if k not in silent]
-        if not live or live[0] != self.index:
-            return
-        for k in silent:
-            if k not in self._warned:
-                self._warned.add(k)
-                self.say(f"[launch] {self.nodes[k]} has given no sign of life for {self.silent_for(k):.0f} s "
-                         "(frozen, dead or cut off?); the others stop when a collective times out (HBP_PG_TIMEOUT)")
-        self._warned &= set(silent)
+        with self._say_lock:
+            if self._reporting:
+                return
+            silent = self.silent_nodes()
+            live = [k for k in range(self.count) if k not in silent]
+            if not live or live[0] != self.index:
+                return
+            for k in silent:
+                if k not in self._warned:
+                    self._warned.add(k)
+                    self.say(f"[launch] {self.nodes[k]} has given no sign of life for {self.silent_for(k):.0f} s "
+                             "(frozen, dead or cut off?); the others stop when a collective times out "
+                             "(HBP_PG_TIMEOUT)")
+            self._warned &= set(silent)
 
     # After a failure.
     def post_failures(self, failures: dict) -> None:
         """Tell the other launchers what failed here: {rank: {"exitcode", "message", "timestamp"}}."""
-        self._warned = set(range(self.count))  # from here on the last line says who went quiet
+        with self._say_lock:
+            self._reporting = True
         try:
             self.store.set(f"hbp/failed/{self.index}", json.dumps(failures))
         except Exception:  # noqa: BLE001 (node 0 gone: nobody to tell)

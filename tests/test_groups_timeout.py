@@ -17,6 +17,8 @@ def test_timeout_from_the_environment_or_the_default():
     assert groups.collective_timeout({}) == datetime.timedelta(seconds=groups.PG_TIMEOUT) == \
         datetime.timedelta(minutes=30)
     assert groups.collective_timeout({"HBP_PG_TIMEOUT": "12.5"}) == datetime.timedelta(seconds=12.5)
+    assert groups.collective_timeout({"DEEPSPEED_TIMEOUT": "5"}) == datetime.timedelta(minutes=5)  # DeepSpeed's own
+    assert groups.collective_timeout({"DEEPSPEED_TIMEOUT": "5", "HBP_PG_TIMEOUT": "9"}) == datetime.timedelta(seconds=9)
     for bad in ("0", "-3", "soon"):
         with pytest.raises(UserError, match=f"HBP_PG_TIMEOUT={bad}: not a number of seconds > 0"):
             groups.collective_timeout({"HBP_PG_TIMEOUT": bad})

@@ -42,14 +42,21 @@ COLLECTIVE_FAILED = "a collective failed"
 
 
 def collective_timeout(environ=os.environ) -> timedelta:
-    """How long a collective waits for its peers: HBP_PG_TIMEOUT seconds (default PG_TIMEOUT). Long enough for the
-    slowest legitimate wait (ranks waiting at a barrier while one saves its share of a checkpoint or verifies the
-    shards), short enough that a frozen node ends the job. UserError for anything but a number > 0."""
+    """How long a collective waits for its peers: HBP_PG_TIMEOUT seconds, else DeepSpeed's own DEEPSPEED_TIMEOUT
+    (minutes), else PG_TIMEOUT. Long enough for the slowest legitimate wait (ranks waiting at a barrier while one
+    saves its share of a checkpoint or verifies the shards), short enough that a frozen node ends the job.
+    UserError for anything but a number > 0."""
     text = environ.get("HBP_PG_TIMEOUT", "").strip()
     try:
-        seconds = float(text) if text else float(PG_TIMEOUT)
+        if text:
+            seconds = float(text)
+        elif environ.get("DEEPSPEED_TIMEOUT", "").strip():  # what DeepSpeed itself would have used
+            seconds = 60 * float(environ["DEEPSPEED_TIMEOUT"])
+        else:
+            seconds = float(PG_TIMEOUT)
     except ValueError:
         seconds = -1.0
+        text = text or f"(DEEPSPEED_TIMEOUT={environ.get('DEEPSPEED_TIMEOUT')})"
     if not seconds > 0:
         raise UserError(f"HBP_PG_TIMEOUT={text}: not a number of seconds > 0; unset it for the default "
                         f"({PG_TIMEOUT})")

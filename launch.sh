@@ -21,7 +21,9 @@
 # (requirements-liger.txt: fused decoder kernels), HBP_INSTALL_LIGER=0 to leave it out. The repo is installed in
 # editable mode (pip install -e .), which also puts the hbp-* commands into the venv's bin/.
 # train: NPROC (processes on this node; default: its GPUs, or 1 on a CPU), NNODES, NODE_RANK, MASTER_ADDR,
-# MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead).
+# MASTER_PORT (torchrun rendezvous across nodes), HOSTFILE (use the deepspeed launcher instead); HBP_SHUTDOWN_TIMEOUT
+# (seconds a SIGTERM'd run has to finish its step and save, default 300), HBP_RDZV_TIMEOUT, HBP_RDZV_REPORT,
+# HBP_HEARTBEAT, HBP_PG_TIMEOUT (how long nodes wait for each other: docs/reliability.md).
 set -euo pipefail
 # Paths on the command line stay relative to where you run this from; the repo is found through ROOT.
 ROOT=$(cd "$(dirname "$0")" && pwd)

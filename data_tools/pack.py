@@ -294,8 +294,8 @@ def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None, larges
 def check_shards_dir(path: str) -> None:
     """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files.
 
-    A re-pack replaces the whole folder, so an earlier output holding anything besides plan.json and group_*
-    (say notes someone added) is refused rather than deleted."""
+    A re-pack replaces the whole folder, so an earlier output holding anything besides plan.json, checksums.json
+    and group_* (say notes someone added) is refused rather than deleted."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise CliError(f"--shards {path}: exists and is not a directory; pass a new or empty directory")
@@ -305,7 +305,8 @@ def check_shards_dir(path: str) -> None:
     if not any((p / name).is_file() for name in plans):
         raise CliError(f"--shards {path}: directory is not empty and holds no earlier packed shards (plan.json or "
                        "plan.npz); choose a new or empty --shards directory")
-    other = sorted(x.name for x in p.iterdir() if x.name not in plans and not x.name.startswith("group_"))
+    ours = (*plans, "checksums.json")
+    other = sorted(x.name for x in p.iterdir() if x.name not in ours and not x.name.startswith("group_"))
     if other:
         raise CliError(f"--shards {path}: holds {other[0]}, which is not part of the packed shards a re-pack "
                        "replaces; move it out or choose another --shards directory")

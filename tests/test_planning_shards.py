@@ -93,7 +93,7 @@ def test_shards_refuse_a_foreign_folder_and_replace_an_earlier_output(tmp_path, 
     assert main(common + ["--groups", "512:1", "--shards", str(out)]) == 0  # a re-plan with one group
     captured = capsys.readouterr()
     assert "Saving the dataset" not in captured.err  # --quiet also silences datasets' bars
-    assert sorted(p.name for p in out.iterdir()) == ["group_0", "plan.json"]  # the old group_1 is gone
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "group_0", "plan.json"]  # no old group_1
     (out / "notes.txt").write_text("keep me")  # a re-pack replaces the whole folder: refused, not deleted
     assert main(common + ["--groups", "512:1", "--shards", str(out)]) == 2
     err = capsys.readouterr().err

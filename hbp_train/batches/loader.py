@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,6 +68,26 @@ def shards_dir_problem(path: str) -> Optional[str]:
             if os.path.isfile(os.path.join(path, "report.json")) else "")
     return (f"{what}{hint}; write packed shards with data_tools.pack --dataset TOKENIZED_DIR --shards OUT_DIR and "
             "pass that OUT_DIR")
+
+
+def verify_shards(path: str) -> None:
+    """Check the folder's files against its checksums.json before anything reads them (planning/shards.py): a
+    damaged file is a UserError naming it. Under torch.distributed the ranks share the hashing (collective: every
+    rank opens the same shards in the same order). Shards without checksums.json load with a one-line warning."""
+    import torch.distributed as dist
+
+    from hbp_train.batches.shards import CHECKSUMS, verify_checksums
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+    def gather(value) -> list:
+        values = [None] * world
+        dist.all_gather_object(values, value)
+        return values
+
+    if verify_checksums(path, rank, world, gather if world > 1 else (lambda x: [x])) is None and rank == 0:
+        print(f"[data] warning: {path} has no {CHECKSUMS} (packed by an older hbp-pack): a damaged file would go "
+              f"unnoticed; re-run data_tools.pack --shards {path} to add it", file=sys.stderr, flush=True)
 
 
 # A micro-batch is a plain dict (what the model, the SP split and the loss read), for one pack on one rank:
@@ -197,6 +218,7 @@ class PackedData:
         self._loss_tokens = {}
         self._npz: dict | None = None  # the memory-mapped arrays of a binary plan (plan.npz), else None
         if os.path.isfile(os.path.join(path, "plan.npz")):
+            verify_shards(path)
             self._open_npz(os.path.join(path, "plan.npz"))
             self._check_rows()
             return
@@ -204,6 +226,7 @@ class PackedData:
         problem = shards_dir_problem(path)
         if problem:
             raise UserError(f"data.shards={path}: {problem}")
+        verify_shards(path)
         try:
             with open(plan_path) as f:
                 self.plan = json.load(f)

@@ -13,13 +13,25 @@ whole), becomes one Arrow record batch streamed to a cache file with datasets' A
 with ``save_to_disk`` (memory-mapped, never all in RAM): the writer's memory is a chunk's, whatever the dataset's
 size. Everything is written into a staging folder beside OUT that replaces OUT only when complete, so an
 interrupted re-pack leaves the earlier shards whole.
+
+Checksums: the last file written is OUT/checksums.json, every other file's size and xxh3_64 hash (``xxhash``, which
+``datasets`` depends on; about 30 GB/s on one core from memory, so verifying costs what reading the files from
+disk costs: docs/data.md has the figures). The trainer verifies them before training (data.PackedData, the files shared among the ranks), so a
+flipped byte in the token ids or labels stops the run at start-up in one line naming the file, not a loss that is
+quietly off. ``python -m hbp_train.batches.shards OUT`` verifies a folder (e.g. a copy on a node's own disk) and
+says how fast it went. Shards from before checksums load with a one-line warning (docs/data.md).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +46,9 @@ from hbp_train.planning.plan import Plan
 
 CHUNK_TOKENS = 1 << 24  # tokens per written batch: large enough for numpy, small enough for RAM
 COLUMNS = ("input_ids", "labels", "position_ids", "cu_seqlens", "sample_indices", "num_loss_tokens")
+CHECKSUMS = "checksums.json"
+CHECKSUM_ALGORITHM = "xxh3_64"
+READ_CHUNK = 64 << 20  # bytes hashed per call: large enough for the hash's speed
 
 
 def group_row_order(plan: Plan) -> tuple[dict[int, np.ndarray], list]:
@@ -171,8 +186,163 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
             write_npz(plan, staged / "plan.npz", pack_row=pack_row)
         else:
             plan.to_json(staged / "plan.json", step_rows=step_rows)
+        write_checksums(staged)  # last: it covers every other file
         replace_dir(staged, out_dir)
     finally:
         bar.close()
         shutil.rmtree(staged, ignore_errors=True)  # gone after replace_dir; what an error or interrupt left
     return rows_written
+
+
+def file_checksum(path: str | Path) -> str:
+    """xxh3_64 of a whole file, as hex. Hashed through a read-only memory map, READ_CHUNK bytes at a time: no copy
+    into Python (about 30 GB/s from the page cache here, against 5 with read()), and the pages it brings in are
+    those the loader memory-maps next."""
+    import mmap
+
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:  # an empty file cannot be mapped; its hash is the empty one
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for start in range(0, size, READ_CHUNK):
+                        digest.update(view[start:start + READ_CHUNK])
+                        if hasattr(mmap, "MADV_DONTNEED"):  # out of this process's RSS; the page cache keeps them
+                            mapped.madvise(mmap.MADV_DONTNEED, start, min(READ_CHUNK, size - start))
+                finally:
+                    view.release()
+    return digest.hexdigest()
+
+
+def _shard_files(folder: Path) -> list:
+    """Every file below ``folder`` but checksums.json, as sorted POSIX paths relative to it."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.name != CHECKSUMS)
+
+
+def write_checksums(folder: str | Path) -> dict:
+    """Write ``folder``/checksums.json: {"algorithm", "files": {relative path: {"bytes", "xxh3_64"}}} for every
+    other file below ``folder`` (by rename, so a half-written list is never read). Returns the file map."""
+    folder = Path(folder)
+    files = {rel: {"bytes": (folder / rel).stat().st_size, CHECKSUM_ALGORITHM: file_checksum(folder / rel)}
+             for rel in _shard_files(folder)}
+    tmp = folder / f".{CHECKSUMS}.tmp"
+    tmp.write_text(json.dumps({"algorithm": CHECKSUM_ALGORITHM, "files": files}, indent=1))
+    os.replace(tmp, folder / CHECKSUMS)
+    return files
+
+
+def read_checksums(folder: str | Path) -> Optional[dict]:
+    """The file map of ``folder``/checksums.json; None when the folder has none (shards from an older hbp-pack).
+    UserError for a list that cannot be read or names an unknown algorithm."""
+    path = Path(folder) / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        files, algorithm = record["files"], record["algorithm"]
+        if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+            raise TypeError("files is not a mapping of file entries")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: unreadable ({getattr(exc, 'strerror', None) or exc}); {_REPACK.format(folder)}") \
+            from None
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise UserError(f"{path}: checksums of kind {algorithm!r}, this hbp-train knows {CHECKSUM_ALGORITHM!r}; "
+                        f"{_REPACK.format(folder)}")
+    return files
+
+
+_REPACK = ("re-run hbp-pack (data_tools.pack --dataset TOKENIZED_DIR --shards {0}), or copy the folder again if "
+           "it is a copy")
+
+
+def share_of_files(files: dict, rank: int, world_size: int) -> list:
+    """The files ``rank`` hashes when ``world_size`` ranks share the work: largest first, each to the rank with the
+    fewest bytes so far (ties to the lowest rank), the same answer on every rank."""
+    load = [0] * world_size
+    mine = []
+    for rel in sorted(files, key=lambda r: (-int(files[r].get("bytes", 0)), r)):
+        who = min(range(world_size), key=lambda r: (load[r], r))
+        load[who] += int(files[rel].get("bytes", 0))
+        if who == rank:
+            mine.append(rel)
+    return mine
+
+
+def file_problem(folder: Path, rel: str, entry: dict, hash_it: bool = True) -> Optional[str]:
+    """What is wrong with one listed file (a phrase naming it), or None: missing, another size, another hash."""
+    path = folder / rel
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"{path} has {size} bytes, {CHECKSUMS} says {entry.get('bytes')} (truncated or overwritten)"
+    if hash_it and file_checksum(path) != entry.get(CHECKSUM_ALGORITHM):
+        return f"{path} is damaged (its {CHECKSUM_ALGORITHM} differs from {CHECKSUMS})"
+    return None
+
+
+def verify_checksums(folder: str | Path, rank: int = 0, world_size: int = 1,
+                     gather: Callable[[object], list] = lambda x: [x]) -> Optional[dict]:
+    """Check every file ``folder``/checksums.json lists: present, its size, its hash. Raises UserError naming the
+    first bad file and the fix; returns {"files", "bytes", "seconds"} (this rank's share), or None for shards
+    without checksums.json (the caller warns).
+
+    Every rank stats every file (cheap: a missing or cut file is found by all alike); the hashing is shared,
+    ``share_of_files``, and ``gather`` (all ranks' values, e.g. a torch.distributed all_gather_object) brings the
+    problems together so that every rank raises the same error. Collective when ``world_size`` > 1."""
+    folder = Path(folder)
+    files = read_checksums(folder)
+    if files is None:
+        return None
+    for rel, entry in sorted(files.items()):
+        why = file_problem(folder, rel, entry, hash_it=False)
+        if why:
+            raise UserError(f"{why}; {_REPACK.format(folder)}")
+    start = time.perf_counter()
+    mine = share_of_files(files, rank, world_size)
+    found = [(rel, why) for rel in mine if (why := file_problem(folder, rel, files[rel]))]
+    stats = {"files": len(mine), "bytes": sum(int(files[r]["bytes"]) for r in mine),
+             "seconds": time.perf_counter() - start}
+    problems = sorted(p for part in gather(found) for p in part)
+    if problems:
+        raise UserError(f"{problems[0][1]}; {_REPACK.format(folder)}")
+    return stats
+
+
+def build_parser():
+    from hbp_train.common.cli import ArgumentParser, existing_dir
+
+    p = ArgumentParser(prog="python -m hbp_train.batches.shards",
+                       description="Verify a packed-shard folder against its checksums.json (every file's size and "
+                       "xxh3_64, as the trainer does before training) and say how long it took. Exit 2 with one line "
+                       "naming the first damaged file.")
+    p.add_argument("shards", metavar="OUT", type=existing_dir, help="a folder written by data_tools.pack --shards")
+    return p
+
+
+def main(argv=None) -> int:
+    from hbp_train.common.errors import EXIT_USER_ERROR
+
+    args = build_parser().parse_args(argv)
+    try:
+        stats = verify_checksums(args.shards)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if stats is None:
+        print(f"error: {args.shards} has no {CHECKSUMS} (written by an older hbp-pack); {_REPACK.format(args.shards)}",
+              file=sys.stderr)
+        return EXIT_USER_ERROR
+    gb = stats["bytes"] / 1e9
+    print(f"{args.shards}: {stats['files']} files, {gb:.3f} GB verified in {stats['seconds']:.2f} s "
+          f"({gb / max(stats['seconds'], 1e-9):.2f} GB/s, {CHECKSUM_ALGORITHM})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

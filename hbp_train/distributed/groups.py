@@ -5,6 +5,11 @@ Switching the SP degree between steps is then a dictionary lookup, never a colle
 base calls ``dist.new_group``. No data-parallel groups are made: DeepSpeed averages gradients over all ranks (no
 mpu, see model/ulysses.py), and a rank's replica at a degree is plain arithmetic (``dp_rank``).
 
+Every group has a timeout, HBP_PG_TIMEOUT seconds (``collective_timeout``, default 1800): a collective whose peer
+froze or vanished fails after it instead of waiting for ever, the rank's process exits, and the launcher names
+the node or rank that stopped answering (hbp_train/launch.py). The default process group and the groups DeepSpeed
+makes for itself (ZeRO reduces over a clone of the world group, made without a timeout) get it too.
+
 Legend: W = world size, sp = sequence-parallel degree, dp = W // sp data-parallel replicas.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,9 +35,57 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+PG_TIMEOUT = 1800  # seconds, HBP_PG_TIMEOUT's default: torch's own default for gloo, longer than any save
+# The start of the one-line message a rank leaves when a collective failed because of a peer: hbp_train.launch
+# then looks for the node or rank that began it.
+COLLECTIVE_FAILED = "a collective failed"
+
+
+def collective_timeout(environ=os.environ) -> timedelta:
+    """How long a collective waits for its peers: HBP_PG_TIMEOUT seconds, else DeepSpeed's own DEEPSPEED_TIMEOUT
+    (minutes), else PG_TIMEOUT. Long enough for the slowest legitimate wait (ranks waiting at a barrier while one
+    saves its share of a checkpoint or verifies the shards), short enough that a frozen node ends the job.
+    UserError for anything but a number > 0."""
+    text = environ.get("HBP_PG_TIMEOUT", "").strip()
+    try:
+        if text:
+            seconds = float(text)
+        elif environ.get("DEEPSPEED_TIMEOUT", "").strip():  # what DeepSpeed itself would have used
+            seconds = 60 * float(environ["DEEPSPEED_TIMEOUT"])
+        else:
+            seconds = float(PG_TIMEOUT)
+    except ValueError:
+        seconds = -1.0
+        text = text or f"(DEEPSPEED_TIMEOUT={environ.get('DEEPSPEED_TIMEOUT')})"
+    if not seconds > 0:
+        raise UserError(f"HBP_PG_TIMEOUT={text}: not a number of seconds > 0; unset it for the default "
+                        f"({PG_TIMEOUT})")
+    return timedelta(seconds=seconds)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because of a peer (gloo's "Connection closed by peer" or "Timed
+    out waiting", NCCL's watchdog timeout, torch's DistError family), not a bug of this rank."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+        "Watchdog caught collective operation timeout", "NCCL communicator was aborted", "ProcessGroupNCCL"))
+
+
+def collective_failure_line(exc: BaseException) -> str:
+    """The one line a rank leaves for the launcher when a collective failed because of a peer."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = first.split("] ", 1)[-1] if first.startswith("[") else first  # gloo prefixes its source file
+    first = first.split(". ", 1)[0][:160]  # the error itself, not gloo's advice after it
+    return (f"error: {COLLECTIVE_FAILED} on rank {rank()} ({first}); another rank stopped answering "
+            "(see the launcher's last line)")
+
+
 def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed, with the CPU switches the trainer needs (gloo without the
-    shm comm op's JIT build, a free port for a single process).
+    shm comm op's JIT build, a free port for a single process) and every group's timeout (``collective_timeout``).
 
     Works for a single process without a launcher (world size 1 on a free local port), for torchrun, the
     deepspeed launcher and ``mp.spawn`` with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
@@ -59,7 +113,15 @@ def init_distributed(backend: str | None = None) -> None:
         torch.cuda.set_device(device)
         # DeepSpeed's engine calls set_device(LOCAL_RANK) itself: give it the same, visible, GPU.
         os.environ["LOCAL_RANK"] = str(device)
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    timeout = collective_timeout()
+    # Groups made without a timeout take torch's module default (30 min for gloo, 10 min for NCCL): DeepSpeed makes
+    # its own that way (the clone of the world group ZeRO reduces in), so the default itself is set.
+    from torch.distributed import distributed_c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(distributed_c10d, name, None), timedelta):
+            setattr(distributed_c10d, name, timeout)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
 
 
 def local_cuda_device() -> int:
@@ -153,13 +215,14 @@ def build_parallel_state(sp_degrees: list[int]) -> ParallelState:
     num_ranks, my_rank = world_size(), rank()
     degrees = check_sp_degrees(sp_degrees, num_ranks)
     state = ParallelState(world_size=num_ranks, rank=my_rank, sp_degrees=degrees)
+    timeout = collective_timeout()
     for sp in degrees:
         if sp == 1:
             state.sp_groups[1] = None
         else:
             for start in range(0, num_ranks, sp):
                 ranks = sp_group_ranks(start, sp)
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if my_rank in ranks:
                     state.sp_groups[sp] = group
     return state

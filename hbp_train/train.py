@@ -132,6 +132,12 @@ def _task(dict_cfg) -> None:
     except KeyboardInterrupt:  # a second Ctrl-C: the user does not want to wait for the step and the save
         _fail(f"interrupted: stopped without saving; train.resume=auto continues from the last checkpoint in "
               f"{cfg.train.out_dir}/checkpoints", 130)
+    except RuntimeError as e:  # a peer died or froze inside a collective: not this rank's bug, the launcher names it
+        from hbp_train.distributed import groups
+
+        if not groups.is_collective_failure(e) or os.environ.get("HBP_DEBUG"):
+            raise
+        _fail(groups.collective_failure_line(e), 1)
     if os.environ.get("RANK", "0") == "0":
         print(f"[train] {summary['ended']}: steps {summary['start_step']}..{summary['end_step']}, "
               f"{summary['skipped']} skipped; outputs in {cfg.train.out_dir}", flush=True)

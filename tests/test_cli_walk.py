@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = ["data_tools.preprocess", "data_tools.pack", "data_tools.simulate", "data_tools.compare",
          "data_tools.make_demo_data", "data_tools.make_code_data", "data_tools.train_tokenizer",
          "hbp_train.perf.calibrate", "hbp_train.perf.step_costs", "hbp_train.export", "hbp_train.demo",
-         "hbp_train.observe.run_plot", "hbp_train.launch", "hbp_train.batches.shards",
+         "hbp_train.run_plot", "hbp_train.launch", "hbp_train.batches.shards",
          "eval.run"]
 # Entry points whose arguments are Hydra overrides of the run config (tests/test_config_walk.py walks them).
 HYDRA_CLIS = {"hbp_train.train", "hbp_train.config", "hbp_train.profiler", "hbp_train.profiler.cli"}

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from hbp_train.common.errors import UserError
-from hbp_train.launch import SHUTDOWN_TIMEOUT, Node, blame, checkpoint_state, shutdown_timeout
+from hbp_train.distributed.node_watch import Node, blame
+from hbp_train.launch import SHUTDOWN_TIMEOUT, checkpoint_state, shutdown_timeout
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = [sys.executable, str(REPO / "tests" / "peer_worker.py")]

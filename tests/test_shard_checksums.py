@@ -18,7 +18,7 @@ import pytest
 from data_tools.pack import main as pack
 from hbp_train.batches.loader import PackedData
 from hbp_train.common.errors import UserError
-from hbp_train.planning import shards
+from hbp_train.batches import shards
 from tests.test_planning_shards import tokenized  # noqa: F401  (the fixture: a small tokenized dataset)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -71,7 +71,7 @@ def shards_dir_problem(path: str) -> Optional[str]:
 
 
 def verify_shards(path: str) -> None:
-    """Check the folder's files against its checksums.json before anything reads them (planning/shards.py): a
+    """Check the folder's files against its checksums.json before anything reads them (batches/shards.py): a
     damaged file is a UserError naming it. Under torch.distributed the ranks share the hashing (collective: every
     rank opens the same shards in the same order). Shards without checksums.json load with a one-line warning."""
     import torch.distributed as dist

@@ -46,11 +46,11 @@ def _attention_ms(backend: str, shape, lengths: list[int], device, dtype, iters:
 
     gen = torch.Generator().manual_seed(0)
     num_tokens = sum(lengths)
-    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen).to(device, dtype).requires_grad_()
+    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen, device="cpu").to(device, dtype).requires_grad_()
                for heads, dim in ((shape.num_heads, shape.head_dim), (shape.num_kv_heads, shape.head_dim),
                                   (shape.num_kv_heads, shape.v_head_dim)))
     cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-    grad = torch.randn(num_tokens, shape.num_heads, shape.v_head_dim, generator=gen).to(device, dtype)
+    grad = torch.randn(num_tokens, shape.num_heads, shape.v_head_dim, generator=gen, device="cpu").to(device, dtype)
     times = []
     for i in range(iters + 1):
         sync_device(device)

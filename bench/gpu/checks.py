@@ -355,7 +355,8 @@ def check_memory(ctx) -> dict:
 
 
 def check_calibration(ctx) -> dict:
-    """A calibration on this device, then the cost model's error on whole packs (the trainer's chunked loss)."""
+    """A calibration on this device of the program training runs here (probed backend, decoder kernels, fused
+    LM-head loss on a GPU), then the cost model's error on whole packs run the same way."""
     from hbp_train.perf.calibrate import build_parser, layer, validation
     from hbp_train.perf.cost_model import TABLE_TOKENS, CostModel
     from hbp_train.perf.shape import parse_model_shape
@@ -378,7 +379,9 @@ def check_calibration(ctx) -> dict:
     vargs = build_parser().parse_args(val + ["--validate", "--calibration", str(path)])
     report = validation.validate(shape, CostModel.from_calibration(path, shape), vargs, ctx.device, ctx.dtype)
     return {"calibration": str(path.name), "linear_ms_per_32768": calibration["linear_fwdbwd_ms_per_32768_tokens"],
-            "validation": {k: report[k] for k in ("tokens", "mean_abs_error", "max_abs_error", "backend")},
+            "head_ms_per_32768": calibration["head_fwdbwd_ms_per_32768_tokens"],
+            "validation": {k: report[k] for k in ("tokens", "mean_abs_error", "max_abs_error", "backend",
+                                                  "decoder_kernels", "loss_impl")},
             "packs": [{k: r[k] for k in ("num_samples", "measured_s", "predicted_s", "error")} for r in report["packs"]],
             "verdict": verdict("cost_model_error", report["max_abs_error"], ctx.dry_run)}
 

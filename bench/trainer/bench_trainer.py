@@ -8,10 +8,11 @@ Paths, each trained for --warmup untimed and --steps timed steps of one pack per
 same order, from the same initial weights):
   ours      hbp_train's real step, ``trainer.train_step``: a DeepSpeed engine at world size 1 (ZeRO-2, bf16 with fp32
             master weights, torch AdamW, gradient clipping 1.0), our packed varlen attention (best backend of
-            hbp_train.model.attention) and decoder kernels (--kernels, hbp_train/model/kernels.py), the chunked LM-head loss,
-            --ckpt-layers checkpointed layers. The run is built by
-            the trainer's own ``build.build_run`` (one sp=1 packing group), without packed shards on disk (no
-            ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
+            hbp_train.model.attention) and decoder kernels (--kernels, hbp_train/model/kernels.py), the LM-head loss
+            training resolves (fused on a GPU, chunked on the CPU), --ckpt-layers checkpointed layers. The run is
+            built by the trainer's own ``build.build_run`` (one sp=1 packing group, one micro-batch per step: bf16
+            gradients accumulate in bf16 as in such a run), without packed shards on disk (no ``datasets`` needed):
+            packs are made in memory and collated by ``data.collate_pack``.
   hf_sdpa   a plain transformers model, ``attn_implementation="sdpa"``, batches from transformers'
             ``DataCollatorWithFlattening`` (position_ids restart per sample, each sample's first label masked; HF
             then builds the block-diagonal mask from the position_ids), HF's own loss (full logits), a plain
@@ -19,9 +20,15 @@ same order, from the same initial weights):
             report: the speed path (``sdpa``: parameters and AdamW states in --dtype, bf16 on a GPU) and the
             accuracy path (``sdpa:amp`` -> hf_sdpa_amp: fp32 master weights under bf16 autocast, as HF Trainer
             with bf16=True and an fp32 load); --baseline-ckpt checkpoints every layer (long packs).
-  hf_<best> the same with the best packed-capable HF attention present: flash_attention_3/2 if flash-attn is
-            installed (handed the collator's cu_seq_lens), else flex_attention (GPU only; HF builds a document
-            BlockMask from the position_ids). Which one ran is in the table and the JSON.
+  hf_<best> the same with the best packed-capable HF attention that trains here, tried in order:
+            flash_attention_4, _3, _2 where transformers offers them and their kernels import (handed the
+            collator's cu_seq_lens), then flex_attention (GPU only; HF builds a document BlockMask from the
+            position_ids); one that fails to build or to train gives way to the next ("tried" in the JSON), running
+            out of memory ends the search. Which one ran is in the table and the JSON. A path whose full logits
+            alone cannot fit the GPU's free memory (a 64K pack of a 128K vocabulary) is not run, and said so.
+With --time-budget-s the bench holds itself to that many seconds (bench/gpu_acceptance.py runs it so): the HF paths
+first, each stopped before it leaves ours less than 35% of the budget, ours in what is left (fewer timed steps
+if need be), every path left out listed under "skipped" with the reason.
 Then the longest single pack our path trains (--pack-len, doubling up to --max-pack-search; --search-docs single
 = one document of the whole length, the worst case for attention) with the fewest checkpointed layers that fit:
 for each length the checkpoint levels (--ckpt-levels, default 0, L/4, L/2, 3L/4, L) are tried from the last one

@@ -565,3 +565,23 @@ def test_gpu_auto_picks_the_first_installed_kernel_that_passes_its_probe():
         set_backend("torch_varlen")
         assert current_flash_attention_impl() is None
     set_backend("sdpa_block")
+
+
+def test_flex_reads_a_packs_boundaries_once_not_in_every_layer(monkeypatch):
+    """flex's BlockMask is cached per pack: the layers after the first find it by the boundaries tensor itself (and
+    its version, for a buffer refilled in place), without reading the boundaries back to the host, which on a GPU is
+    a device sync in every layer."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    attention._flex_mask_cache.update(key=None, mask=None)
+    cu = _cu([100, 156])
+    first = attention._flex_block_mask(cu, 256)
+    built = len(reads)  # the first layer reads the boundaries (building the mask may too)
+    for _ in range(15):  # the other layers of the forward, and its recompute
+        assert attention._flex_block_mask(cu, 256) is first
+    assert len(reads) == built
+    cu[1] = 128  # the same buffer refilled for the next pack
+    refilled = attention._flex_block_mask(cu, 256)
+    assert refilled is not first and len(reads) > built
+    assert attention._flex_block_mask(_cu([128, 128]), 256) is refilled  # equal boundaries in a new tensor: reused

@@ -212,8 +212,10 @@ def _compiled_flex(backend: str = "inductor"):
     return torch.compile(flex_attention, backend=backend, **FLEX_COMPILE_OPTIONS)
 
 
-# One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries.
-_flex_mask_cache: dict = {"key": None, "mask": None}
+# One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries. The layers after
+# the first find it by the boundaries tensor itself and its version (no read back to the host: on a GPU a sync per
+# layer); a new tensor is compared by its values once.
+_flex_mask_cache: dict = {"key": None, "mask": None, "tensor": None, "version": None}
 
 
 FLEX_BLOCK = 128  # FlexAttention's default block size
@@ -228,7 +230,12 @@ def _flex_block_mask(cu_seqlens: torch.Tensor, num_tokens: int):
     blocks lie in one and the same sample. Needed blocks that are not full run the mask_mod per element."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    cache = _flex_mask_cache
+    if (cache["tensor"] is cu_seqlens and cache["version"] == cu_seqlens._version and cache["key"] is not None
+            and cache["key"][1] == num_tokens):
+        return cache["mask"]
     key = (str(cu_seqlens.device), num_tokens, tuple(cu_seqlens.tolist()))
+    cache.update(tensor=cu_seqlens, version=cu_seqlens._version)
     if _flex_mask_cache["key"] != key:
         doc_T = _document_ids(cu_seqlens, num_tokens)
 

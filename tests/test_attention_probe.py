@@ -102,3 +102,51 @@ def test_the_probe_refuses_a_kernel_whose_gradients_are_wrong(offered):
     mha = HeadShape(num_heads=4, num_kv_heads=4, head_dim=16, v_head_dim=16)
     offered(_gqa_unsummed_kernel)
     assert probe_backend("flex", CPU, torch.float32, mha) is None  # no group to sum over: this kernel is right there
+
+
+def _fails_on_long_packs(q, k, v, cu, max_seqlen, scale):
+    """Right on the probe's 128 tokens, raises on a longer pack (a per-shape compile that fails, a missing kernel)."""
+    if q.shape[0] > 200:
+        raise RuntimeError("no kernel for 300 tokens (stand-in)")
+    return _right_kernel(q, k, v, cu, max_seqlen, scale)
+
+
+def _pack_loss(model, lengths):
+    ids = torch.cat([torch.arange(3, 3 + n) % 256 for n in lengths])[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    logits = model(input_ids=ids, position_ids=position_ids).logits
+    loss = logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_kernel_that_fails_on_the_first_real_pack_gives_way_instead_of_crashing(offered, caplog):
+    """The probe runs 128 tokens: a kernel can still fail on the first real pack (FA4 compiles per shape; a backward
+    this head shape and length lack). Each new largest pack is tried once, forward and backward on copies, before
+    the real call: a failure switches auto's choice to the next backend that works, with one warning line, and the
+    step goes on with the same result; a backend the user named is one error line instead."""
+    from hbp_train.common.errors import UserError
+    from hbp_train.model.families import tiny_config
+    from hbp_train.model.hf_model import ModelConfig, build_model, set_checkpointed_layers
+
+    offered(_fails_on_long_packs)
+    cfg = dict(config=tiny_config("llama"), dtype="fp32", seed=1)
+    model = build_model(ModelConfig(**cfg, attention_backend="auto"), vocab_size=256)
+    set_checkpointed_layers(model, 1)  # the trial runs inside a checkpointed layer's forward too
+    assert attention.get_backend() == "flex"  # it passed the probe
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
+        loss, grads = _pack_loss(model, [180, 120])
+    assert attention.get_backend() == "sdpa_block"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("attention backend flex failed on the first pack of 300 tokens") and "sdpa_block" in line
+    reference = build_model(ModelConfig(**cfg, attention_backend="sdpa_block"), vocab_size=256)
+    ref_loss, ref_grads = _pack_loss(reference, [180, 120])
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad)
+    offered(_fails_on_long_packs)
+    named = build_model(ModelConfig(**cfg, attention_backend="flex"), vocab_size=256)
+    with pytest.raises(UserError) as err:
+        _pack_loss(named, [180, 120])
+    assert str(err.value).startswith("model.attention_backend=flex fails on a pack of 300 tokens") and \
+        "\n" not in str(err.value)

@@ -16,6 +16,8 @@ Backends, in preference order (`available_backends` lists those installed and us
 Availability is decided by importing the kernel's module and by the device's compute capability, never by version
 strings; which backend runs ("auto": the first available that passes a probe on the device) is decided in
 hbp_train/model/attention_setup.py, which also names the kernel for the log and installs the backend on a model.
+The probe's pack is small: the first real pack of each new largest size is tried once more before it runs
+(`_backend_for_pack`), and a kernel that fails there gives way to auto's next choice instead of ending the run.
 
 `hf_packed_attention` adapts `packed_attention` to transformers' AttentionInterface (installed under the name
 "hbp_packed"). It finds the boundaries from `position_ids` when no `cu_seq_lens_q` is given, which is what
@@ -364,6 +366,63 @@ def get_backend() -> str:
     return _state["backend"]
 
 
+# ------------------------------------------------------------------------------- the first real pack of a size
+# The probe (attention_setup.probe_backend) runs 128 tokens: a GPU kernel can still fail on a real pack (FA4 compiles
+# per shape; a backward may not exist for this head shape at this length). The first pack of each new largest size
+# is tried once on copies, forward and backward (forward only where no gradient is asked for), before the real call;
+# if that fails, auto's next choice that passes its probe and the same trial runs from then on (one warning line),
+# and a backend the user named is a UserError.
+_trial: dict = {"tokens": 0, "forward_tokens": 0, "fallbacks": (), "check": None, "named": False}
+
+
+def set_fallbacks(fallbacks, check=None, named: bool = False) -> None:
+    """What the first pack of a new size does when the chosen backend fails on it (attention_setup sets this with
+    the choice): try ``fallbacks`` in order, each taken when ``check(name)`` (its probe) returns None and it runs the
+    pack; ``named``: the user asked for the chosen backend, so its failure is theirs to see."""
+    _trial.update(tokens=0, forward_tokens=0, fallbacks=tuple(fallbacks), check=check, named=named)
+
+
+def _runs_pack(name, q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, backward: bool = True) -> str | None:
+    """None if backend ``name`` runs forward (and backward) on copies of this pack, else why in one line. Identity
+    saved-tensor hooks: inside a checkpointed layer the trial keeps its own tensors for its own backward."""
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            inputs = [x.detach().clone().requires_grad_(backward) for x in (q_THD, k_TKD, v_TKD)]
+            out = packed_attention(*inputs, cu_seqlens, max_seqlen, name, scale=scale)
+            if backward:
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+    except Exception as exc:  # noqa: BLE001 - any failure of the kernel on this pack: not this backend
+        if "out of memory" in str(exc):  # not the kernel's doing: the real call would run out as well
+            raise
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
+
+
+def _backend_for_pack(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale) -> str:
+    """The backend to run this pack with: the chosen one, tried first on a pack larger than any before (see above)."""
+    backend, tokens = get_backend(), q_THD.shape[0]
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q_THD, k_TKD, v_TKD))
+    tried = _trial["tokens"] if backward else max(_trial["tokens"], _trial["forward_tokens"])
+    if backend not in GPU_ONLY_BACKENDS or tokens <= tried or q_THD.device.type == "meta":
+        return backend
+    args = (q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, backward)
+    why = _runs_pack(backend, *args)
+    remaining = [b for b in _trial["fallbacks"] if b != backend]
+    while why is not None:
+        if _trial["named"] or not remaining:
+            raise UserError(f"model.attention_backend={backend} fails on a pack of {tokens} tokens ({why}); choose "
+                            f"another backend (auto falls back to the next one by itself)")
+        failed, backend = backend, remaining.pop(0)
+        log.warning("attention backend %s failed on the first pack of %d tokens (%s); falling back to %s",
+                    failed, tokens, why, backend)
+        check = _trial["check"]
+        why = (check(backend) if check and backend != "sdpa_block" else None) or (
+            _runs_pack(backend, *args) if backend in GPU_ONLY_BACKENDS else None)
+    set_backend(backend)
+    _trial["tokens" if backward else "forward_tokens"] = tokens
+    return backend
+
+
 # Boundaries are the same for every layer of a forward (and its checkpoint recompute): remember the last
 # position_ids tensor seen, with its version counter so an in-place refill of a reused buffer is noticed.
 # The trainer hands cu_seqlens to every layer (at sp=1 through the model's kwargs, under Ulysses from
@@ -412,9 +471,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
             f"packed attention does not implement sliding windows: a sample of {max_seqlen} tokens exceeds the "
             f"model's sliding_window={window}; disable it in the model config or use shorter samples"
         )
-    out_THD = packed_attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        cu_seqlens, max_seqlen, get_backend(), scale=scaling,
-    )
+    q_THD, k_TKD, v_TKD = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    backend = _backend_for_pack(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scaling)
+    out_THD = packed_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, backend, scale=scaling)
     # Contiguous as HF's own attention functions return it: some models .view() the output (JetMoE).
     return out_THD[None].contiguous(), None

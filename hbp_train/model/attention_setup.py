@@ -209,8 +209,14 @@ def register_packed_attention(model, backend: str = "auto", device: torch.device
     """
     device = device if device is not None else training_device(model)
     shape = HeadShape.of(model.config) if hasattr(model, "config") else None
-    chosen = select_backend(backend, device, getattr(model, "dtype", None), shape)
+    dtype = getattr(model, "dtype", None)
+    chosen = select_backend(backend, device, dtype, shape)
     attention.set_backend(chosen)
+    # a kernel that fails on the first real pack (longer than the probe's) gives way to auto's next choice
+    available = available_backends(device, dtype)
+    later = available[available.index(chosen) + 1:] if chosen in available else ["sdpa_block"]
+    attention.set_fallbacks(later, check=lambda name: _probe_if_needed(name, device, dtype, shape),
+                            named=backend != "auto")
     use_attention(model, attention.ATTN_IMPLEMENTATION, attention.hf_packed_attention)
     return chosen
 

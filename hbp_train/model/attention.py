@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -85,7 +86,12 @@ def _import_kernel(module: str, attr: str, what: str):
 
 @functools.cache
 def _flash_attn_fn():
-    """flash-attn's (FA2) varlen kernel, or None."""
+    """flash-attn's (FA2) varlen kernel, or None. flash-attn-4 installs into the same flash_attn/ folder (its kernels
+    under flash_attn/cute, run here as fa4): the folder is FA2's only if the flash-attn distribution installed it, so
+    an FA4-only install is not mistaken for a broken FA2."""
+    owners = importlib.metadata.packages_distributions().get("flash_attn")
+    if owners is not None and "flash-attn" not in {o.lower().replace("_", "-") for o in owners}:
+        return None
     return _import_kernel("flash_attn", "flash_attn_varlen_func", "flash-attn")
 
 

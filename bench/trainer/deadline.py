@@ -31,12 +31,6 @@ class Deadline:
         """Seconds left (inf without a deadline; negative once past it)."""
         return math.inf if self.seconds is None else self.start + self.seconds - time.monotonic()
 
-    def within(self, seconds: float | None) -> "Deadline":
-        """A deadline ``seconds`` from now that ends no later than this one."""
-        left = self.left()
-        wanted = math.inf if seconds is None else seconds
-        return Deadline(None if math.isinf(min(left, wanted)) else max(min(left, wanted), 0.0))
-
 
 class OverBudget(BaseException):
     """Raised in the running code when a ``run_limited`` limit's seconds are over."""

@@ -461,3 +461,26 @@ def test_a_torch_that_cannot_add_into_fp32_falls_back_to_the_same_gradient(monke
     assert loss._FP32_OUT_ADDMM["cpu"] is False
     for want, have in zip(expected, got):
         assert torch.equal(want, have)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_gradient_summed_by_the_gemm_matches_float64():
+    """On a GPU the chunks' d W go into the fp32 sum through addmm(out_dtype=float32, out=the sum): the result must
+    be the float64 gradient within one bf16 rounding, for both losses, and the path must have been taken (a torch
+    that refused it falls back, which the flag records)."""
+    from hbp_train.model import loss
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    hidden_NH = torch.randn(4096, 64, generator=gen).bfloat16().to(cuda)
+    weight_VH = (0.05 * torch.randn(512, 64, generator=gen)).bfloat16().to(cuda).requires_grad_()
+    labels_N = torch.randint(0, 512, (4096,), generator=gen).to(cuda)
+    exact_VH = weight_VH.detach().double().requires_grad_()
+    F.cross_entropy(hidden_NH.double() @ exact_VH.t(), labels_N, reduction="sum").backward()
+    weighted, _ = fused_token_losses(hidden_NH, weight_VH, labels_N, torch.ones(4096, device=cuda), 256,
+                                     num_rows=4096)
+    chunked = chunked_token_losses(hidden_NH, weight_VH, labels_N, 256, num_rows=4096).sum()
+    for total in (weighted, chunked):
+        grad_VH, = torch.autograd.grad(total, weight_VH)
+        assert float((grad_VH.double() - exact_VH.grad).norm() / exact_VH.grad.norm()) < 1e-2
+    assert loss._FP32_OUT_ADDMM["cuda"], "this torch refused addmm(out_dtype=float32): the rounded path ran"

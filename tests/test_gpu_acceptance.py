@@ -254,3 +254,34 @@ def test_the_memory_check_models_the_run_that_was_measured():
                       fused_rms_norm=True, fused_swiglu=True)
     assert row["predicted_gib"] == pytest.approx(analytic_memory_bytes(parse_model_shape(config), 16384, 1, 0, 1, job)
                                                  / 2**30)
+
+
+def test_a_stopped_comparison_keeps_what_it_wrote_and_the_memory_check_uses_it(tmp_path, monkeypatch):
+    """bench_trainer writes its results after every path: a trainer check stopped at its budget (the accuracy path
+    still compiling, say) reports ours and the HF path that ran, and the memory check models ours' peak."""
+    import time
+
+    import bench.gpu.checks as checks
+    from bench.trainer.workload import parse_shape
+
+    _cpu_only(monkeypatch)
+    config = parse_shape("tiny")[2]
+    ours = {"ran": True, "tokens_per_s": 100.0, "mfu": None, "peak_mem_gib": 0.5, "backend": "sdpa_block",
+            "fused_kernels": [], "label": "ours"}
+    hf = {"ran": True, "tokens_per_s": 80.0, "attention": "sdpa", "precision": "bf16", "label": "HF speed path"}
+    written = {"model": {"config": config}, "paths": {"ours": ours, "hf_sdpa": hf}, "ratios": {},
+               "settings": {"pack_len": 256, "ckpt_layers": 0, "loss_chunk": 4096, "grad_accum_fp32": False}}
+
+    def stuck_bench(ctx, argv):
+        (ctx.out / "trainer.json").write_text(json.dumps(written))
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(checks, "_bench_trainer", stuck_bench)
+    monkeypatch.setattr(acc, "DRY_BUDGET_S", dict(acc.DRY_BUDGET_S, trainer=1))
+    assert acc.main(["--dry-run", "--out", str(tmp_path), "--checks", "trainer,memory"]) == 0
+    checks_done = json.loads((tmp_path / "acceptance.json").read_text())["checks"]
+    assert checks_done["trainer"]["over_budget"].startswith("trainer: stopped after its 1 s")
+    assert set(checks_done["trainer"]["paths"]) == {"ours", "hf_sdpa"}
+    (row,) = checks_done["memory"]["packs"]
+    assert row["measured_gib"] == 0.5 and row["pack_len"] == 256

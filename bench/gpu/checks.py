@@ -229,11 +229,23 @@ def _bench_json(ctx, name: str, argv: list[str]) -> list[str]:
 
     def partial() -> dict:
         results = json.loads(path.read_text()) if path.exists() else None
-        return _comparison(results) if results and "ratios" in results else {}
+        if not results or "ratios" not in results:
+            return {}
+        _remember(ctx, name, results)  # what ran before the stop still serves the later checks
+        return _comparison(results)
 
     ctx.partial = getattr(ctx, "partial", {})
     ctx.partial[name] = partial
     return [*argv, "--out", str(path)]
+
+
+def _remember(ctx, name: str, results: dict) -> None:
+    """What later checks take from a comparison: its results (the memory check's peaks) and, from the 16K one, the
+    HF implementation that trained on the speed path (the profile and 64K run it rather than try again)."""
+    setattr(ctx, f"{name}_results", results)
+    if name == "trainer":
+        ctx.best_hf_impl = next((v["attention"] for k, v in results["paths"].items()
+                                 if k != "ours" and v.get("ran") and v.get("precision") == "bf16"), None)
 
 
 def _baselines(ctx) -> str:
@@ -263,9 +275,7 @@ def check_trainer(ctx) -> dict:
     if ctx.dry_run:
         argv += ["--steps", "1", "--warmup", "0"]
     results = _bench_trainer(ctx, _bench_json(ctx, "trainer", argv))
-    ctx.trainer_results = results
-    ctx.best_hf_impl = next((v["attention"] for k, v in results["paths"].items()
-                             if k != "ours" and v.get("ran") and v.get("precision") == "bf16"), None)
+    _remember(ctx, "trainer", results)
     ours = results["paths"].get("ours", {})
     return {**_comparison(results),
             "verdicts": {"tokens_per_s_ratio": _ratio_verdict("tokens_per_s_ratio", results, ctx.dry_run),
@@ -283,7 +293,7 @@ def check_trainer_64k(ctx) -> dict:
             "--time-budget-s", f"{inner_budget(ctx):.1f}"]
     argv += ["--steps", "1", "--warmup", "0"] if ctx.dry_run else ["--steps", "3", "--warmup", "1"]
     results = _bench_trainer(ctx, _bench_json(ctx, "trainer_64k", argv))
-    ctx.trainer_64k_results = results
+    _remember(ctx, "trainer_64k", results)
     return {**_comparison(results),
             "verdicts": {"tokens_per_s_ratio": _ratio_verdict("tokens_per_s_ratio_64k", results, ctx.dry_run)}}
 

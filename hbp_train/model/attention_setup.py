@@ -2,8 +2,10 @@
 
 `available_backends` lists the backends hbp_train/model/attention.py implements that are installed and usable on
 a device, in preference order; "auto" (`select_backend`) takes the first that also passes `probe_backend` (a small
-packed forward and backward on the device with the model's head shape, checked against sdpa_block), so a kernel
-that imports but cannot run this model is skipped with one warning line instead of failing at the first step.
+packed forward and backward on the device with the model's head shape, output and q/k/v gradients checked against
+sdpa_block), so a kernel that imports but cannot run this model is skipped with one warning line instead of failing
+at the first step; the backends after the chosen one are handed to attention.py as what a kernel that still fails
+on the first real pack gives way to (`attention.set_fallbacks`).
 `describe_backend` names the kernel, its library and version for the start-of-run log. `register_packed_attention`
 installs `attention.hf_packed_attention` on a model under the name "hbp_packed" with the chosen backend.
 """

@@ -456,7 +456,8 @@ def _warn_if_groups_may_not_fit(cfg, groups: list, model, world_size: int, ckpt_
         shape = parse_model_shape(model.config)
     except UserError:  # not a Llama-like config: no memory model for it
         return
-    job = JobSettings.of_run(cfg, max_micro_batches)
+    # the decoder kernels this model runs (Liger's keep less for backward than HF's modules)
+    job = JobSettings.of_run(cfg, max_micro_batches, getattr(model, "_hbp_fused_kernels", ()))
     groups = [{**g, "ckpt_layers": k} for g, k in zip(groups, ckpt_layers)]
     if dist_groups.rank() != 0:
         return

@@ -398,7 +398,7 @@ def _fake_varlen(release):
         assert cu_seq_q.dtype == torch.int32 and isinstance(max_q, int) and max_q == max_k
         # K/V keep their K heads in every release (the flash kernel takes K dividing H; defect 6 of issue 19)
         assert key.shape[1] == value.shape[1] == 2 and query.shape[1] % key.shape[1] == 0, "kv heads were repeated"
-        assert gqa == (release == "2.13"), "enable_gqa is passed exactly where the signature has it (GQA here)"
+        assert gqa == (release in ("2.12", "2.13")), "enable_gqa is passed exactly where the signature has it (GQA)"
         lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
         return _reference(query, key, value, lengths, query.shape[-1] ** -0.5 if scale is None else scale)
 
@@ -418,7 +418,7 @@ def _fake_varlen(release):
     return varlen_attn
 
 
-@pytest.mark.parametrize("release", ["2.10", "2.11", "2.13"])
+@pytest.mark.parametrize("release", ["2.10", "2.11", "2.12", "2.13"])
 def test_torch_varlen_call_matches_each_release_signature(release, monkeypatch):
     """The GPU-only torch_varlen backend's call, checked on the CPU against each release's keyword signature."""
     monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: _fake_varlen(release))
@@ -478,6 +478,8 @@ def test_tiny_llama_packed_logits_equal_per_sample_logits(boundaries_from, monke
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_tiny_llama_flex_forward_on_cpu(monkeypatch):
     monkeypatch.setattr(attention_setup, "available_backends", lambda device, dtype=None: ["flex", "sdpa_block"])
+    # flex has no backward on the CPU, so its probe refuses it for training there: this checks its forward only
+    monkeypatch.setattr(attention_setup, "probe_backend", lambda *args: None)
     packed, per_sample = _packed_vs_per_sample(_tiny_llama(), "flex", CPU, "position_ids")
     torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
 
@@ -563,3 +565,81 @@ def test_gpu_auto_picks_the_first_installed_kernel_that_passes_its_probe():
         set_backend("torch_varlen")
         assert current_flash_attention_impl() is None
     set_backend("sdpa_block")
+
+
+def test_flex_reads_a_packs_boundaries_once_not_in_every_layer(monkeypatch):
+    """flex's BlockMask is cached per pack: the layers after the first find it by the boundaries tensor itself (and
+    its version, for a buffer refilled in place), without reading the boundaries back to the host, which on a GPU is
+    a device sync in every layer."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    attention._flex_mask_cache.update(key=None, mask=None)
+    cu = _cu([100, 156])
+    first = attention._flex_block_mask(cu, 256)
+    built = len(reads)  # the first layer reads the boundaries (building the mask may too)
+    for _ in range(15):  # the other layers of the forward, and its recompute
+        assert attention._flex_block_mask(cu, 256) is first
+    assert len(reads) == built
+    cu[1] = 128  # the same buffer refilled for the next pack
+    refilled = attention._flex_block_mask(cu, 256)
+    assert refilled is not first and len(reads) > built
+    assert attention._flex_block_mask(_cu([128, 128]), 256) is refilled  # equal boundaries in a new tensor: reused
+
+
+def test_torch_varlen_call_binds_to_the_installed_torchs_own_signature(monkeypatch):
+    """The call torch_varlen makes, bound to the signature of the varlen_attn installed here (no CPU kernel, so the
+    stand-in computes the result): every keyword is one it has, with the value it expects (causal window, GQA flag,
+    scale), for GQA and for MHA."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    signature = inspect.signature(varlen_attn)
+    bound = []
+
+    def installed(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        bound.append(call.arguments)
+        q, k, v, cu_q, cu_k, max_q, max_k = args
+        window = call.arguments.get("window_size", (-1, -1))
+        assert call.arguments.get("is_causal", False) or tuple(window) == (-1, 0), "not asked for causal attention"
+        return _reference(q, k, v, (cu_q[1:] - cu_q[:-1]).tolist(), call.arguments.get("scale") or q.shape[-1] ** -0.5)
+
+    installed.__signature__ = signature  # what _torch_varlen reads its keywords from
+    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: installed)
+    attention._torch_varlen_params.cache_clear()
+    try:
+        for heads, kv_heads in ((8, 2), (4, 4)):
+            q, k, v = _qkv(heads, kv_heads)
+            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
+            torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
+    finally:
+        attention._torch_varlen_params.cache_clear()
+    if "enable_gqa" in signature.parameters:
+        assert [b.get("enable_gqa", False) for b in bound] == [True, False]
+
+
+@pytest.mark.parametrize("owners, offered", [(["flash-attn-4"], False), (["flash-attn", "flash-attn-4"], True)])
+def test_flash_attn_2_is_told_apart_from_flash_attn_4_in_the_same_folder(owners, offered, tmp_path, monkeypatch,
+                                                                        caplog):
+    """flash-attn (FA2) and flash-attn-4 both install into flash_attn/: with only FA4 installed, flash_varlen is not
+    offered and no "flash-attn does not import" warning is given (FA4 runs as the fa4 backend); with both, FA2 is."""
+    import importlib.metadata
+
+    package = tmp_path / "flash_attn"
+    (package / "cute").mkdir(parents=True)
+    (package / "cute" / "interface.py").write_text("def _flash_attn_bwd(): pass\n")
+    if "flash-attn" in owners:
+        (package / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"flash_attn": owners})
+    attention._flash_attn_fn.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
+            assert attention._has_flash_attn() is offered
+    finally:
+        attention._flash_attn_fn.cache_clear()
+    assert not caplog.records

@@ -126,8 +126,12 @@ def test_pack_search_holds_the_only_reference_to_the_engine(monkeypatch):
 
     class FakeRun:
         def __init__(self):
+            from hbp_train.build import DeepSpeedConfig
+            from hbp_train.model.loss import LossConfig
+
             self.model, self.device = torch.nn.Linear(2, 2), torch.device("cpu")
             self.model.config = None
+            self.cfg = SimpleNamespace(loss=LossConfig(), deepspeed=DeepSpeedConfig())
 
     freed = []
 
@@ -155,3 +159,76 @@ def test_bad_model_shape_is_one_line_exit_2(capsys, monkeypatch):
     assert bench.main(["--device", "cpu", "--model-shape", "{\"hidden_size\": 8}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing HF config field" in err[0]
+
+
+def test_ours_is_built_as_a_one_micro_batch_run(monkeypatch):
+    """One pack per step is one micro-batch: ours must be built as such a run is (bf16 gradients accumulated in
+    bf16), not with DeepSpeed's fp32 accumulation buffer and its extra pass, which a real run of that plan skips."""
+    from hbp_train import build as builder
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def spy(cfg, groups, total_steps, **kwargs):
+        seen.update(kwargs, cfg=cfg, total_steps=total_steps)
+        raise Built
+
+    monkeypatch.setattr(builder, "build_run", spy)
+    args = bench.resolve_args(bench.build_parser().parse_args(["--device", "cpu"]))
+    with pytest.raises(Built):
+        paths.build_ours(args, "llama", workload.parse_shape("tiny")[2], torch.device("cpu"))
+    assert seen["max_micro_batches"] == 1
+    cfg = seen["cfg"]
+    ds = builder.deepspeed_config(cfg.deepspeed, cfg.train, seen["total_steps"], 1, True, seen["max_micro_batches"])
+    assert "data_types" not in ds  # bf16 (a GPU run's dtype): no fp32 accumulation for a one-micro-batch step
+
+
+def _importable_kernels(monkeypatch, present: set[str]):
+    """transformers says which flash packages are installed; our import says which of them really import."""
+    import transformers.utils as tu
+
+    for version in (2, 3, 4):
+        monkeypatch.setattr(tu, f"is_flash_attn_{version}_available", lambda *a, v=version, **k: True)
+    monkeypatch.setattr(tu, "is_torch_flex_attn_available", lambda: True)
+    monkeypatch.setattr(paths, "_kernel_imports", lambda impl: impl in present)
+
+
+def test_the_best_hf_path_tries_flash_attention_4_3_2_then_flex(monkeypatch):
+    """With flash-attn-4 present HF trains with attn_implementation="flash_attention_4": the best HF path must be
+    that, not flex while ours runs FA4. A kernel transformers lists but that does not import is not offered."""
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    _importable_kernels(monkeypatch, {"flash_attention_4", "flash_attention_3", "flash_attention_2"})
+    assert paths.hf_attention_candidates(cuda, "bf16") == ["flash_attention_4", "flash_attention_3",
+                                                           "flash_attention_2", "flex_attention", "sdpa"]
+    (best,), _ = paths.resolve_baselines(["best"], cuda, "bf16")
+    assert (best.impl, best.fallbacks) == ("flash_attention_4", ("flash_attention_3", "flash_attention_2",
+                                                                "flex_attention"))
+    _importable_kernels(monkeypatch, {"flash_attention_2"})  # FA4/FA3 listed by transformers but broken here
+    assert paths.hf_attention_candidates(cuda, "bf16") == ["flash_attention_2", "flex_attention", "sdpa"]
+    assert paths.hf_attention_candidates(cuda, "fp32") == ["flex_attention", "sdpa"]  # flash kernels: half only
+
+
+def test_a_best_hf_kernel_that_fails_gives_way_to_the_next(monkeypatch):
+    """The best HF path is tried through attn_implementation in order: one that transformers refuses or whose steps
+    fail is noted and the next one runs (here, on the CPU, FA4 and FA3 are refused for real and sdpa trains)."""
+    args = bench.resolve_args(bench.build_parser().parse_args(["--device", "cpu", "--steps", "1", "--warmup", "0"]))
+    name, architecture, hf_config = workload.parse_shape("tiny")
+    packs = workload.make_packs(128, 1, hf_config["vocab_size"], 0, 0.0)
+    best = paths.Baseline("flash_attention_4", "bf16", fallbacks=("flash_attention_3", "sdpa"))
+    measured, ran, tried = paths.measure_hf_best(args, architecture, hf_config, best, packs, torch.device("cpu"))
+    assert ran == paths.Baseline("sdpa", "bf16") and measured.tokens == 128
+    assert [t.split(":")[0] for t in tried] == ["flash_attention_4", "flash_attention_3"]
+    assert "ImportError" in tried[0]
+
+
+def test_an_hf_path_whose_logits_cannot_fit_is_not_run(monkeypatch):
+    """HF's loss holds the pack's logits in bf16 and twice in fp32 (>= 10 B per token and vocabulary entry: 84 GB at
+    64K tokens of a 128K vocabulary): a GPU with less free memory would run its first step (a flex compile) only to
+    run out of memory. Such a path is reported as not run, with the figures, and costs nothing."""
+    monkeypatch.setattr(paths, "free_device_bytes", lambda device: 70 * 2**30)
+    why = paths.hf_logits_do_not_fit(65536, 128256, torch.device("cuda"))
+    assert why.startswith("its full logits need at least 78.3 GiB") and "70.0 GiB free" in why
+    assert paths.hf_logits_do_not_fit(16384, 128256, torch.device("cuda")) is None
+    assert paths.hf_logits_do_not_fit(65536, 128256, torch.device("cpu")) is None  # the CPU: not checked

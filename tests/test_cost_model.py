@@ -198,6 +198,8 @@ def test_cpu_calibration_says_where_it_was_measured_and_validates(tmp_path):
     assert (data["device"], data["dtype"], data["threads"], data["procs"], data["gpu"]) == \
         ("cpu", "float32", 1, 1, None)
     assert data["cpu"].startswith("CPU ") and data["cpu"].endswith(", 1 thread(s)") and "float32" in data["what"]
+    # what CPU training runs: sdpa_block, HF's modules, the chunked loss (a GPU: test_the_calibration_times_what_...)
+    assert (data["backend"], data["loss_impl"]) == ("sdpa_block", "chunked") and data["decoder_kernels"].startswith("none")
     model = CostModel.from_calibration(out)
     assert model.source == "measured" and model.shape.name == "tiny" and data["cpu"] in model.note
     assert model.dtype_bytes == 4 and CostModel.from_calibration().dtype_bytes == 2  # fp32 here, bf16 on the H100
@@ -510,3 +512,46 @@ def test_rounds_keep_each_points_median_and_report_the_spread():
     assert [p["error"] for p in report["packs"]] == pytest.approx([0.0, -0.5])
     assert report["mean_abs_error"] == pytest.approx(0.25) and report["max_abs_error"] == pytest.approx(0.5)
     assert report["within_10_percent"] is False and report["rounds"]["max_spread"] == pytest.approx(2.2)
+
+
+def test_the_calibration_times_what_training_runs(tmp_path, monkeypatch):
+    """The calibration and its validation time the trainer's program, not another one: the attention backend chosen
+    for the model's head shape (so probed, as auto is in training), the decoder kernels model.kernels resolves to
+    (Liger on a GPU; here a recorder stands in for it) on the timed layer and on the validated model, and the LM-head
+    loss loss.impl resolves to (fused on a GPU; asked for here). Each is named in the file and the report."""
+    from hbp_train.model import attention_setup, kernels, loss
+    from hbp_train.model.attention_setup import HeadShape
+    from hbp_train.perf import calibrate
+
+    shapes, patched, fused_rows = [], [], []
+    real_select, real_fused = attention_setup.select_backend, loss.fused_token_losses
+
+    def select(requested, device, dtype=None, shape=None):
+        shapes.append(shape)
+        return real_select(requested, device, dtype, shape)
+
+    def fused(hidden, *args, **kwargs):
+        fused_rows.append(hidden.shape[0])
+        return real_fused(hidden, *args, **kwargs)
+
+    def liger_stand_in(model):
+        patched.append(len(model.layers if hasattr(model, "layers") else model.model.layers))
+        return "liger (stand-in: RMSNorm, RoPE, SwiGLU)"
+
+    monkeypatch.setattr(attention_setup, "select_backend", select)
+    monkeypatch.setattr(kernels, "select_kernels", lambda requested, model_type, device, zero3=False: "liger")
+    monkeypatch.setattr(kernels, "apply_liger", liger_stand_in)
+    monkeypatch.setattr(loss, "fused_token_losses", fused)
+    out, report = tmp_path / "c.json", tmp_path / "v.json"
+    common = ["--device", "cpu", "--threads", "1", "--model-shape", TINY, "--tokens", "128", "--iters", "1",
+              "--warmup", "0", "--loss-impl", "fused"]
+    assert calibrate.main(common + ["--doc-lens", "32,128", "--out", str(out)]) == 0
+    assert calibrate.main(common + ["--validate", "--calibration", str(out), "--max-samples", "2", "--num-packs", "2",
+                                    "--validate-out", str(report)]) == 0
+    assert shapes and all(s == HeadShape(4, 2, 8, 8) for s in shapes)
+    assert patched == [1, 2]  # the timed layer (a one-layer model), then the whole validated model
+    assert fused_rows  # the head's timing and every validated pack went through the fused loss
+    data, rep = json.loads(out.read_text()), json.loads(report.read_text())
+    for doc in (data, rep):
+        assert doc["decoder_kernels"] == "liger (stand-in: RMSNorm, RoPE, SwiGLU)" and doc["loss_impl"] == "fused"
+    assert "fused LM-head loss" in data["what"] and "liger" in data["what"]

@@ -77,7 +77,9 @@ def test_a_bad_kernels_value_in_the_config_is_one_line():
 def test_every_tested_family_is_either_given_liger_kernels_or_listed_as_eager():
     from hbp_train.model.families import FAMILIES
 
-    assert set(kernels.LIGER_KERNELS) == set(FAMILIES)  # docs/models.md lists what each family gets
+    # docs/models.md lists what each family gets
+    assert set(kernels.LIGER_KERNELS) | set(kernels.EAGER_FAMILIES) == set(FAMILIES)
+    assert not set(kernels.LIGER_KERNELS) & set(kernels.EAGER_FAMILIES)
     for family, chosen in kernels.LIGER_KERNELS.items():
         assert set(chosen) <= {"rope", "rms_norm", "swiglu", "geglu"}, family  # never Liger's loss: ours is used
 
@@ -240,3 +242,85 @@ def test_gpu_liger_gives_eager_losses_and_gradients_within_bf16():
     for name, grad in grads_e.items():
         cos = torch.nn.functional.cosine_similarity(grads_l[name].float().flatten(), grad.float().flatten(), dim=0)
         assert cos > 0.99, name
+
+
+# ------------------------------------------------------------------------------- Liger where it cannot be applied
+class _LigerReleaseThatDoesNotImport:
+    """liger_kernel.transformers of a release whose lazy import fails on this transformers (a release older than 0.7
+    on transformers 5): the package imports, each apply_liger_kernel_to_* raises when it is looked up."""
+
+    def __getattr__(self, name):
+        raise ImportError("cannot import name 'LlamaFlashAttention2' from 'transformers.models.llama.modeling_llama'")
+
+
+def test_a_family_without_its_liger_function_stays_eager_and_says_why(liger_installed, caplog):
+    """deepseek_v3 is listed (its RMSNorms would fit) but this Liger has no apply_liger_kernel_to_deepseek_v3: auto
+    falls back to the eager modules with one warning naming the function; model.kernels=liger is one line."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.kernels"):
+        assert kernels.select_kernels("auto", "deepseek_v3", CUDA) == "none"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "apply_liger_kernel_to_deepseek_v3" in line and "eager" in line
+    with pytest.raises(UserError, match="model.kernels=liger: liger-kernel 0.8.5 has no apply_liger_kernel_to_deepseek_v3"):
+        kernels.select_kernels("liger", "deepseek_v3", CUDA)
+    assert kernels.select_kernels("auto", "llama", CUDA) == "liger"  # the stand-in has Llama's
+
+
+def test_a_liger_release_whose_import_fails_here_falls_back_eagerly(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(kernels, "liger_module", lambda: _LigerReleaseThatDoesNotImport())
+    monkeypatch.setattr(kernels, "_version", lambda dist: "0.6.4")
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.kernels"):
+        assert kernels.select_kernels("auto", "llama", CUDA) == "none"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "liger-kernel 0.6.4" in line and "ImportError" in line and "LlamaFlashAttention2" in line
+    with pytest.raises(UserError) as err:
+        kernels.select_kernels("liger", "llama", CUDA)
+    assert str(err.value).startswith("model.kernels=liger: liger-kernel 0.6.4 does not import apply_liger_kernel_to_llama")
+    assert "\n" not in str(err.value)
+
+
+def test_qwen3_query_and_key_norms_are_fused_too(monkeypatch):
+    """Liger's apply function for Qwen3 patches the decoder's RMSNorms but leaves each attention's q_norm and k_norm
+    eager: they are patched with Liger's own module patcher (not in place: their gradient is still read after)."""
+    import sys
+
+    patched = []
+    fake_module = types.ModuleType("fake_liger_monkey_patch")
+
+    def _patch_rms_norm_module(module, offset=0.0, eps=1e-6, casting_mode="llama", in_place=True, row_mode=None):
+        patched.append((module, in_place))
+
+    def apply_liger_kernel_to_qwen3(model=None, **kwargs):
+        for layer in model.model.layers:  # what Liger does: the decoder norms, not the attention's
+            _patch_rms_norm_module(layer.input_layernorm)
+            _patch_rms_norm_module(layer.post_attention_layernorm)
+
+    for fn in (_patch_rms_norm_module, apply_liger_kernel_to_qwen3):
+        fn.__module__ = fake_module.__name__
+        setattr(fake_module, fn.__name__, fn)
+    monkeypatch.setitem(sys.modules, fake_module.__name__, fake_module)
+    monkeypatch.setattr(kernels, "liger_module", lambda: fake_module)
+    monkeypatch.setattr(kernels, "_version", lambda dist: "0.8.5")
+    model = build_model(ModelConfig(config=tiny_config("qwen3"), architecture="qwen3", dtype="fp32", kernels="none"),
+                        vocab_size=256)
+    kernels.apply_kernels(model, "liger", decoder_layers(model))
+    attention_norms = [(m, False) for layer in model.model.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert all(any(m is p and in_place == want for p, in_place in patched) for m, want in attention_norms)
+    assert len(patched) == 4 * len(model.model.layers)
+
+
+def test_a_model_without_liger_runs_hf_modules_after_one_with_liger(liger_installed):
+    """Liger's RoPE lives in transformers' modeling module, for the whole process: a model built afterwards with
+    model.kernels=none (the profile's ours_eager, after ours) must run HF's RoPE, not keep Liger's."""
+    from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    fused = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
+    kernels.apply_kernels(fused, "liger", decoder_layers(fused))
+    assert modeling_llama.apply_rotary_pos_emb is liger_installed.fused_rope
+    eager = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
+    assert eager._hbp_kernels.startswith("none")
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope

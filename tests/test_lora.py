@@ -185,3 +185,22 @@ def test_lora_settings_are_checked():
                           ({"r": 4, "dora": True, "target_parameters": ["down_proj"]}, "dora")]:
         with pytest.raises(UserError, match=field):
             LoraSettings(**kwargs)
+
+
+def test_an_adapter_on_the_lm_head_is_refused_in_one_line():
+    """The loss reads the LM head's weight itself (hidden @ W.T chunk by chunk, build.PackedCausalLM), past any
+    adapter wrapped around the head: an lm_head adapter would stay at its initial values, silently. Refused where
+    the settings are read, and, for a head by another name, when the adapters are injected."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hbp_train.model.lora import apply_lora
+
+    with pytest.raises(UserError) as err:
+        LoraSettings(r=4, target_modules=["q_proj", "lm_head"])
+    assert str(err.value).startswith("model.lora.target_modules=['q_proj', 'lm_head']: lm_head") and \
+        "\n" not in str(err.value)
+    config = AutoConfig.for_model("biogpt", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config)  # its LM head is called output_projection
+    with pytest.raises(UserError, match=r"target_modules=\['output_projection'\]: output_projection is the LM head"):
+        apply_lora(model, LoraSettings(r=4, target_modules=["output_projection"]))

@@ -467,3 +467,86 @@ def test_gpu_loss_forward_and_backward_never_synchronise(impl, head):
     torch.testing.assert_close(total, reference, atol=1e-4, rtol=1e-4)
     for got, want in zip(grads, torch.autograd.grad(reference, (hidden_TH, weight_VH))):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * float(want.abs().max()), rtol=2e-2)
+
+
+class _WrittenOps(TorchDispatchMode):
+    """Every aten op run under it, with the shapes and dtypes of what it wrote (its outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.ops.append((str(func), [(tuple(t.shape), t.dtype) for t in outs if isinstance(t, torch.Tensor)]))
+        return out
+
+
+def _bf16_head_grads(device, vocab=64, hidden=16, tokens=256, chunk=64):
+    """d W of the fused and of the chunked loss, a bf16 head over tokens / chunk chunks, on ``device``."""
+    gen = torch.Generator().manual_seed(0)
+    hidden_NH = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    weight_VH = (0.05 * torch.randn(vocab, hidden, generator=gen)).to(device, torch.bfloat16).requires_grad_()
+    labels_N = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    weighted, _ = fused_token_losses(hidden_NH, weight_VH, labels_N, torch.ones(tokens, device=device), chunk,
+                                     num_rows=tokens)
+    fused, = torch.autograd.grad(weighted, weight_VH)
+    chunked, = torch.autograd.grad(chunked_token_losses(hidden_NH, weight_VH, labels_N, chunk, num_rows=tokens).sum(),
+                                   weight_VH)
+    return fused, chunked
+
+
+def test_on_cuda_each_chunks_weight_gradient_is_added_to_the_fp32_sum_by_its_gemm(monkeypatch):
+    """A bf16 head over several chunks: on CUDA each chunk's d W goes into the fp32 sum through addmm with
+    out_dtype=float32 (the GEMM adds it in fp32), not written rounded to bf16 and added in a second pass over V x H.
+    Run on meta tensors (torch's meta kernels check every shape and dtype) with the CUDA path enabled for them."""
+    from hbp_train.model import loss
+
+    monkeypatch.setitem(loss._FP32_OUT_ADDMM, "meta", True)
+    vocab, hidden, chunks = 64, 16, 4
+    with torch.device("meta"), _WrittenOps() as log:
+        fused, chunked = _bf16_head_grads("meta", vocab, hidden, tokens=64 * chunks)
+    assert fused.dtype == chunked.dtype == torch.bfloat16
+    into_sum = [op for op, outs in log.ops if op.startswith("aten.addmm.dtype") and outs == [((vocab, hidden),
+                                                                                            torch.float32)]]
+    assert len(into_sum) == 2 * chunks  # every chunk of both losses
+    rounded = [op for op, outs in log.ops if op.startswith("aten.mm") and outs == [((vocab, hidden), torch.bfloat16)]]
+    assert not rounded
+
+
+def test_a_torch_that_cannot_add_into_fp32_falls_back_to_the_same_gradient(monkeypatch):
+    """Where addmm with out_dtype is refused (the CPU has no kernel for it; some torch releases want the added
+    matrix in the inputs' dtype), the first chunk falls back to the rounded product and the fp32 sum, for good,
+    and the gradient is the one that path always gave."""
+    from hbp_train.model import loss
+
+    expected = _bf16_head_grads("cpu")
+    monkeypatch.setitem(loss._FP32_OUT_ADDMM, "cpu", True)
+    got = _bf16_head_grads("cpu")
+    assert loss._FP32_OUT_ADDMM["cpu"] is False
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_gradient_summed_by_the_gemm_matches_float64():
+    """On a GPU the chunks' d W go into the fp32 sum through addmm(out_dtype=float32, out=the sum): the result must
+    be the float64 gradient within one bf16 rounding, for both losses, and the path must have been taken (a torch
+    that refused it falls back, which the flag records)."""
+    from hbp_train.model import loss
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    hidden_NH = torch.randn(4096, 64, generator=gen).bfloat16().to(cuda)
+    weight_VH = (0.05 * torch.randn(512, 64, generator=gen)).bfloat16().to(cuda).requires_grad_()
+    labels_N = torch.randint(0, 512, (4096,), generator=gen).to(cuda)
+    exact_VH = weight_VH.detach().double().requires_grad_()
+    F.cross_entropy(hidden_NH.double() @ exact_VH.t(), labels_N, reduction="sum").backward()
+    weighted, _ = fused_token_losses(hidden_NH, weight_VH, labels_N, torch.ones(4096, device=cuda), 256,
+                                     num_rows=4096)
+    chunked = chunked_token_losses(hidden_NH, weight_VH, labels_N, 256, num_rows=4096).sum()
+    for total in (weighted, chunked):
+        grad_VH, = torch.autograd.grad(total, weight_VH)
+        assert float((grad_VH.double() - exact_VH.grad).norm() / exact_VH.grad.norm()) < 1e-2
+    assert loss._FP32_OUT_ADDMM["cuda"], "this torch refused addmm(out_dtype=float32): the rounded path ran"

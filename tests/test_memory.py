@@ -133,10 +133,65 @@ def cpu_varlen():
     lib._destroy()
 
 
-def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0) -> tuple[int, int]:
+def _liger_stand_ins(model) -> None:
+    """Liger's RMSNorm and SwiGLU on a CPU model, as far as memory goes: each norm (the decoder's and the final one)
+    and each gated MLP gets a forward bound on the instance, as liger_kernel's apply functions bind theirs, through an
+    autograd function that saves what Liger's does (liger-kernel 0.8's source: LigerRMSNormFunction saves the input X,
+    the weight and RSTD, one fp32 value per row, in casting mode llama; LigerSiLUMulFunction saves a and b, and the
+    MLP's down_proj keeps its input). The values are the eager modules' (the backward recomputes them)."""
+    import types
+
+    import torch
+
+    class RMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, eps):
+            x32 = x.float()
+            rstd = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+            ctx.save_for_backward(x, weight, rstd)
+            ctx.eps = eps
+            return weight * (x32 * rstd[..., None]).to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight, _ = ctx.saved_tensors
+            with torch.enable_grad():
+                x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+                x32 = x_.float()
+                y = w_ * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + ctx.eps)).to(x.dtype)
+                return (*torch.autograd.grad(y, (x_, w_), grad), None)
+
+    class SiLUMul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return torch.nn.functional.silu(a) * b
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            with torch.enable_grad():
+                a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+                return torch.autograd.grad(torch.nn.functional.silu(a_) * b_, (a_, b_), grad)
+
+    def norm_forward(self, x):
+        return RMSNorm.apply(x, self.weight, self.variance_epsilon)
+
+    def mlp_forward(self, x):
+        return self.down_proj(SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+    base = model.model
+    for norm in [base.norm] + [m for layer in base.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
+        norm.forward = types.MethodType(norm_forward, norm)
+    for layer in base.layers:
+        layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
+
+
+def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, liger=False) -> tuple[int, int]:
     """(bytes the forward of our engine module keeps for backward, the pack's trained tokens): PackedCausalLM with
     the fused LM-head loss on a pack of two documents. Kept = the distinct storages autograd saves (saved-tensor
-    hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward."""
+    hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward. ``liger``: with
+    Liger's RMSNorm and SwiGLU (their CPU stand-ins)."""
     import torch
 
     from hbp_train.model import attention
@@ -146,6 +201,8 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0) -> 
 
     cfg = dict(SAVED_TENSOR_SHAPES[name], num_hidden_layers=num_layers, vocab_size=512, max_position_embeddings=2048)
     model = build_model(ModelConfig(config=cfg, dtype=dtype, attention_backend="sdpa_block"), vocab_size=512)
+    if liger:
+        _liger_stand_ins(model)
     set_checkpointed_layers(model, ckpt_layers)
     model.train()
     gen = torch.Generator().manual_seed(0)
@@ -219,6 +276,53 @@ def test_activation_bytes_equal_what_autograd_saves(name, dtype, backend, cpu_va
         assert 0 <= (one - layer) - outside <= CONSTANT_BYTES, (tokens, (one - layer) / tokens, outside / tokens)
         checkpointed, _ = _held_bytes(name, dtype, backend, tokens, 2, ckpt_layers=1)
         assert abs(checkpointed - (two - layer + tokens * b * shape.hidden)) <= CONSTANT_BYTES, tokens
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_liger_kernels_keep_what_their_autograd_functions_save(dtype, cpu_varlen):
+    """With Liger's RMSNorm and SwiGLU (model.kernels=auto on a GPU) a layer keeps each norm's input in its dtype and
+    one fp32 value per token instead of HF's fp32 copy of the input and normalised output, and the gated MLP's gate
+    and up outputs without HF's act(gate): counted exactly as above, with Liger's saves (CPU stand-ins)."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, outside_layers_bytes_per_token
+    from hbp_train.model.hf_model import ModelConfig, hf_config
+
+    name = "llama3.2-1b-ratios"
+    shape = parse_model_shape(hf_config(ModelConfig(config=dict(SAVED_TENSOR_SHAPES[name]), dtype=dtype)))
+    b = 4 if dtype == "fp32" else 2
+    fused = dict(fused_rms_norm=True, fused_swiglu=True)
+    full = activation_bytes_per_token_layer(shape, b, attention_out_shared=True, **fused)
+    assert full < activation_bytes_per_token_layer(shape, b, attention_out_shared=True)
+    tokens = 128
+    (one, trained), (two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n, liger=True) for n in (1, 2))
+    layer = two - one
+    assert 0 <= layer - tokens * full <= CONSTANT_BYTES, (layer / tokens, full)
+    outside = (tokens * outside_layers_bytes_per_token(shape, b, fused_rms_norm=True)
+               - (tokens - trained) * (b * shape.hidden + 8))
+    assert 0 <= (one - layer) - outside <= CONSTANT_BYTES, ((one - layer) / tokens, outside / tokens)
+
+
+def test_the_memory_model_counts_the_decoder_kernels_the_run_uses():
+    """Llama-3.2-1B in bf16 with a varlen kernel: Liger's RMSNorm and SwiGLU keep 32 KiB of the 106 KiB a layer keeps
+    per token less (8h for the two norms' fp32 inputs, 2·ffn for act(gate)); the job's settings say which kernels
+    run, from the kernels the built model names (kernels.py sets _hbp_fused_kernels)."""
+    from types import SimpleNamespace
+
+    from hbp_train.perf.memory import activation_bytes_per_token_layer
+
+    shape = parse_model_shape("llama3.2-1b")
+    eager = activation_bytes_per_token_layer(shape)
+    liger = activation_bytes_per_token_layer(shape, fused_rms_norm=True, fused_swiglu=True)
+    assert (eager, eager - liger) == (108_680, 8 * 2048 + 2 * 8192)
+    job = JobSettings(zero_stage=2, grad_accum_fp32=False)
+    fused = JobSettings(zero_stage=2, grad_accum_fp32=False, fused_rms_norm=True, fused_swiglu=True)
+    saved = analytic_memory_bytes(shape, 16384, 1, 0, 1, job) - analytic_memory_bytes(shape, 16384, 1, 0, 1, fused)
+    assert saved == 16384 * (16 * (eager - liger) + 4 * shape.hidden)  # 16 layers, and the final norm's fp32 input
+    cfg = SimpleNamespace(deepspeed=SimpleNamespace(zero_stage=2, offload_optimizer=False,
+                                                    grad_accum_fp32=lambda n: False),
+                          loss=SimpleNamespace(chunk_size=4096), model=SimpleNamespace(attention_backend="fa4"))
+    of_run = JobSettings.of_run(cfg, 1, fused_kernels=("rms_norm", "rope", "swiglu"))
+    assert of_run.fused_rms_norm and of_run.fused_swiglu and of_run.attention_out_shared
+    assert not JobSettings.of_run(cfg, 1).fused_rms_norm  # no model yet: HF's modules (an over-estimate)
 
 
 # A Llama whose decoder layers outweigh its (tied) embedding, so the model states, not the transient gradients of

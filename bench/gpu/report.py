@@ -36,10 +36,13 @@ def all_verdicts(report: dict) -> list[tuple[str, dict]]:
     found = []
     for name, result in report["checks"].items():
         result = result or {}
-        if result.get("budget_skipped"):
-            found.append((name, {"what": "skipped: " + result["budget_skipped"], "value": None, "target": "",
-                                 "met": "skipped"}))
+        if result.get("budget_skipped") or result.get("skipped_check"):
+            why = result.get("budget_skipped") or result["skipped_check"]
+            found.append((name, {"what": "skipped: " + why, "value": None, "target": "", "met": "skipped"}))
             continue
+        if result.get("over_budget"):  # its figures below are what it measured before it was stopped
+            found.append((name, {"what": result["over_budget"] + "; what it measured before is kept", "value": None,
+                                 "target": "", "met": "stopped"}))
         if "verdict" in result:
             found.append((name, result["verdict"]))
         for key, v in (result.get("verdicts") or {}).items():
@@ -54,7 +57,7 @@ def all_verdicts(report: dict) -> list[tuple[str, dict]]:
 
 
 def to_markdown(report: dict) -> str:
-    met = {True: "met", False: "**NOT met**", None: "n/a", "skipped": "**skipped**"}
+    met = {True: "met", False: "**NOT met**", None: "n/a", "skipped": "**skipped**", "stopped": "**stopped**"}
     lines = [f"# GPU acceptance report", "", f"{report['started']} on {report['device']}"
              f"{' (dry run: the figures mean nothing, no verdicts)' if report['dry_run'] else ''}", "",
              f"Budget {report['budget_s']:.0f} s, used {report.get('elapsed_s', 0):.0f} s.", "",
@@ -82,11 +85,15 @@ def to_markdown(report: dict) -> str:
     profile = report["checks"].get("step_profile") or {}
     if profile.get("markdown"):
         lines += [profile["markdown"]]
+    budgets = {row["check"]: row["budget_s"] for row in report.get("plan", [])}
     for name, result in report["checks"].items():
         if "error" in result:
             lines.append(f"- **{name} failed**: {result['error']}")
         elif "seconds" in result and not result.get("budget_skipped"):
-            lines.append(f"- {name}: {result['seconds']:.0f} s")
+            held = f" of its {budgets[name]:.0f} s" if name in budgets else ""
+            lines.append(f"- {name}: {result['seconds']:.0f} s{held}")
+        for skipped in result.get("skipped") or []:
+            lines.append(f"- {name} skipped {skipped}")
     lines += ["", "Details: acceptance.json. What to do when a check fails: docs/gpu.md.", ""]
     return "\n".join(lines)
 

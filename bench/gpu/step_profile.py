@@ -10,7 +10,10 @@ Paths (built as bench/trainer/bench_trainer.py builds them, bench/trainer/paths.
   hf_<impl>   the best plain HF path (``--baseline``, default best: the best packed-capable HF attention present,
               bf16 parameters and AdamW states; ``best:amp`` for the accuracy path)
   ours_eager  with --compare-kernels (default on when our decoder kernels are not ``none``): ours again with
-              model.kernels=none, so the table shows what the fused kernels remove
+              model.kernels=none (HF's own modules, Liger's RoPE taken out of transformers first), so the table
+              shows what the fused kernels remove; with --time-budget-s only when as much time as ours took is left
+The best HF path is tried as bench_trainer tries it: FA4, FA3, FA2 through attn_implementation where they import,
+then flex_attention, each giving way to the next when it fails to build or to train.
 
 Each path runs --warmup untimed steps, then --steps steps under torch.profiler (CPU and, on a GPU, CUDA activity).
 Every step starts and ends with a device synchronisation, so its wall time holds all of its kernels. Categories
@@ -46,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.trainer.deadline import Deadline, run_limited  # noqa: E402
 from bench.trainer.paths import OPTIMIZER_SCOPE  # noqa: E402
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 
@@ -300,35 +304,49 @@ def profile_paths(args) -> dict:
     result = {"settings": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
                            "model_shape": name, "pack_len": args.pack_len, "dtype": args.dtype,
                            "warmup": args.warmup, "steps": args.steps, "torch": torch.__version__},
-              "paths": {}, "notes": []}
+              "paths": {}, "notes": [], "skipped": []}
     baselines, notes = paths.resolve_baselines([args.baseline], device, args.dtype)
     result["notes"] += notes
-    for baseline in baselines:
+    deadline = Deadline(args.time_budget_s)
+    for baseline in baselines:  # "best": its fallbacks in turn, until one profiles
         args.current_path = baseline.key
-        result["paths"][baseline.key] = _run_path(lambda: _profile_hf(args, architecture, hf_config, baseline, packs,
-                                                                      device))
+        profiled = _run_path(lambda: paths.measure_hf_best(args, architecture, hf_config, baseline, packs, device,
+                                                           measure=_profile_hf), deadline, "hf")
+        if isinstance(profiled, tuple):
+            table, ran, tried = profiled
+            result["paths"][ran.key] = dict(table, tried=tried)
+        else:
+            result["paths"][baseline.key] = profiled
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     args.current_path = "ours"
+    started = time.monotonic()
     result["paths"]["ours"] = _run_path(lambda: _profile_ours(args, architecture, hf_config, batches, device,
-                                                              args.kernels))
+                                                              args.kernels), deadline, "ours")
+    took = time.monotonic() - started
     ours_kernels = result["paths"]["ours"].get("decoder_kernels", "")
     if args.compare_kernels and ours_kernels and not ours_kernels.startswith("none"):
-        args.current_path = "ours_eager"
-        result["paths"]["ours_eager"] = _run_path(lambda: _profile_ours(args, architecture, hf_config, batches,
-                                                                        device, "none"))
+        if deadline.left() < took:  # the same engine built and profiled again: as long as ours took
+            result["skipped"].append(f"ours_eager: {max(deadline.left(), 0):.0f} s of the budget left, ours took "
+                                     f"{took:.0f} s")
+        else:
+            args.current_path = "ours_eager"
+            result["paths"]["ours_eager"] = _run_path(lambda: _profile_ours(args, architecture, hf_config, batches,
+                                                                            device, "none"), deadline, "ours_eager")
     if device.type == "cpu":
         result["notes"].append("CPU run: ops' self times on the CPU; the figures say nothing about a GPU")
     return result
 
 
-def _run_path(fn) -> dict:
+def _run_path(fn, deadline: Deadline, what: str):
+    """fn()'s result, held to what is left of ``deadline``, or {"error": why} when it failed or ran out of time."""
     try:
-        return fn()
+        result, over = run_limited(fn, deadline.left() if deadline.seconds else None, what)
     except Exception as exc:  # noqa: BLE001 - one path failing (OOM, a missing kernel) is reported, not fatal
         from hbp_train.observe.telemetry import is_oom
 
         return {"error": "out of memory" if is_oom(exc) else
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"error": f"{over} (the profile's budget)"} if over else result
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -352,6 +370,9 @@ def to_markdown(result: dict) -> str:
                 f" ({v.get('label', '')})"
             lines.append(f"- {name}: attention {v['attention']}{extra}")
     lines += [f"- note: {n}" for n in result["notes"]]
+    lines += [f"- skipped {n}" for n in result.get("skipped", [])]
+    for name, v in result["paths"].items():
+        lines += [f"- {name} ran after {t}" for t in v.get("tried") or []]
     return "\n".join(lines) + "\n"
 
 
@@ -372,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="also profile ours with model.kernels=none when ours uses fused kernels (default on)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace per path into --out")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="hold the profile to this many seconds (default: none): a path past it is stopped and "
+                        "reported; ours_eager runs only when as much time as ours took is left")
     p.add_argument("--out", required=True, help="folder for profile.json and profile.md")
     return p
 
@@ -390,6 +414,7 @@ def resolve(args) -> argparse.Namespace:
         resolved.backend = "sdpa_block"  # as bench_trainer: flex has no backward on the CPU
     resolved.baseline = args.baseline if not (cpu and args.baseline == "best") else "sdpa"
     resolved.compare_kernels, resolved.trace_dir, resolved.current_path = args.compare_kernels, None, None
+    resolved.time_budget_s = args.time_budget_s
     return resolved
 
 

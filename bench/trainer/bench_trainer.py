@@ -8,10 +8,11 @@ Paths, each trained for --warmup untimed and --steps timed steps of one pack per
 same order, from the same initial weights):
   ours      hbp_train's real step, ``trainer.train_step``: a DeepSpeed engine at world size 1 (ZeRO-2, bf16 with fp32
             master weights, torch AdamW, gradient clipping 1.0), our packed varlen attention (best backend of
-            hbp_train.model.attention) and decoder kernels (--kernels, hbp_train/model/kernels.py), the chunked LM-head loss,
-            --ckpt-layers checkpointed layers. The run is built by
-            the trainer's own ``build.build_run`` (one sp=1 packing group), without packed shards on disk (no
-            ``datasets`` needed): packs are made in memory and collated by ``data.collate_pack``.
+            hbp_train.model.attention) and decoder kernels (--kernels, hbp_train/model/kernels.py), the LM-head loss
+            training resolves (fused on a GPU, chunked on the CPU), --ckpt-layers checkpointed layers. The run is
+            built by the trainer's own ``build.build_run`` (one sp=1 packing group, one micro-batch per step: bf16
+            gradients accumulate in bf16 as in such a run), without packed shards on disk (no ``datasets`` needed):
+            packs are made in memory and collated by ``data.collate_pack``.
   hf_sdpa   a plain transformers model, ``attn_implementation="sdpa"``, batches from transformers'
             ``DataCollatorWithFlattening`` (position_ids restart per sample, each sample's first label masked; HF
             then builds the block-diagonal mask from the position_ids), HF's own loss (full logits), a plain
@@ -19,9 +20,15 @@ same order, from the same initial weights):
             report: the speed path (``sdpa``: parameters and AdamW states in --dtype, bf16 on a GPU) and the
             accuracy path (``sdpa:amp`` -> hf_sdpa_amp: fp32 master weights under bf16 autocast, as HF Trainer
             with bf16=True and an fp32 load); --baseline-ckpt checkpoints every layer (long packs).
-  hf_<best> the same with the best packed-capable HF attention present: flash_attention_3/2 if flash-attn is
-            installed (handed the collator's cu_seq_lens), else flex_attention (GPU only; HF builds a document
-            BlockMask from the position_ids). Which one ran is in the table and the JSON.
+  hf_<best> the same with the best packed-capable HF attention that trains here, tried in order:
+            flash_attention_4, _3, _2 where transformers offers them and their kernels import (handed the
+            collator's cu_seq_lens), then flex_attention (GPU only; HF builds a document BlockMask from the
+            position_ids); one that fails to build or to train gives way to the next ("tried" in the JSON), running
+            out of memory ends the search. Which one ran is in the table and the JSON. A path whose full logits
+            alone cannot fit the GPU's free memory (a 64K pack of a 128K vocabulary) is not run, and said so.
+With --time-budget-s the bench holds itself to that many seconds (bench/gpu_acceptance.py runs it so): the HF paths
+first, each stopped before it leaves ours less than 35% of the budget, ours in what is left (fewer timed steps
+if need be), every path left out listed under "skipped" with the reason.
 Then the longest single pack our path trains (--pack-len, doubling up to --max-pack-search; --search-docs single
 = one document of the whole length, the worst case for attention) with the fewest checkpointed layers that fit:
 for each length the checkpoint levels (--ckpt-levels, default 0, L/4, L/2, 3L/4, L) are tried from the last one
@@ -54,8 +61,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 # After the path set-up (noqa: E402). The parts: the workload, the timed paths, the pack search.
-from bench.trainer.paths import (ZERO_STAGE, build_ours, destroy_ours, device_info, measure_hf,  # noqa: E402
-                                 measure_ours, release, resolve_baselines, sp1_check)
+from bench.trainer.deadline import Deadline, run_limited  # noqa: E402
+from bench.trainer.paths import (ZERO_STAGE, build_ours, destroy_ours, device_info, hf_logits_do_not_fit,  # noqa: E402
+                                 measure_hf_best, measure_ours, release, resolve_baselines, sp1_check)
 from bench.trainer.search import TARGET_PACK, ckpt_levels, pack_search  # noqa: E402
 from bench.trainer.workload import PRESETS, describe_packs, make_packs, pack_row, parse_shape  # noqa: E402
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
@@ -63,6 +71,7 @@ from hbp_train.train import set_cuda_allocator  # noqa: E402
 
 TARGET_RATIO = 1.2
 TARGET_MFU = 0.45
+OURS_SHARE = 0.35  # of --time-budget-s kept for our path while the HF paths run (its build and steps)
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -114,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-budget-s", type=float, default=300.0,
                    help="start no search attempt after this many seconds of searching (default 300)")
     p.add_argument("--no-sp1-check", action="store_true", help="skip the sp=1 dispatcher-vs-direct check")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="hold the whole bench to this many seconds (default: none): the HF paths run first, each "
+                        f"stopped when it would leave ours less than {OURS_SHARE:.0%} of the budget (a first step "
+                        "compiling for minutes), one that no longer fits is skipped; ours then times the steps that "
+                        "fit, the sp=1 check and the search run in what is left. Every skip is in the results")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="share of each sample's first tokens with label -100 (a prompt). 0 (default) trains every "
                         "token; > 0 lets our loss skip those LM-head rows while MFU still counts them")
@@ -143,6 +157,8 @@ def resolve_args(args) -> argparse.Namespace:
         raise UserError(f"--max-pack-search {args.max_pack_search}: must be 0 or >= --pack-len {args.pack_len}")
     if not 0 <= args.prompt_frac < 1:
         raise UserError(f"--prompt-frac {args.prompt_frac}: must be in [0, 1)")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        raise UserError(f"--time-budget-s {args.time_budget_s}: must be > 0")
     if args.ckpt_layers < 0 or args.loss_chunk < 1 or args.lr <= 0 or args.peak_tflops < 0:
         raise UserError("--ckpt-layers, --peak-tflops must be >= 0; --loss-chunk, --lr must be > 0")
     if cpu and args.dtype == "bf16":
@@ -186,6 +202,13 @@ def print_report(results: dict) -> None:
               "per step; the rest is forward, backward, gradient reduction and step statistics")
     for note in results["notes"]:
         print(f"note: {note}")
+    for name, r in results["paths"].items():
+        for failed in r.get("tried") or []:
+            print(f"note: {name} ran after {failed}")
+    for skipped in results.get("skipped") or []:
+        print(f"skipped: {skipped}")
+    if results.get("no_ratio"):
+        print(f"no ratio: {results['no_ratio']}")
     for name, ratio in results["ratios"].items():
         print(f"ratio {name}: {ratio['tokens_per_s']:.2f}x tokens/s, "
               f"peak memory {fmt(ratio['peak_mem'], '.2f')}x  [{dev['name']}]")
@@ -212,6 +235,26 @@ def print_report(results: dict) -> None:
             print(f"  {s['pack_len']:>8} tokens, {s['ckpt_layers']:>3} ckpt layers: skipped ({s['why']})")
         print(f"  longest pack that trained: {search['longest_ok']} tokens with {search['ckpt_layers_needed']} "
               f"checkpointed layers (goal {TARGET_PACK}: {'met' if search['goal_met'] else 'not met'})")
+
+
+def _measure_baseline(args, architecture, hf_config, baseline, packs, device, peak_flops, seconds) -> dict:
+    """One HF baseline (trying "best"'s fallbacks in turn) held to ``seconds`` (None: no limit): its summary with
+    ran=True and the key of the implementation that ran, or ran=False and why; "tried" lists kernels that failed
+    before it."""
+    from hbp_train.observe.telemetry import is_oom
+
+    try:
+        done, over = run_limited(lambda: measure_hf_best(args, architecture, hf_config, baseline, packs, device),
+                                 seconds if args.time_budget_s else None, baseline.key)
+    except Exception as exc:  # noqa: BLE001 - a baseline that fails (OOM, missing kernel) is reported, not fatal
+        return {"error": "out of memory" if is_oom(exc) else
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                "tried": getattr(exc, "hbp_tried", [])}
+    if over:
+        return {"error": f"{over} (its share of the bench's budget; a first step still compiling?)"}
+    measured, ran, tried = done
+    return {**measured.summary(peak_flops), "ran": True, "key": ran.key, "label": ran.label, "attention": ran.impl,
+            "tried": tried}
 
 
 def ratios(paths: dict) -> tuple[dict, str | None]:
@@ -242,6 +285,7 @@ def run_bench(args) -> dict:
     import torch
 
     from hbp_train.batches.loader import collate_pack
+    from hbp_train.model import attention
     from hbp_train.observe.telemetry import is_oom, resolve_peak_flops
     from hbp_train.model.hf_model import num_params
     from hbp_train.model.attention_setup import describe_backend
@@ -277,18 +321,27 @@ def run_bench(args) -> dict:
                                 "GPU speed, and CPU peak memory is the process's peak RSS")
 
     # 1. HF baselines first: plain torch frees cleanly; the DeepSpeed engine comes last and stays for the search.
+    deadline = args.deadline = Deadline(args.time_budget_s)
+    reserve = OURS_SHARE * args.time_budget_s if args.time_budget_s else 0.0
     baselines, notes = resolve_baselines(args.baselines, device, args.dtype, args.baseline_precision)
     results["notes"] += notes
+    results["skipped"] = []
     for baseline in baselines:
-        key = baseline.key
-        entry = {"label": baseline.label, "attention": baseline.impl, "precision": baseline.precision,
-                 "device": label, "ran": False}
-        try:
-            entry.update(measure_hf(args, architecture, hf_config, baseline, packs, device).summary(peak_flops),
-                         ran=True)
-        except Exception as exc:  # noqa: BLE001 - a baseline that fails (OOM, missing kernel) is reported, not fatal
-            entry["error"] = ("out of memory" if is_oom(exc) else
-                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        key, entry = baseline.key, {"label": baseline.label, "attention": baseline.impl, "precision": baseline.precision,
+                                    "device": label, "ran": False}
+        why_not = hf_logits_do_not_fit(args.pack_len, int(hf_config["vocab_size"]), device)
+        share = deadline.left() - reserve
+        if why_not is None and share < 0.1 * (args.time_budget_s or 0):
+            why_not = f"{max(deadline.left(), 0):.0f} s of the bench's budget left, {reserve:.0f} s of it kept for ours"
+        if why_not:
+            entry["error"] = f"not run: {why_not}"
+            results["skipped"].append(f"{key}: {why_not}")
+        else:
+            args.deadline = Deadline(share if args.time_budget_s else None)  # its steps stop in time for ours
+            entry.update(_measure_baseline(args, architecture, hf_config, baseline, packs, device, peak_flops, share))
+            args.deadline = deadline
+            if entry.get("key"):
+                key = entry.pop("key")
         release(device)  # after the except block: its traceback held the failed step's tensors
         results["paths"][key] = entry
         save(results, args.out)
@@ -299,39 +352,62 @@ def run_bench(args) -> dict:
 
     run, backend = build_ours(args, architecture, hf_config, device)
     results["model"]["num_params"] = num_params(run.model)
-    entry = {"label": "hbp_train train_step: DeepSpeed ZeRO-2 + packed varlen attention + chunked LM-head loss",
+    fused_loss = run.cfg.loss.fused_on(device)
+    results["settings"].update(grad_accum_fp32=run.cfg.deepspeed.grad_accum_fp32(1),
+                               loss_impl="fused" if fused_loss else "chunked")
+    entry = {"label": f"hbp_train train_step: DeepSpeed ZeRO-2 + packed varlen attention + "
+                      f"{'fused' if fused_loss else 'chunked'} LM-head loss",
              "attention": f"hbp_packed/{backend}", "backend": backend, "device": label, "ran": False,
              "attention_kernel": describe_backend(backend, device),
              "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
+             "fused_kernels": list(getattr(run.model, "_hbp_fused_kernels", ())),
              "ckpt_layers": args.ckpt_layers}
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     first = None
     try:
-        measured = measure_ours(run, batches, args, run.model.config, "ours")
+        measured, over = run_limited(lambda: measure_ours(run, batches, args, run.model.config, "ours"),
+                                     deadline.left() if args.time_budget_s else None, "ours")
+        if over:
+            raise TimeoutError(over)
         entry.update(measured.summary(peak_flops), ran=True)
+        ran_with = attention.get_backend()
+        if ran_with != backend:  # the chosen kernel failed on the first real pack and gave way (attention.py)
+            results["notes"].append(f"ours: attention backend {backend} failed on the first pack; {ran_with} ran")
+            entry.update(attention=f"hbp_packed/{ran_with}", backend=ran_with,
+                         attention_kernel=describe_backend(ran_with, device))
+        if len(measured.step_times) < args.steps:
+            results["skipped"].append(f"ours: timed {len(measured.step_times)} of {args.steps} steps (the budget)")
         first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": True, "oom": False,
                  "device": label, "step_time_s": entry["step_time_s_mean"], "tokens_per_s": entry["tokens_per_s"],
                  "mfu": entry["mfu"], "peak_mem_gib": entry["peak_mem_gib"], "from": "comparison"}
     except Exception as exc:  # noqa: BLE001
-        if not is_oom(exc):
+        if not (is_oom(exc) or isinstance(exc, TimeoutError)):
             raise
-        entry["error"] = "out of memory"
-        first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": False, "oom": True,
-                 "device": label, "from": "comparison"}
+        entry["error"] = "out of memory" if is_oom(exc) else str(exc)
+        first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": False,
+                 "oom": is_oom(exc), "device": label, "from": "comparison"}
     if not entry["ran"]:  # outside the except block, whose traceback held the failed step's tensors
         destroy_ours(run)
         run = None  # drop the old engine before building the next one
         release(device)
-        run = rebuild()
+        run = rebuild() if args.max_pack_search and deadline.left() > 0 else None
     results["paths"] = {"ours": entry, **results["paths"]}
     results["ratios"], best = ratios(results["paths"])
+    hf_errors = [f"{k}: {v.get('error')}" for k, v in results["paths"].items() if k != "ours"]
+    if best is None and entry["ran"] and hf_errors:  # say why there is no ratio (e.g. HF's logits at 64K)
+        results["no_ratio"] = "no HF path ran: " + "; ".join(hf_errors)
     save(results, args.out)
     if not args.no_sp1_check and entry["ran"]:
-        try:
-            results["sp1_check"] = sp1_check(run, batches, args)
-        except Exception as exc:  # noqa: BLE001 - reported; the rest of the benchmark still counts
-            results["sp1_check"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    if args.max_pack_search:
+        if deadline.left() < 2 * args.steps * entry["step_time_s_mean"]:
+            results["skipped"].append(f"sp1_check: {max(deadline.left(), 0):.0f} s of the budget left")
+        else:
+            try:
+                results["sp1_check"] = sp1_check(run, batches, args)
+            except Exception as exc:  # noqa: BLE001 - reported; the rest of the benchmark still counts
+                results["sp1_check"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    if args.max_pack_search and args.time_budget_s:
+        args.search_budget_s = min(args.search_budget_s, max(deadline.left(), 0.0))
+    if args.max_pack_search and run is not None:
 
         def on_attempt(partial):
             results["pack_search"] = partial

@@ -77,7 +77,9 @@ class Measured:
 
 
 def timed_steps(step, batches: list, args, model_config, desc: str) -> Measured:
-    """--warmup untimed, then --steps timed calls of ``step(batch, i) -> (seconds, loss)``, cycling over batches.
+    """--warmup untimed, then --steps timed calls of ``step(batch, i) -> (seconds, loss)``, cycling over batches;
+    with ``args.deadline`` (bench_trainer --time-budget-s), no step starts that would end past it once one step
+    has been timed (the figures then hold fewer steps; ``Measured.step_times`` says how many).
 
     Tokens and FLOPs count the timed steps; the peak memory is the highest of every step's (reset before each)."""
     from tqdm import tqdm
@@ -98,14 +100,19 @@ def timed_steps(step, batches: list, args, model_config, desc: str) -> Measured:
             times.append(seconds)
             tokens += batch["input_ids"].shape[1]
             flops += pack_flops(shape, batch["seq_lens"])
+            deadline = getattr(args, "deadline", None)
+            if deadline is not None and deadline.left() < seconds:
+                break
     return Measured(times, tokens, flops, losses, peak)
 
 
 # ---------------------------------------------------------------------------------------------------- ours
 def build_ours(args, architecture: str, hf_config: dict, device):
     """A build.Run for our path, from the trainer's own build_run: one packing group of --pack-len tokens at sp=1 on
-    one rank (so the plain packed attention, no Ulysses dispatcher), no shards and no tokenizer. Returns (run, the
-    attention backend chosen). The weights are made on the device: initialising a 1B model on the host first
+    one rank (so the plain packed attention, no Ulysses dispatcher), no shards and no tokenizer, built as a run whose
+    steps hold one micro-batch each (one pack per step): DeepSpeed then accumulates bf16 gradients in bf16, as a
+    real run of such a plan does, with no fp32 buffer (4.9 GB for a 1B model) and no pass to fill it. Returns (run,
+    the attention backend chosen). The weights are made on the device: initialising a 1B model on the host first
     takes far longer."""
     from hbp_train.model import attention
     from hbp_train.build import DeepSpeedConfig, build_run
@@ -120,7 +127,7 @@ def build_ours(args, architecture: str, hf_config: dict, device):
         deepspeed=DeepSpeedConfig(zero_stage=ZERO_STAGE), loss=LossConfig(chunk_size=args.loss_chunk))
     group = {"pack_len": args.pack_len, "sp": 1, "ckpt_layers": args.ckpt_layers}
     # total_steps: a flat LR over the whole benchmark (the cosine's end is never reached)
-    run = build_run(cfg, [group], total_steps=1 << 20, init_device=device)
+    run = build_run(cfg, [group], total_steps=1 << 20, init_device=device, max_micro_batches=1)
     return run, attention.get_backend()
 
 
@@ -202,24 +209,37 @@ def sp1_check(run, batches: list, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ baseline
+# The flash kernels HF trains with through attn_implementation, best first: transformers' own check (which tells
+# flash-attn 2 and flash-attn-4 apart, both installing flash_attn/) and the module it calls, imported for real (a
+# build that does not match the installed torch is listed by transformers and fails at the first step).
+HF_FLASH_KERNELS = {"flash_attention_4": (4, "flash_attn.cute.interface", "flash_attn_varlen_func"),
+                    "flash_attention_3": (3, "flash_attn_interface", "flash_attn_varlen_func"),
+                    "flash_attention_2": (2, "flash_attn", "flash_attn_varlen_func")}
+
+
+def _kernel_imports(impl: str) -> bool:
+    """transformers offers the flash implementation ``impl`` here and its kernel module imports."""
+    import transformers.utils as tu
+
+    from hbp_train.model.attention import _import_kernel
+
+    version, module, attr = HF_FLASH_KERNELS[impl]
+    if not getattr(tu, f"is_flash_attn_{version}_available", lambda: False)():
+        return False
+    return _import_kernel(module, attr, f"FlashAttention-{version} for HF ({module})") is not None
+
+
 def hf_attention_candidates(device, dtype_name: str) -> list[str]:
-    """Packed-capable HF attention implementations present here, best first (sdpa always last)."""
-    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+    """Packed-capable HF attention implementations present here, best first (sdpa always last): FA4, FA3, FA2 where
+    they import (bf16 only), flex_attention (its backward has no CPU kernel), sdpa."""
+    import transformers.utils as tu
 
     found = []
     if device.type == "cuda":
         if dtype_name == "bf16":
-            try:
-                from transformers.utils import is_flash_attn_3_available
-
-                if is_flash_attn_3_available():
-                    found.append("flash_attention_3")
-            except ImportError:
-                pass
-            if is_flash_attn_2_available():
-                found.append("flash_attention_2")
-        if is_torch_flex_attn_available():
-            found.append("flex_attention")  # its backward has no CPU kernel
+            found += [impl for impl in HF_FLASH_KERNELS if _kernel_imports(impl)]
+        if tu.is_torch_flex_attn_available():
+            found.append("flex_attention")
     found.append("sdpa")
     return found
 
@@ -233,10 +253,13 @@ PRECISIONS = {"bf16": ("", "HF speed path: parameters and AdamW states in the ru
 
 @dataclass(frozen=True)
 class Baseline:
-    """One HF baseline to run: its attention implementation and precision (a key of PRECISIONS)."""
+    """One HF baseline to run: its attention implementation and precision (a key of PRECISIONS), and for "best" the
+    implementations to try next, in order, if this one fails to build or to train (its first step, a kernel's
+    compile for this shape, can fail where a probe would not)."""
 
     impl: str
     precision: str
+    fallbacks: tuple = ()
 
     @property
     def key(self) -> str:
@@ -246,10 +269,14 @@ class Baseline:
     def label(self) -> str:
         return f"{PRECISIONS[self.precision][1]}: HF {self.impl} + DataCollatorWithFlattening + HF loss + torch AdamW"
 
+    def tries(self) -> list["Baseline"]:
+        """This baseline, then each fallback, as plain baselines."""
+        return [Baseline(impl, self.precision) for impl in (self.impl, *self.fallbacks)]
+
 
 def resolve_baselines(requested: list, device, dtype_name: str, default_precision: str = "bf16") -> tuple[list, list]:
-    """(Baselines to run, notes). 'best' resolves to the best non-sdpa implementation present; a name may end in
-    ':amp' or ':bf16' (the precision; default ``default_precision``)."""
+    """(Baselines to run, notes). 'best' resolves to the best non-sdpa implementation present, the others present as
+    its fallbacks; a name may end in ':amp' or ':bf16' (the precision; default ``default_precision``)."""
     available = hf_attention_candidates(device, dtype_name)
     baselines, notes = [], []
     for entry in requested:
@@ -258,21 +285,45 @@ def resolve_baselines(requested: list, device, dtype_name: str, default_precisio
         if precision not in PRECISIONS:
             notes.append(f"{entry}: unknown precision {precision!r} (bf16 or amp); skipped")
             continue
+        fallbacks = ()
         if name == "best":
             better = [a for a in available if a != "sdpa"]
-            if better:
-                name = better[0]
-            else:
+            if not better:
                 notes.append(f"{entry}: no packed-capable HF attention faster than sdpa on {device.type} "
                              "(flash-attn not installed, flex_attention needs a GPU); only sdpa ran")
                 continue
+            name, fallbacks = better[0], tuple(better[1:])
         elif name not in available:
             notes.append(f"{entry}: not available here (available: {', '.join(available)}); skipped")
             continue
-        baseline = Baseline(name, precision)
-        if baseline not in baselines:
+        baseline = Baseline(name, precision, fallbacks)
+        if all((b.impl, b.precision) != (name, precision) for b in baselines):
             baselines.append(baseline)
     return baselines, notes
+
+
+def free_device_bytes(device) -> int | None:
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+# What HF's loss holds at least at once per token and vocabulary entry: the bf16 logits, their fp32 copy and the fp32
+# log-softmax (transformers' ForCausalLMLoss upcasts the logits, cross_entropy keeps its log-softmax for backward).
+HF_LOGITS_BYTES = 2 + 4 + 4
+
+
+def hf_logits_do_not_fit(pack_len: int, vocab: int, device) -> str | None:
+    """Why an HF path cannot fit this pack on ``device``: its full logits alone exceed the free memory (a lower
+    bound, so a path that might fit is never left out); None to run it."""
+    if device.type != "cuda":  # a CPU's memory is not the question a smoke run asks
+        return None
+    free = free_device_bytes(device)
+    need = pack_len * vocab * HF_LOGITS_BYTES
+    if free is None or need <= free:
+        return None
+    return (f"its full logits need at least {need / 2**30:.1f} GiB ({pack_len} tokens x {vocab} vocabulary, bf16 and "
+            f"twice fp32) and the GPU has {free / 2**30:.1f} GiB free: it would run out of memory")
 
 
 def build_hf(args, architecture: str, hf_config: dict, impl: str, device, precision: str = "bf16"):
@@ -327,6 +378,27 @@ def hf_step(model, optimizer, params, batch: dict, device, amp: bool) -> tuple[f
     loss = float(out.loss.detach())
     sync(device)
     return time.perf_counter() - start, loss
+
+
+def measure_hf_best(args, architecture, hf_config, baseline: Baseline, packs: list, device, measure=None):
+    """(Measured, the Baseline that ran, "impl: why" for each tried before it that failed): ``baseline`` and then
+    its fallbacks, until one trains. Running out of memory ends the search (the next kernel would not fit either:
+    HF's full logits dominate a long pack) and, like a failure of the last one, is raised."""
+    from hbp_train.observe.telemetry import is_oom
+
+    measure = measure or measure_hf
+    tried = []
+    candidates = baseline.tries()
+    for i, candidate in enumerate(candidates):
+        try:
+            return measure(args, architecture, hf_config, candidate, packs, device), candidate, tried
+        except Exception as exc:  # noqa: BLE001 - this kernel cannot train here: the next one is tried
+            if is_oom(exc) or i == len(candidates) - 1:
+                exc.hbp_tried = tried
+                raise
+            tried.append(f"{candidate.impl}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+        release(device)  # out of the except block: its traceback held the failed step's tensors
+    raise AssertionError("unreachable")
 
 
 def measure_hf(args, architecture, hf_config, baseline: Baseline, packs: list, device) -> Measured:

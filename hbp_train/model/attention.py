@@ -16,6 +16,8 @@ Backends, in preference order (`available_backends` lists those installed and us
 Availability is decided by importing the kernel's module and by the device's compute capability, never by version
 strings; which backend runs ("auto": the first available that passes a probe on the device) is decided in
 hbp_train/model/attention_setup.py, which also names the kernel for the log and installs the backend on a model.
+The probe's pack is small: the first real pack of each new largest size is tried once more before it runs
+(`_backend_for_pack`), and a kernel that fails there gives way to auto's next choice instead of ending the run.
 
 `hf_packed_attention` adapts `packed_attention` to transformers' AttentionInterface (installed under the name
 "hbp_packed"). It finds the boundaries from `position_ids` when no `cu_seq_lens_q` is given, which is what
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -83,7 +86,12 @@ def _import_kernel(module: str, attr: str, what: str):
 
 @functools.cache
 def _flash_attn_fn():
-    """flash-attn's (FA2) varlen kernel, or None."""
+    """flash-attn's (FA2) varlen kernel, or None. flash-attn-4 installs into the same flash_attn/ folder (its kernels
+    under flash_attn/cute, run here as fa4): the folder is FA2's only if the flash-attn distribution installed it, so
+    an FA4-only install is not mistaken for a broken FA2."""
+    owners = importlib.metadata.packages_distributions().get("flash_attn")
+    if owners is not None and "flash-attn" not in {o.lower().replace("_", "-") for o in owners}:
+        return None
     return _import_kernel("flash_attn", "flash_attn_varlen_func", "flash-attn")
 
 
@@ -212,8 +220,10 @@ def _compiled_flex(backend: str = "inductor"):
     return torch.compile(flex_attention, backend=backend, **FLEX_COMPILE_OPTIONS)
 
 
-# One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries.
-_flex_mask_cache: dict = {"key": None, "mask": None}
+# One BlockMask per pack: every layer of a forward (and its recompute) sees the same boundaries. The layers after
+# the first find it by the boundaries tensor itself and its version (no read back to the host: on a GPU a sync per
+# layer); a new tensor is compared by its values once.
+_flex_mask_cache: dict = {"key": None, "mask": None, "tensor": None, "version": None}
 
 
 FLEX_BLOCK = 128  # FlexAttention's default block size
@@ -228,7 +238,12 @@ def _flex_block_mask(cu_seqlens: torch.Tensor, num_tokens: int):
     blocks lie in one and the same sample. Needed blocks that are not full run the mask_mod per element."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    cache = _flex_mask_cache
+    if (cache["tensor"] is cu_seqlens and cache["version"] == cu_seqlens._version and cache["key"] is not None
+            and cache["key"][1] == num_tokens):
+        return cache["mask"]
     key = (str(cu_seqlens.device), num_tokens, tuple(cu_seqlens.tolist()))
+    cache.update(tensor=cu_seqlens, version=cu_seqlens._version)
     if _flex_mask_cache["key"] != key:
         doc_T = _document_ids(cu_seqlens, num_tokens)
 
@@ -357,6 +372,63 @@ def get_backend() -> str:
     return _state["backend"]
 
 
+# ------------------------------------------------------------------------------- the first real pack of a size
+# The probe (attention_setup.probe_backend) runs 128 tokens: a GPU kernel can still fail on a real pack (FA4 compiles
+# per shape; a backward may not exist for this head shape at this length). The first pack of each new largest size
+# is tried once on copies, forward and backward (forward only where no gradient is asked for), before the real call;
+# if that fails, auto's next choice that passes its probe and the same trial runs from then on (one warning line),
+# and a backend the user named is a UserError.
+_trial: dict = {"tokens": 0, "forward_tokens": 0, "fallbacks": (), "check": None, "named": False}
+
+
+def set_fallbacks(fallbacks, check=None, named: bool = False) -> None:
+    """What the first pack of a new size does when the chosen backend fails on it (attention_setup sets this with
+    the choice): try ``fallbacks`` in order, each taken when ``check(name)`` (its probe) returns None and it runs the
+    pack; ``named``: the user asked for the chosen backend, so its failure is theirs to see."""
+    _trial.update(tokens=0, forward_tokens=0, fallbacks=tuple(fallbacks), check=check, named=named)
+
+
+def _runs_pack(name, q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, backward: bool = True) -> str | None:
+    """None if backend ``name`` runs forward (and backward) on copies of this pack, else why in one line. Identity
+    saved-tensor hooks: inside a checkpointed layer the trial keeps its own tensors for its own backward."""
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            inputs = [x.detach().clone().requires_grad_(backward) for x in (q_THD, k_TKD, v_TKD)]
+            out = packed_attention(*inputs, cu_seqlens, max_seqlen, name, scale=scale)
+            if backward:
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+    except Exception as exc:  # noqa: BLE001 - any failure of the kernel on this pack: not this backend
+        if "out of memory" in str(exc):  # not the kernel's doing: the real call would run out as well
+            raise
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
+
+
+def _backend_for_pack(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale) -> str:
+    """The backend to run this pack with: the chosen one, tried first on a pack larger than any before (see above)."""
+    backend, tokens = get_backend(), q_THD.shape[0]
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q_THD, k_TKD, v_TKD))
+    tried = _trial["tokens"] if backward else max(_trial["tokens"], _trial["forward_tokens"])
+    if backend not in GPU_ONLY_BACKENDS or tokens <= tried or q_THD.device.type == "meta":
+        return backend
+    args = (q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale, backward)
+    why = _runs_pack(backend, *args)
+    remaining = [b for b in _trial["fallbacks"] if b != backend]
+    while why is not None:
+        if _trial["named"] or not remaining:
+            raise UserError(f"model.attention_backend={backend} fails on a pack of {tokens} tokens ({why}); choose "
+                            f"another backend (auto falls back to the next one by itself)")
+        failed, backend = backend, remaining.pop(0)
+        log.warning("attention backend %s failed on the first pack of %d tokens (%s); falling back to %s",
+                    failed, tokens, why, backend)
+        check = _trial["check"]
+        why = (check(backend) if check and backend != "sdpa_block" else None) or (
+            _runs_pack(backend, *args) if backend in GPU_ONLY_BACKENDS else None)
+    set_backend(backend)
+    _trial["tokens" if backward else "forward_tokens"] = tokens
+    return backend
+
+
 # Boundaries are the same for every layer of a forward (and its checkpoint recompute): remember the last
 # position_ids tensor seen, with its version counter so an in-place refill of a reused buffer is noticed.
 # The trainer hands cu_seqlens to every layer (at sp=1 through the model's kwargs, under Ulysses from
@@ -405,9 +477,8 @@ def hf_packed_attention(module, query, key, value, attention_mask, scaling=None,
             f"packed attention does not implement sliding windows: a sample of {max_seqlen} tokens exceeds the "
             f"model's sliding_window={window}; disable it in the model config or use shorter samples"
         )
-    out_THD = packed_attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        cu_seqlens, max_seqlen, get_backend(), scale=scaling,
-    )
+    q_THD, k_TKD, v_TKD = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    backend = _backend_for_pack(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scaling)
+    out_THD = packed_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, backend, scale=scaling)
     # Contiguous as HF's own attention functions return it: some models .view() the output (JetMoE).
     return out_THD[None].contiguous(), None

@@ -2,8 +2,10 @@
 
 `available_backends` lists the backends hbp_train/model/attention.py implements that are installed and usable on
 a device, in preference order; "auto" (`select_backend`) takes the first that also passes `probe_backend` (a small
-packed forward and backward on the device with the model's head shape, checked against sdpa_block), so a kernel
-that imports but cannot run this model is skipped with one warning line instead of failing at the first step.
+packed forward and backward on the device with the model's head shape, output and q/k/v gradients checked against
+sdpa_block), so a kernel that imports but cannot run this model is skipped with one warning line instead of failing
+at the first step; the backends after the chosen one are handed to attention.py as what a kernel that still fails
+on the first real pack gives way to (`attention.set_fallbacks`).
 `describe_backend` names the kernel, its library and version for the start-of-run log. `register_packed_attention`
 installs `attention.hf_packed_attention` on a model under the name "hbp_packed" with the chosen backend.
 """
@@ -73,35 +75,51 @@ class HeadShape:
 
 def probe_backend(backend: str, device: torch.device, dtype: torch.dtype, shape: HeadShape) -> str | None:
     """None if ``backend`` runs a small packed forward and backward of this head shape on ``device`` and matches
-    sdpa_block on the same inputs (computed in fp32); else the reason, in one line. Leaves the backend chosen
-    before the call active."""
+    sdpa_block on the same inputs (computed in fp32) in its output and in the gradients of q, k and v (a kernel can
+    be right forward and wrong backward, e.g. dk/dv not summed over a query group); else the reason, in one line.
+    Leaves the backend chosen before the call active.
+
+    Everything is made inside the ``try``, on the host then moved to ``device``: a caller may build its model under
+    a default device (``with torch.device("cuda")``), where a tensor made without a device lands on that device and
+    a host generator cannot fill it; any failure here means "not this backend", never a crash."""
     previous = attention.get_backend()
-    gen = torch.Generator().manual_seed(0)
     lengths = (48, 80)  # two samples: a boundary is crossed if the kernel ignores cu_seqlens
     num_tokens = sum(lengths)
-
-    def make(heads, dim):
-        return torch.randn(num_tokens, heads, dim, generator=gen).to(device, dtype).requires_grad_()
-
-    q, k, v = make(shape.num_heads, shape.head_dim), make(shape.num_kv_heads, shape.head_dim), \
-        make(shape.num_kv_heads, shape.v_head_dim)
-    cu = torch.tensor([0, lengths[0], num_tokens], dtype=torch.int32, device=device)
     try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+
+        def make(heads, dim):  # the same values on every device: made on the host, whatever the default device
+            return torch.randn(num_tokens, heads, dim, generator=gen, device="cpu").to(device, dtype)
+
+        qkv = [make(shape.num_heads, shape.head_dim), make(shape.num_kv_heads, shape.head_dim),
+               make(shape.num_kv_heads, shape.v_head_dim)]
+        grad_out = make(shape.num_heads, shape.v_head_dim)
+        cu = torch.tensor([0, lengths[0], num_tokens], dtype=torch.int32, device=device)
         attention.set_backend(backend)
-        out = attention.packed_attention(q, k, v, cu, max(lengths), backend)
-        out.float().square().sum().backward()
-        grads = [x.grad.float() for x in (q, k, v)]
+        inputs = [x.clone().requires_grad_() for x in qkv]
+        out = attention.packed_attention(*inputs, cu, max(lengths), backend)
+        grads = torch.autograd.grad(out, inputs, grad_out)
+        ref_inputs = [x.detach().float().requires_grad_() for x in qkv]
+        ref = attention.packed_attention(*ref_inputs, cu, max(lengths), "sdpa_block")
+        ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.float())
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             return "its backward gave non-finite gradients"
-        ref = attention.packed_attention(*(x.detach().float() for x in (q, k, v)), cu, max(lengths), "sdpa_block")
-        error = float((out.detach().float() - ref).abs().max())
+        error = float((out.detach().float() - ref.detach()).abs().max())
+        # each gradient relative to its largest element: dv sums over up to 80 keys, dq does not
+        grad_errors = [float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-6))
+                       for g, r in zip(grads, ref_grads)]
     except Exception as exc:  # noqa: BLE001 - any failure of the kernel means: not this backend
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
     finally:
         attention.set_backend(previous)
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2  # fp16/bf16 inputs, fp32 reference
+    half = dtype != torch.float32
+    tolerance, grad_tolerance = (5e-2, 5e-2) if half else (1e-4, 1e-3)  # fp16/bf16 inputs, fp32 reference
     if error > tolerance:
         return f"its output differs from sdpa_block by {error:.3g} (> {tolerance})"
+    for name, grad_error in zip("qkv", grad_errors):
+        if grad_error > grad_tolerance:
+            return (f"its {name} gradient differs from sdpa_block's by {grad_error:.3g} of its largest element "
+                    f"(> {grad_tolerance})")
     return None
 
 
@@ -137,9 +155,9 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype | No
 
 
 def _probe_if_needed(name: str, device, dtype, shape) -> str | None:
-    """The probe's verdict for a GPU kernel when the shape is known; sdpa_block (exact) and calls without a shape
-    are not probed."""
-    if shape is None or dtype is None or name == "sdpa_block" or torch.device(device).type != "cuda":
+    """The probe's verdict for a kernel when the shape is known; sdpa_block (exact) and calls without a shape are not
+    probed. (On the host sdpa_block is the only backend offered, so in practice only GPU kernels are probed.)"""
+    if shape is None or dtype is None or name == "sdpa_block":
         return None
     return probe_backend(name, torch.device(device), dtype, shape)
 
@@ -175,9 +193,10 @@ def describe_backend(name: str, device: torch.device) -> str:
 
 
 def training_device(model) -> torch.device:
-    """The device the model will run on: its own if already on an accelerator, else the current GPU if any."""
+    """The device the model will run on: its own if already on an accelerator, else the current GPU if any. A model
+    on the meta device (built without data, to be materialised later) is not on an accelerator yet."""
     param = next(model.parameters(), None)
-    if param is not None and param.device.type != "cpu":
+    if param is not None and param.device.type not in ("cpu", "meta"):
         return param.device
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -192,8 +211,14 @@ def register_packed_attention(model, backend: str = "auto", device: torch.device
     """
     device = device if device is not None else training_device(model)
     shape = HeadShape.of(model.config) if hasattr(model, "config") else None
-    chosen = select_backend(backend, device, getattr(model, "dtype", None), shape)
+    dtype = getattr(model, "dtype", None)
+    chosen = select_backend(backend, device, dtype, shape)
     attention.set_backend(chosen)
+    # a kernel that fails on the first real pack (longer than the probe's) gives way to auto's next choice
+    available = available_backends(device, dtype)
+    later = available[available.index(chosen) + 1:] if chosen in available else ["sdpa_block"]
+    attention.set_fallbacks(later, check=lambda name: _probe_if_needed(name, device, dtype, shape),
+                            named=backend != "auto")
     use_attention(model, attention.ATTN_IMPLEMENTATION, attention.hf_packed_attention)
     return chosen
 

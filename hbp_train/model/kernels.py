@@ -6,7 +6,10 @@ embeddings, the gated activation, casts, residual adds). Two ways to fuse them, 
   liger    Liger's Triton kernels (`liger_kernel.transformers.apply_liger_kernel_to_<family>` with RMSNorm, RoPE
            and SwiGLU only: the loss stays ours, loss.py). Needs CUDA, liger-kernel installed
            (requirements-liger.txt) and a family in LIGER_KERNELS: only the kernels that fit each family's modules
-           are used (MoE experts and DeepSeek's interleaved RoPE stay HF's).
+           are used (MoE experts and DeepSeek's interleaved RoPE stay HF's). The family's apply function is
+           resolved before Liger is chosen: a release without one for the family, or whose import fails on this
+           transformers, leaves the eager modules with one warning line (model.kernels=liger: one error line).
+           Qwen3's per-head q/k norms, which Liger's apply function leaves eager, are patched too.
   compile  `torch.compile` of each decoder layer with a dynamic token count. The packed attention function is
            registered behind `torch.compiler.disable` (attention_setup.use_attention), so each layer compiles into the
            graphs around its attention call; Ulysses' all-to-all and the backends' host-side boundary code stay
@@ -27,8 +30,9 @@ DeepSpeed's gathering).
 
 Liger's RoPE is the one process-wide change: Liger swaps the family's ``apply_rotary_pos_emb`` in transformers'
 modeling module, which every model of that family in the process then uses. `restore_hf_modules` puts HF's own
-back (bench/ calls it before building a plain HF baseline); Liger's class swaps (RMSNorm, MLP classes) are undone
-at once, so models built later are HF's unless they ask for Liger themselves.
+back (bench/ calls it before building a plain HF baseline, and a model built with ``none`` or ``compile`` does it
+for its own family); Liger's class swaps (RMSNorm, MLP classes) are undone at once, so models built later are HF's
+unless they ask for Liger themselves.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import sys
 
 import torch
 
@@ -52,7 +57,7 @@ _DENSE = {"rope": True, "rms_norm": True, "swiglu": True}
 LIGER_KERNELS: dict[str, dict] = {
     "llama": _DENSE,
     "qwen2": _DENSE,
-    "qwen3": _DENSE,  # its q/k norms are RMSNorms too
+    "qwen3": _DENSE,  # its q/k norms are RMSNorms too: patched here (QK_NORM_FAMILIES)
     "mistral": _DENSE,
     "phi3": _DENSE,  # fused gate_up_proj: Liger's Phi3 SwiGLU
     "gemma3_text": {"rope": True, "rms_norm": True, "geglu": False},  # a GELU-gated MLP, not SwiGLU: left eager
@@ -61,8 +66,18 @@ LIGER_KERNELS: dict[str, dict] = {
     "mixtral": {"rope": True, "rms_norm": True, "swiglu": False},
     "qwen3_moe": {"rope": True, "rms_norm": True, "swiglu": False},
     "deepseek_v3": {"rope": False, "rms_norm": True, "swiglu": False},  # interleaved partial RoPE: not Liger's
+    # Granite's multipliers (embedding, residual, attention, logits) sit in the decoder's and the head's forward,
+    # outside the modules Liger replaces.
+    "granite": _DENSE,
+}
+# Tested families Liger has no kernels for, and why: they run HF's modules.
+EAGER_FAMILIES: dict[str, str] = {
+    "cohere": "Cohere's bias-free LayerNorm and parallel attention/MLP block have no Liger apply function",
 }
 _LIGER_OFF = {"cross_entropy": False, "fused_linear_cross_entropy": False}
+# Families whose attention normalises q and k per head with the family's RMSNorm, which Liger's apply function
+# leaves eager (it patches the decoder's norms only): patched here too (_patch_attention_norms).
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 # Module-level names Liger replaced, per transformers modeling module: {module: {name: HF's original}}.
 _replaced: dict = {}
@@ -96,19 +111,41 @@ def select_kernels(requested: str, model_type: str, device: torch.device, zero_s
     why_not = _liger_missing(model_type, device)
     if requested == "liger" and why_not:
         raise UserError(f"model.kernels=liger: {why_not}; use model.kernels=auto, compile or none")
+    if why_not and device.type == "cuda":  # a GPU run without the fused kernels it would get: said once, at start
+        log.warning("model.kernels=auto: %s; the decoder kernels stay eager (HF's modules)", why_not)
     return "none" if why_not else "liger"
 
 
 def _liger_missing(model_type: str, device: torch.device) -> str | None:
-    """Why Liger cannot be used for this model on this device, or None."""
+    """Why Liger cannot be used for this model on this device, or None. Liger's apply function is resolved here,
+    so that a release without one for this family, or one whose lazy import fails on this transformers (releases
+    older than 0.7 on transformers 5), means the eager modules rather than an error at the first model built."""
     if device.type != "cuda":
         return f"Liger's Triton kernels need a CUDA device (training runs on {device.type})"
+    if model_type in EAGER_FAMILIES:
+        return EAGER_FAMILIES[model_type]
     if model_type not in LIGER_KERNELS:
         return (f"no Liger kernels for model type {model_type!r} here (families: {', '.join(LIGER_KERNELS)}; "
                 "docs/models.md)")
-    if liger_module() is None:
+    liger = liger_module()
+    if liger is None:
         return "liger-kernel is not installed (pip install -r requirements-liger.txt)"
-    return None
+    return _liger_apply_function(liger, model_type)[1]
+
+
+def _liger_apply_function(liger, model_type: str):
+    """(Liger's ``apply_liger_kernel_to_<model_type>``, None), or (None, why it cannot be had). Looking it up runs
+    liger_kernel.transformers' lazy import of its monkey_patch module, which is where an incompatible release
+    fails."""
+    name = f"apply_liger_kernel_to_{model_type}"
+    try:
+        fn = getattr(liger, name, None)
+    except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, ...: this release cannot patch it here
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return None, f"liger-kernel {_version('liger-kernel')} does not import {name} ({type(exc).__name__}: {first})"
+    if fn is None:
+        return None, f"liger-kernel {_version('liger-kernel')} has no {name}"
+    return fn, None
 
 
 def apply_kernels(model, chosen: str, layers) -> str:
@@ -117,22 +154,30 @@ def apply_kernels(model, chosen: str, layers) -> str:
     if chosen == "liger":
         return apply_liger(model)
     if chosen == "compile":
+        restore_hf_modules(type(model).__module__)  # HF's code is what is compiled (see "none" below)
         for layer in layers:
             # dynamic: every pack has its own token count; one graph set serves them all (see the module docstring)
             layer.compile(dynamic=True)
         return f"compile (torch.compile of each of {len(layers)} decoder layers, dynamic token count)"
     assert chosen == "none", chosen
+    # Liger's RoPE of a model built before (bench/ builds ours with Liger, then ours_eager) would still be in
+    # transformers' module: "none" means HF's own code
+    restore_hf_modules(type(model).__module__)
     return "none (eager HF modules)"
 
 
 def apply_liger(model) -> str:
     """Liger's RMSNorm/RoPE/SwiGLU (as LIGER_KERNELS says for the family) on this model instance."""
-    liger = liger_module()
     model_type = model.config.model_type
+    apply, why_not = _liger_apply_function(liger_module(), model_type)
+    if apply is None:  # select_kernels resolved it already; a direct call gets the same one line
+        raise UserError(f"model.kernels=liger: {why_not}")
     chosen = LIGER_KERNELS[model_type]
     modeling = importlib.import_module(type(model).__module__)  # e.g. transformers.models.llama.modeling_llama
     before = dict(vars(modeling))
-    getattr(liger, f"apply_liger_kernel_to_{model_type}")(model=model, **chosen, **_LIGER_OFF)
+    apply(model=model, **chosen, **_LIGER_OFF)
+    if chosen.get("rms_norm") and model_type in QK_NORM_FAMILIES:
+        _patch_attention_norms(model, apply)
     changed = {name: old for name, old in before.items() if vars(modeling).get(name) is not old}
     originals = _replaced.setdefault(modeling.__name__, {})
     for name, old in changed.items():
@@ -140,18 +185,37 @@ def apply_liger(model) -> str:
         if isinstance(old, type):  # a class swap would make later models Liger's too: undone now (see docstring)
             setattr(modeling, name, old)
     used = [k for k in ("rms_norm", "rope", "swiglu") if chosen.get(k)]
+    model._hbp_fused_kernels = tuple(used)  # what the memory model counts (perf/memory.py, JobSettings)
     names = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "SwiGLU"}
     return f"liger (liger-kernel {_version('liger-kernel')}: {', '.join(names[k] for k in used)})"
 
 
-def restore_hf_modules() -> None:
-    """Put back what Liger replaced in transformers' modeling modules (the RoPE function): models built or run
-    after this use HF's code, models patched before keep their Liger module forwards but lose Liger's RoPE."""
-    for module_name, originals in _replaced.items():
-        module = importlib.import_module(module_name)
+def _patch_attention_norms(model, apply) -> None:
+    """Liger's RMSNorm on each attention's q_norm and k_norm, with the module patcher of Liger's own apply functions
+    (the one they use on the decoder's norms, so the attributes its forward reads are this release's). Not in
+    place: Liger patches the q/k norms it does patch (Exaone4) so, as their input gradient is not theirs to reuse."""
+    patch = getattr(sys.modules.get(getattr(apply, "__module__", "")), "_patch_rms_norm_module", None)
+    if patch is None:  # a release without it: these norms stay eager (the rest is Liger's)
+        log.warning("liger-kernel %s: no RMSNorm patcher found; the attention's q/k norms stay eager",
+                    _version("liger-kernel"))
+        return
+    base = getattr(model, model.base_model_prefix, model)
+    for layer in base.layers:
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, name, None)
+            if norm is not None:
+                patch(norm, in_place=False)
+
+
+def restore_hf_modules(module_name: str | None = None) -> None:
+    """Put back what Liger replaced in transformers' modeling modules (the RoPE function), in all of them or in
+    ``module_name`` only: models built or run after this use HF's code, models patched before keep their Liger
+    module forwards but lose Liger's RoPE."""
+    for name_of_module in [module_name] if module_name else list(_replaced):
+        originals = _replaced.pop(name_of_module, {})
+        module = importlib.import_module(name_of_module)
         for name, old in originals.items():
             setattr(module, name, old)
-    _replaced.clear()
 
 
 def _version(dist: str) -> str:

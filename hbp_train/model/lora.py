@@ -28,6 +28,13 @@ from typing import Optional
 from hbp_train.common.errors import UserError
 
 CONFIG_KEY = "hbp_lora"  # the HF config attribute that carries the settings into checkpoints
+LM_HEAD = "lm_head"  # the output projection's name in the HF families we train (any other name: apply_lora checks)
+
+
+def _head_refusal(targets: list, name: str) -> str:
+    return (f"model.lora.target_modules={targets}: {name} is the LM head, whose weight the loss reads directly "
+            "(chunk by chunk, never through the module), so an adapter on it would train nothing; leave it out "
+            "(model.lora.r=0 trains the head with every other weight)")
 
 
 @dataclass
@@ -42,7 +49,8 @@ class LoraSettings:
     """Dropout on the adapter's input."""
     target_modules: Optional[list] = None
     """Names of the linear modules to adapt (e.g. [q_proj, v_proj]); None = every linear layer but the LM head (for
-    the MoE families peft turns this into attention + router + fused experts: see the module docstring)."""
+    the MoE families peft turns this into attention + router + fused experts: see the module docstring). Never the
+    LM head: the loss reads its weight directly, past an adapter, which would then train nothing (refused)."""
     target_parameters: Optional[list] = None
     """Names of (3-D, fused MoE expert) parameters to adapt as well, e.g. [gate_up_proj, down_proj] (peft's
     ``target_parameters``); not with dora."""
@@ -58,6 +66,8 @@ class LoraSettings:
             raise UserError(f"model.lora.dropout={self.dropout!r}: must be in [0, 1)")
         if self.target_modules is not None and not list(self.target_modules):
             raise UserError("model.lora.target_modules: give module names, or null for every linear layer")
+        if self.target_modules is not None and LM_HEAD in self.target_modules:
+            raise UserError(_head_refusal(list(self.target_modules), LM_HEAD))
         if self.target_parameters is not None and not list(self.target_parameters):
             raise UserError("model.lora.target_parameters: give parameter names (e.g. [gate_up_proj, down_proj]), "
                             "or null")
@@ -117,6 +127,10 @@ def apply_lora(model, settings: LoraSettings) -> None:
     for w in caught:  # re-issue all but peft's false alarm about its own MoE rank pattern
         if not _is_false_alarm(str(w.message), fused):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    head = model.get_output_embeddings()
+    if head is not None and any("lora_" in n for n, _ in head.named_parameters()):  # a head by another name
+        name = next(n for n, m in model.named_modules() if m is head)
+        raise UserError(_head_refusal(list(settings.target_modules or []), name.rsplit(".", 1)[-1]))
     for name, param in model.named_parameters():
         param.requires_grad = "lora_" in name
     setattr(model.config, CONFIG_KEY, values)

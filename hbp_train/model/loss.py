@@ -163,8 +163,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden_NH[start:end] = grad_logits_CV @ weight_VH
             if sum_VH is not None:
-                torch.mm(grad_logits_CV.t(), hidden_NH[start:end], out=grad_weight_VH)
-                sum_VH += grad_weight_VH
+                _add_product_fp32(sum_VH, grad_logits_CV.t(), hidden_NH[start:end], grad_weight_VH)
             elif need_weight:
                 grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_NH[start:end])
             del grad_logits_CV
@@ -173,6 +172,29 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if need_bias:
             grad_bias_V = grad_bias_V.to(bias_V.dtype)
         return grad_hidden_NH, grad_weight_VH, grad_bias_V, None, None, None
+
+
+# Devices where addmm adds a bf16/fp16 product into an fp32 matrix in the GEMM itself (out_dtype=float32: CUDA);
+# switched off on the first call a torch refuses (a release whose kernel wants the added matrix in the inputs' dtype).
+_FP32_OUT_ADDMM = {"cuda": True}
+
+
+def _add_product_fp32(sum_VH, a_VC, b_CH, scratch_VH=None):
+    """sum_VH (fp32) += a_VC @ b_CH (the weights' dtype), a chunk's d W into the sum over chunks. Where addmm can write
+    fp32 from half inputs the product is accumulated and added in fp32 by the GEMM (no rounded copy, no extra pass
+    over V x H); elsewhere it is rounded once into ``scratch_VH`` (made if None) and added. Returns the scratch."""
+    device = sum_VH.device.type
+    if _FP32_OUT_ADDMM.get(device):
+        try:
+            torch.addmm(sum_VH, a_VC, b_CH, out_dtype=sum_VH.dtype, out=sum_VH)
+            return scratch_VH
+        except (RuntimeError, NotImplementedError):  # no such kernel here: the rounded path, from now on
+            _FP32_OUT_ADDMM[device] = False
+    if scratch_VH is None:
+        scratch_VH = torch.empty(sum_VH.shape, dtype=a_VC.dtype, device=sum_VH.device)
+    torch.mm(a_VC, b_CH, out=scratch_VH)
+    sum_VH += scratch_VH
+    return scratch_VH
 
 
 def _chunk_logits(hidden_CH, weight_VH, bias_V, head=IDENTITY):
@@ -217,7 +239,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         wide = need_weight and num_rows > chunk_size and dtype != wide_dtype
         grad_weight_VH = (torch.zeros(weight_VH.shape, dtype=wide_dtype if wide else dtype,
                                       device=weight_VH.device) if need_weight else None)
-        chunk_grad_VH = torch.empty_like(weight_VH) if wide else None
+        chunk_grad_VH = None  # the rounded product of a chunk, where it cannot go straight into the fp32 sum
         grad_bias_V = torch.zeros(weight_VH.shape[0], dtype=wide_dtype, device=weight_VH.device) if need_bias else None
         for start in range(0, num_rows, chunk_size):
             end = min(start + chunk_size, num_rows)
@@ -253,8 +275,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 torch.mm(grad_logits_CV, weight_VH, out=grad_hidden_NH[start:end])
             if wide:
-                torch.mm(grad_logits_CV.t(), hidden_NH[start:end], out=chunk_grad_VH)
-                grad_weight_VH += chunk_grad_VH
+                chunk_grad_VH = _add_product_fp32(grad_weight_VH, grad_logits_CV.t(), hidden_NH[start:end],
+                                                  chunk_grad_VH)
             elif need_weight:
                 grad_weight_VH.addmm_(grad_logits_CV.t(), hidden_NH[start:end])
             del grad_logits_CV  # before the next chunk's logits exist

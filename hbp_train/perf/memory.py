@@ -33,16 +33,29 @@ class JobSettings:
     """The attention kernel's output is the o_proj input itself (flash_varlen, torch_varlen: they return it laid out
     per token), rather than a per-token copy of it (flex, sdpa_block): one activation of the output's width less
     per token and layer (model.attention_backend; auto on a GPU picks a varlen kernel)."""
+    fused_rms_norm: bool = False
+    """Liger's RMSNorm (model.kernels=auto or liger on a GPU): a norm keeps its input in the activation dtype and one
+    fp32 value per token, not HF's fp32 copy of its input (4h bytes per token and norm less)."""
+    fused_swiglu: bool = False
+    """Liger's SwiGLU: the gated MLP keeps gate and up, not also act(gate) (one ffn-wide activation less)."""
 
     @classmethod
-    def of_run(cls, cfg, max_micro_batches=None) -> "JobSettings":
+    def of_run(cls, cfg, max_micro_batches=None, fused_kernels=()) -> "JobSettings":
         """The settings of a composed run config (its ``deepspeed`` and ``loss`` sections) for a plan whose steps
-        have at most ``max_micro_batches`` per replica (None = unknown)."""
+        have at most ``max_micro_batches`` per replica (None = unknown). ``fused_kernels``: the decoder kernels the
+        built model runs (its ``_hbp_fused_kernels``: "rms_norm", "rope", "swiglu"); none known counts HF's modules,
+        which keep more (an estimate on the safe side)."""
         backend = getattr(getattr(cfg, "model", None), "attention_backend", "auto")
         return cls(zero_stage=cfg.deepspeed.zero_stage, offload_optimizer=cfg.deepspeed.offload_optimizer,
                    loss_chunk_tokens=cfg.loss.chunk_size,
                    grad_accum_fp32=cfg.deepspeed.grad_accum_fp32(max_micro_batches),
-                   attention_out_shared=backend in ("auto", "flash_varlen", "torch_varlen"))
+                   attention_out_shared=backend in ("auto", *VARLEN_BACKENDS),
+                   fused_rms_norm="rms_norm" in fused_kernels, fused_swiglu="swiglu" in fused_kernels)
+
+
+# The attention backends whose kernel returns its output laid out per token (hbp_train/model/attention.py's varlen
+# kernels): JobSettings.attention_out_shared.
+VARLEN_BACKENDS = ("fa3", "fa4", "flash_varlen", "torch_varlen")
 
 
 def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
@@ -72,7 +85,8 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: b
     return int(weights + optimizer + fp32_grads)
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2, attention_out_shared: bool = True) -> int:
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2, attention_out_shared: bool = True,
+                                     fused_rms_norm: bool = False, fused_swiglu: bool = False) -> int:
     """Bytes one non-checkpointed decoder layer keeps per (rank-local) token for backward, as autograd saves them
     (counted with saved-tensor hooks in tests/test_memory.py, exactly, for each term): in the activation dtype
     (``dtype_bytes``, bf16 = 2) each RMSNorm's normalised input and its output (2 x 2h), q (heads*head_dim), k and
@@ -82,19 +96,28 @@ def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int = 2, at
     experts, ``active_ffn``); in fp32, whatever the dtype, each RMSNorm's fp32 input (2 x 4h: HF norms compute in
     fp32), the attention's log-sum-exp (4 per head) and each norm's 1/rms (2 x 4). Ulysses moves heads, not tokens,
     so per rank it is the same count at any SP degree. Model states count every expert (``num_params``).
-    For the Llama-3.2-1B shape in bf16: 108,680 B (106.1 KiB) with a varlen kernel, 112,776 B with flex/sdpa_block."""
+    For the Llama-3.2-1B shape in bf16: 108,680 B (106.1 KiB) with a varlen kernel, 112,776 B with flex/sdpa_block.
+
+    Liger's kernels (model.kernels=auto on a GPU) keep less: its RMSNorm (``fused_rms_norm``) keeps the norm's input
+    in the dtype and 1/rms in fp32, where HF's keeps the fp32 input and the normalised input (the same count in the
+    dtype, 4h less in fp32 per norm); its SwiGLU (``fused_swiglu``) keeps gate and up but not act(gate). For the
+    1B shape: 32,768 B less (75,912 B)."""
     outputs = 1 if attention_out_shared else 2
-    width = 4 * shape.hidden + shape.attn_width + outputs * shape.out_width + 2 * shape.kv_width + 4 * shape.active_ffn
-    return dtype_bytes * width + 8 * shape.hidden + 4 * shape.num_heads + 8
+    mlp = (3 if fused_swiglu else 4) * shape.active_ffn
+    width = 4 * shape.hidden + shape.attn_width + outputs * shape.out_width + 2 * shape.kv_width + mlp
+    fp32_inputs = 0 if fused_rms_norm else 8 * shape.hidden
+    return dtype_bytes * width + fp32_inputs + 4 * shape.num_heads + 8
 
 
-def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2) -> int:
+def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int = 2, fused_rms_norm: bool = False) -> int:
     """Bytes per (rank-local) token kept from the forward to the backward outside the decoder layers (counted in
     tests/test_memory.py): the final RMSNorm's fp32 input (4h), 1/rms (4) and normalised input (h in the dtype),
     RoPE's cos and sin (2 x head_dim in the dtype), the input ids (8), and the LM-head loss's (d) hidden rows (h in
     the dtype; chunked saves the rows, fused the gradient it made in forward) with their row index (8), every token
-    taken as trained. The final norm's output is not kept: the loss copies the rows it trains on."""
-    return 4 * shape.hidden + 4 + dtype_bytes * (2 * shape.hidden + 2 * shape.head_dim) + 8 + 8
+    taken as trained. The final norm's output is not kept: the loss copies the rows it trains on. Liger's RMSNorm
+    (``fused_rms_norm``) keeps the norm's input in the dtype instead of the fp32 one and the normalised input."""
+    fp32_input = 0 if fused_rms_norm else 4 * shape.hidden
+    return fp32_input + 4 + dtype_bytes * (2 * shape.hidden + 2 * shape.head_dim) + 8 + 8
 
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,
@@ -107,12 +130,13 @@ def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers
     and when the tokens span several chunks it sums the LM-head weight gradient in an fp32 vocab x hidden buffer.
     """
     tokens = -(-pack_len // sp)
-    full = activation_bytes_per_token_layer(shape, attention_out_shared=job.attention_out_shared)
+    full = activation_bytes_per_token_layer(shape, attention_out_shared=job.attention_out_shared,
+                                            fused_rms_norm=job.fused_rms_norm, fused_swiglu=job.fused_swiglu)
     kept = 2 * shape.hidden
     layers = shape.num_layers
     acts = tokens * ((layers - ckpt_layers) * full + ckpt_layers * kept)
     recompute = tokens * full if ckpt_layers > 0 else 0
-    outside = tokens * outside_layers_bytes_per_token(shape)
+    outside = tokens * outside_layers_bytes_per_token(shape, fused_rms_norm=job.fused_rms_norm)
     chunk = min(job.loss_chunk_tokens, tokens)
     loss = chunk * shape.vocab * (4 + 4 + 2) + (4 * shape.vocab * shape.hidden if tokens > chunk else 0)
     states = model_state_bytes(shape.num_params, world_size, job)

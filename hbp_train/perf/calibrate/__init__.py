@@ -7,11 +7,14 @@
         --tokens 8192 --doc-lens 64,256,1024,4096,8192 --out calib_cpu.json        # for training on this CPU
 
 Calibrate (default): one decoder layer built with transformers from the shape's config (Llama architecture,
-random weights, bf16 on a GPU, fp32 on the CPU). Attention: packs of ``--tokens`` tokens made of documents of one
-length each, packed varlen causal attention from hbp_train.model.attention (best backend available), timed forward and
-forward+backward. Linear part: the whole layer (norms, q/k/v/o projections, RoPE, gated MLP) fwd+bwd with the
-attention core replaced by a cheap elementwise stand-in. LM head: the trainer's chunked LM-head loss fwd+bwd
-over the shape's vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and
+random weights, bf16 on a GPU, fp32 on the CPU), timing the program training runs on this device
+(``timing.training_program``, resolved as the trainer resolves it): the attention backend chosen for the shape's
+heads (auto probes the GPU kernels), the decoder kernels of model.kernels (``--kernels``, auto: Liger on a GPU where
+installed) and the LM-head loss of loss.impl (``--loss-impl``, auto: fused on a GPU, chunked on the CPU).
+Attention: packs of ``--tokens`` tokens made of documents of one length each, packed varlen causal attention from
+hbp_train.model.attention, timed forward and forward+backward. Linear part: the whole layer (norms, q/k/v/o
+projections, RoPE, gated MLP, with the decoder kernels) fwd+bwd with the attention core replaced by a cheap
+elementwise stand-in. LM head: the trainer's LM-head loss fwd+bwd over the shape's vocabulary (``time_head``). Times are medians over ``--iters`` after ``--warmup`` and
 are written per 32768 tokens, the format of hbp_train/perf/calibration/h100_llama3_8b_layer.json (plus
 "model_shape", and "device", "dtype", "threads", "procs").
 
@@ -23,8 +26,9 @@ memory bandwidth: a lone process on an idle machine runs faster than a training 
 
 Validate (``--validate``): builds the whole model (all layers + LM head), times fwd+bwd of packs holding
 1 to ``--max-samples`` samples (random split of ``--tokens``) through the trainer's own program (the decoder, then
-the chunked LM-head loss of hbp_train/model/loss.py, never T x vocab logits), compares with CostModel.pack_time from the
-calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%). Its default
+the LM-head loss of hbp_train/model/loss.py, never T x vocab logits), compares with CostModel.pack_time from the
+calibration, prints the error per pack and writes a JSON report (the acceptance target is within 10%). It runs
+the same program as the calibration (backend, decoder kernels, loss) and names it in the report. Its default
 pack is the largest that fits the GPU (``validate_tokens``): 32768 tokens of an 8B shape do not fit 80 GB.
 
 Without a GPU and without ``--device cpu`` this prints one line and exits 2.

@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=("auto", *BACKENDS),
                    help="attention backend (hbp_train.model.attention); auto picks the best one available here (default "
                         "auto)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "liger", "compile", "none"),
+                   help="decoder kernels, as model.kernels resolves them in training (default auto: Liger on a GPU "
+                        "where installed, else HF's modules)")
+    p.add_argument("--loss-impl", default="auto", choices=("auto", "fused", "chunked"),
+                   help="the LM head + loss, as loss.impl resolves it in training (default auto: fused on a GPU, "
+                        "chunked on the CPU)")
     p.add_argument("--out", default=None, metavar="JSON", type=output_file,
                    help="calibrate: where to write the calibration JSON (required unless --validate)")
     p.add_argument("--validate", action="store_true",

@@ -1,6 +1,6 @@
 """The calibration: one decoder layer's attention by document length (forward and forward+backward), its linear
-part (the layer with an elementwise stand-in for the attention core) and the LM head with the trainer's loss, each
-per 32768 tokens (the cost model's table).
+part (the layer, with the decoder kernels training uses, and an elementwise stand-in for the attention core) and the
+LM head with the trainer's loss, each per 32768 tokens (the cost model's table).
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ def parse_doc_lens(text: str, tokens: int) -> list[int]:
 
 
 def calibrate(shape: ModelShape, args, device, dtype) -> dict:
-    """Measure the attention table and the linear part; returns the calibration dict."""
+    """Measure the attention table, the linear part and the LM head with the program training runs here
+    (``timing.training_program``: the backend, the decoder kernels, the loss); returns the calibration dict."""
     import torch
     from transformers import AttentionInterface
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaModel
 
+    from hbp_train.model import kernels
     from hbp_train.model.attention import packed_attention
 
-    from hbp_train.model.attention_setup import select_backend
-
     timed = timing.timer(device)
-    backend = select_backend(args.backend, device, dtype)
+    backend, chosen, fused = timing.training_program(args, device, dtype, shape)
     doc_lens = parse_doc_lens(args.doc_lens, args.tokens)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     fwdbwd, fwd = {}, {}
@@ -55,10 +55,10 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
         cu = timing.cu_seqlens_for([length] * num_docs, device)
 
         def make(heads):
-            return torch.randn(tokens, heads, shape.head_dim, generator=gen).to(device, dtype).requires_grad_()
+            return torch.randn(tokens, heads, shape.head_dim, generator=gen, device="cpu").to(device, dtype)
 
-        q, k, v = make(shape.num_heads), make(shape.num_kv_heads), make(shape.num_kv_heads)
-        grad = torch.randn(tokens, shape.num_heads, shape.head_dim, generator=gen).to(device, dtype)
+        q, k, v = (make(heads).requires_grad_() for heads in (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads))
+        grad = make(shape.num_heads)
 
         def forward():
             with torch.no_grad():
@@ -74,13 +74,16 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
         print(f"attention doc_len {length:>6}: fwd {fwd[str(length)]:.3f} ms, fwd+bwd {fwdbwd[str(length)]:.3f} ms "
               f"per {TABLE_TOKENS} tokens", flush=True)
         del q, k, v, grad
-    # Linear part: one layer with the attention core replaced by an elementwise stand-in.
+    # Linear part: one layer with the attention core replaced by an elementwise stand-in, with the decoder kernels
+    # training uses (applied to a one-layer model, as they are to the trained model; no vocabulary to speak of).
     AttentionInterface.register(NOOP_ATTENTION, _noop_attention)
     cfg = timing.llama_config(shape, NOOP_ATTENTION)
+    cfg.num_hidden_layers, cfg.vocab_size = 1, 8
     torch.manual_seed(args.seed)
-    layer = LlamaDecoderLayer(cfg, layer_idx=0).to(device, dtype)
-    rope = LlamaRotaryEmbedding(cfg).to(device)
-    hidden = torch.randn(1, args.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
+    net = LlamaModel(cfg).to(device, dtype)
+    phrase = kernels.apply_kernels(net, chosen, net.layers)
+    layer, rope = net.layers[0], net.rotary_emb
+    hidden = torch.randn(1, args.tokens, shape.hidden, generator=gen, device="cpu").to(device, dtype).requires_grad_()
     position_ids = torch.arange(args.tokens, device=device)[None]
     pos_emb = rope(hidden, position_ids)
 
@@ -90,14 +93,18 @@ def calibrate(shape: ModelShape, args, device, dtype) -> dict:
         out.backward(torch.ones_like(out))
 
     linear = round(timed(layer_step, args.iters, args.warmup) * TABLE_TOKENS / args.tokens, 3)
-    print(f"linear part (layer without attention core): {linear:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
-    del layer, hidden, pos_emb
-    head = round(time_head(shape, args, device, dtype, timed, gen) * TABLE_TOKENS / args.tokens, 3)
-    print(f"LM head + chunked loss: {head:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
+    print(f"linear part (layer without attention core, decoder kernels {phrase}): {linear:.3f} ms per "
+          f"{TABLE_TOKENS} tokens", flush=True)
+    del net, layer, hidden, pos_emb
+    loss_impl = "fused" if fused else "chunked"
+    head = round(time_head(shape, args, device, dtype, timed, gen, fused) * TABLE_TOKENS / args.tokens, 3)
+    print(f"LM head + {loss_impl} loss: {head:.3f} ms per {TABLE_TOKENS} tokens", flush=True)
     return {
         "what": f"One transformer layer shaped like {shape.name} (hidden {shape.hidden}, {shape.num_heads} q heads, "
                 f"{shape.num_kv_heads} kv heads, head dim {shape.head_dim}, ffn {shape.ffn}), {str(dtype)[6:]}, "
-                f"fwd+bwd, attention backend {backend} (causal, packed). T = tokens in the pack.",
+                f"fwd+bwd, attention backend {backend} (causal, packed), decoder kernels {phrase}, {loss_impl} "
+                "LM-head loss. T = tokens in the pack.",
+        "backend": backend, "decoder_kernels": phrase, "loss_impl": loss_impl,
         "measured": f"{date.today().isoformat()}, median of {args.iters} timed iterations after {args.warmup} "
                     f"warm-ups, {args.tokens} tokens per timed pack",
         **timing.device_fields(device, dtype, args.procs),
@@ -129,20 +136,21 @@ def calibrate_or_explain(shape: ModelShape, args, device, dtype) -> dict:
                     f"{max(args.tokens // 2, 1)} (results are written per {TABLE_TOKENS} tokens either way)")
 
 
-def time_head(shape: ModelShape, args, device, dtype, timed, gen) -> float:
-    """Milliseconds of the LM head with the trainer's chunked loss (hbp_train/model/loss.py), fwd+bwd, for --tokens
-    tokens: four vocab x hidden matmuls plus fp32 passes over every chunk's logits, which the layer's FLOP rate
-    does not predict (the cost model's head term)."""
+def time_head(shape: ModelShape, args, device, dtype, timed, gen, fused: bool = False) -> float:
+    """Milliseconds of the LM head with the trainer's loss (hbp_train/model/loss.py: the fused one, or the chunked
+    one), fwd+bwd, for --tokens tokens: three or four vocab x hidden matmuls plus fp32 passes over every chunk's
+    logits, which the layer's FLOP rate does not predict (the cost model's head term)."""
     import torch
 
-    from hbp_train.model.loss import chunked_token_losses
+    def host(*size, scale=1.0):
+        return torch.randn(*size, generator=gen, device="cpu") * scale
 
-    hidden = torch.randn(args.tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_()
-    weight = (torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02).to(device, dtype).requires_grad_()
-    labels = torch.randint(0, shape.vocab, (args.tokens,), generator=gen).to(device)
+    hidden = host(args.tokens, shape.hidden).to(device, dtype).requires_grad_()
+    weight = host(shape.vocab, shape.hidden, scale=0.02).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, shape.vocab, (args.tokens,), generator=gen, device="cpu").to(device)
 
     def head_step():
-        loss = chunked_token_losses(hidden, weight, labels, timing.VALIDATE_LOSS_CHUNK).sum()
+        loss = timing.head_loss(hidden, weight, labels, fused)
         torch.autograd.grad(loss, (hidden, weight))
 
     return timed(head_step, args.iters, args.warmup)

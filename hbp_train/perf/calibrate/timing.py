@@ -92,6 +92,32 @@ def llama_config(shape: ModelShape, attn_implementation: str = "sdpa"):
     return cfg
 
 
+def training_program(args, device, dtype, shape: ModelShape):
+    """What training runs on this device, resolved as the trainer resolves it: (attention backend, the decoder kernels'
+    choice, whether the LM-head loss is the fused one). The backend is chosen for the model's head shape, so auto
+    probes the GPU kernels as a training run does."""
+    from hbp_train.model import kernels
+    from hbp_train.model.attention_setup import HeadShape, select_backend
+    from hbp_train.model.loss import LossConfig
+
+    head_shape = HeadShape(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim)
+    backend = select_backend(args.backend, device, dtype, head_shape)
+    chosen = kernels.select_kernels(getattr(args, "kernels", "auto"), "llama", device)
+    return backend, chosen, LossConfig(impl=getattr(args, "loss_impl", "auto")).fused_on(device)
+
+
+def head_loss(hidden, weight, labels, fused: bool):
+    """The scalar the trainer back-propagates through its LM head: the fused loss's weighted sum (weight 1 per
+    trained token), or the chunked loss's per-token losses summed."""
+    from hbp_train.common.labels import IGNORE_INDEX
+    from hbp_train.model import loss
+
+    if fused:
+        weights = (labels.reshape(-1) != IGNORE_INDEX).float()
+        return loss.fused_token_losses(hidden, weight, labels, weights, VALIDATE_LOSS_CHUNK)[0]
+    return loss.chunked_token_losses(hidden, weight, labels, VALIDATE_LOSS_CHUNK).sum()
+
+
 def cu_seqlens_for(lengths, device):
     import torch
 

@@ -1,5 +1,6 @@
 """--validate: the whole model's forward and backward timed on packs of 1 to --max-samples samples through the
-trainer's own program, against the cost model's prediction (the error per pack and its summary).
+trainer's own program (its attention backend, decoder kernels and LM-head loss, as training resolves them here),
+against the cost model's prediction (the error per pack and its summary).
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from hbp_train.model.attention_setup import register_packed_attention
     from hbp_train.common.labels import IGNORE_INDEX
-    from hbp_train.model.loss import chunked_token_losses
-    from hbp_train.model.hf_model import forward_hidden
+    from hbp_train.model import kernels
+    from hbp_train.model.attention_setup import register_packed_attention
+    from hbp_train.model.hf_model import decoder_layers, forward_hidden
 
     timed = timing.timer(device)
     torch.manual_seed(args.seed)
@@ -79,7 +80,9 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
             net = LlamaForCausalLM(timing.llama_config(shape))
         finally:
             torch.set_default_dtype(previous)
+    _, chosen, fused = timing.training_program(args, device, dtype, shape)
     backend = register_packed_attention(net, args.backend, device)
+    phrase = kernels.apply_kernels(net, chosen, decoder_layers(net))
     rng = np.random.default_rng(args.seed)
     counts = np.unique(np.geomspace(1, args.max_samples, args.num_packs).round().astype(int))
     rows = []
@@ -89,15 +92,14 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
         pos = torch.cat([torch.arange(l, device=device) for l in lengths])[None]
         cu = timing.cu_seqlens_for(lengths, device)
 
-        # The trainer's program: decoder, then the chunked LM-head loss; labels are the next token within a sample.
+        # The trainer's program: decoder, then its LM-head loss; labels are the next token within a sample.
         shift = torch.cat([ids[0, 1:], ids[0, :1]]).masked_fill(torch.isin(
             torch.arange(args.tokens, device=device), cu[1:].long() - 1), IGNORE_INDEX)
 
         def step():
             hidden = forward_hidden(net, ids, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                                     max_length_q=max(lengths), max_length_k=max(lengths))
-            loss_T = chunked_token_losses(hidden, net.get_output_embeddings().weight, shift, timing.VALIDATE_LOSS_CHUNK)
-            loss_T.sum().backward()
+            timing.head_loss(hidden, net.get_output_embeddings().weight, shift, fused).backward()
 
         measured = timed(step, args.iters, args.warmup) / 1e3
         net.zero_grad(set_to_none=True)
@@ -107,7 +109,8 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
         print(f"pack of {count:>3} samples (longest {max(lengths):>6}): measured {measured * 1e3:9.2f} ms, "
               f"predicted {predicted * 1e3:9.2f} ms, error {100 * rows[-1]['error']:+6.1f}%", flush=True)
     errors = np.abs([r["error"] for r in rows])
-    return {"model_shape": shape.name, "cost_model": model.describe(), "backend": backend, "tokens": args.tokens,
+    return {"model_shape": shape.name, "cost_model": model.describe(), "backend": backend, "decoder_kernels": phrase,
+            "loss_impl": "fused" if fused else "chunked", "tokens": args.tokens,
             "device": timing.device_name(device),
             "mean_abs_error": float(errors.mean()), "max_abs_error": float(errors.max()),
             "within_10_percent": bool(errors.max() <= 0.10), "packs": rows}

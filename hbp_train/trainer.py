@@ -185,18 +185,19 @@ def train(cfg, config_yaml: str = "") -> dict:
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
+    for line in source.messages if source else []:  # a resume on another world size: its re-plan and conversion
+        metrics.message(line)
     metrics.message(start_summary(run))  # rank 0: what is about to be trained, on what, how (run_summary.py)
     step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
+        why = "data.epochs / train.max_steps changed" + (", or the re-plan has other steps" if source.data else "")
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
-                        f"of {resumed.total_steps} (data.epochs / train.max_steps changed): the LR schedule changes")
+                        f"of {resumed.total_steps} ({why}): the LR schedule changes")
     if resume is not None:
-        for line in source.messages:
-            metrics.message(line)
+        where = f" on {world_size()} rank{'s' if world_size() > 1 else ''} (saved by {source.saved_world_size})"
         metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}"
-                        + (f" on {world_size()} rank{'s' if world_size() > 1 else ''} (saved by {source.saved_world_size})"
-                           if source.universal else ""))
+                        + (where if source.universal else ""))
     elif cfg.train.resume == "auto":
         metrics.message(f"[train] train.resume=auto: no checkpoint in {ckpt_root}, starting fresh")
     stop = checkpoint.StopSignal().install()

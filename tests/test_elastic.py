@@ -123,6 +123,7 @@ def test_the_re_plan_is_packed_from_the_runs_own_shards_and_numbered_after_the_r
     for step in range(2, end):
         consumed.setdefault(data.epoch_of(step), []).extend(data.step_samples(data.plan_step(step)).tolist())
     assert sorted(consumed[0]) == sorted(consumed[1]) == list(range(NUM_SAMPLES))  # each sample once an epoch
+    assert ReplannedData(str(tmp_path / "re4"), start=end, epoch=2).run_steps(2) == end  # the run had ended
     assert [data.plan_step(s) for s in range(2, 2 + data.rest_steps)] == list(range(2, data.num_steps))
     # A stale source (a sample's length changed) is refused in one line naming the group.
     broken = load_plan(f"{src}/plan.{plan_format}")
@@ -201,7 +202,7 @@ def _final_ledger(out) -> SampleLedger:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
+@pytest.mark.parametrize("stage", [2, *(pytest.param(s, marks=pytest.mark.full) for s in (1, 3))])
 def test_a_two_rank_run_resumes_on_one_and_four_ranks_with_its_optimizer_state(tokenized, tmp_path, stage):
     shards = _pack(tokenized, tmp_path / "packed2", 2)
     out1, out4 = str(tmp_path / "run"), str(tmp_path / "run4")
@@ -222,7 +223,8 @@ def test_a_two_rank_run_resumes_on_one_and_four_ranks_with_its_optimizer_state(t
         assert again[0]["loaded"] == []  # the same world size: DeepSpeed's own load of the checkpoint as saved
     else:
         assert on1[0]["end"] == 12
-    on4 = run_distributed(_elastic_worker, 4, shards, out4, stage, ["train.resume=auto"])
+    # The 4-rank run also logs a held-out loss on shards planned for 2 ranks: they are re-planned whole for 4.
+    on4 = run_distributed(_elastic_worker, 4, shards, out4, stage, ["train.resume=auto", f"data.eval_shards={shards}"])
     for result in on1 + on4:
         loaded = result["loaded"][0]
         assert torch.equal(loaded["exp_avg"], saved["exp_avg"])  # the Adam moment, gathered, is the saved one
@@ -239,6 +241,10 @@ def test_a_two_rank_run_resumes_on_one_and_four_ranks_with_its_optimizer_state(t
     before = SampleLedger.load(os.path.join(out4, "checkpoints", "step_00000002"))
     assert before.arrays()["samples"].tolist() == _final_ledger(out4).arrays()["samples"][:len(before.arrays()[
         "samples"])].tolist()
+    held_out = json.loads(open(os.path.join(out4, "elastic", "step_00000002", "world4", "eval", "plan.json")).read())
+    assert held_out["world_size"] == 4 and held_out["replanned"]["trained"] == 0
+    with open(os.path.join(out4, "metrics.jsonl")) as f:
+        assert np.isfinite([json.loads(line) for line in f][-1]["loss/eval"])
     # The universal copy is gone once loaded; the re-planned shards stay for the checkpoints that train from them.
     assert not os.path.exists(os.path.join(out4, "elastic", "step_00000002", "universal"))
     assert os.path.isfile(os.path.join(out4, "elastic", "step_00000002", "world4", "shards", "plan.json"))

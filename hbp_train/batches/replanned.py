@@ -42,7 +42,9 @@ class ReplannedData(PackedData):
         return self.epoch if i < self.rest_steps else self.epoch + 1 + (i - self.rest_steps) // self.num_steps
 
     def run_steps(self, epochs: int) -> int:
-        return self.start + self.rest_steps + max(0, epochs - self.epoch - 1) * self.num_steps
+        if epochs <= self.epoch:  # resumed after the run's last epoch: nothing is left to train
+            return self.start
+        return self.start + self.rest_steps + (epochs - self.epoch - 1) * self.num_steps
 
     def record(self) -> dict:
         """What a checkpoint of the resumed run records, to open these shards again at a resume (resume.json)."""

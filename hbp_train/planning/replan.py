@@ -44,10 +44,11 @@ def config_at(plan: Plan, world_size: int) -> PlanConfig:
     if bad:
         g = bad[0]
         need = max(int(x.sp) for x in plan.config.groups)
+        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
         raise UserError(f"the plan's group of pack_len {g.pack_len} runs at SP degree {g.sp}, which cannot run on "
-                        f"{world_size} rank{'s' if world_size > 1 else ''} (an SP degree must divide the number of ranks): resume on a multiple of "
-                        f"{need} ranks, or re-pack with smaller SP degrees (data_tools.pack --groups) and start a "
-                        "new run from an export of this checkpoint")
+                        f"{ranks} (an SP degree must divide the number of ranks): resume on a multiple of {need} "
+                        "ranks, or re-pack with smaller SP degrees (data_tools.pack --groups) and start a new run "
+                        "from an export of this checkpoint")
     return replace(plan.config, world_size=int(world_size), pack_cost=None, progress=False)
 
 
@@ -104,7 +105,7 @@ def _plan_part(plan: Plan, cfg: PlanConfig, samples: np.ndarray, num_steps: int,
 def _budget(tokens: int, num_steps: int) -> int:
     """A global_tokens G for which equal_steps makes ``num_steps`` steps of ``tokens`` real tokens
     (max(1, round(tokens / G)) == num_steps), or the nearest when no integer G does."""
-    for g in (tokens // num_steps, -(-tokens // num_steps), round(tokens / (num_steps - 0.25))):
+    for g in (tokens // num_steps, -(-tokens // num_steps)):
         if g >= 1 and max(1, int(round(tokens / g))) == num_steps:
             return int(g)
     return max(1, int(round(tokens / num_steps)))

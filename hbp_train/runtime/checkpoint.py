@@ -47,7 +47,7 @@ from hbp_train.runtime.ledger import FILE as LEDGER_FILE
 from hbp_train.common.errors import UserError
 
 TAG_RE = re.compile(r"^step_(\d+)$")
-# In every save's client_state: what DeepSpeed's ds_to_universal requires to convert the checkpoint (runtime/elastic.py).
+# In every save's client_state: what DeepSpeed's ds_to_universal requires to convert it (runtime/elastic.py).
 UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
 
 

@@ -90,10 +90,11 @@ class DeepSpeedConfig:
 
 
 def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: int, bf16: bool,
-                     max_micro_batches: Optional[int] = None) -> dict:
+                     max_micro_batches: Optional[int] = None, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON config (``train``: a trainer.TrainConfig): one pack per micro-batch,
     gradient_accumulation_steps=1 (the trainer drives the accumulation boundary); ``max_micro_batches``: the most
-    micro-batches a replica runs in one optimizer step (None = unknown; see grad_accum_dtype).
+    micro-batches a replica runs in one optimizer step (None = unknown; see grad_accum_dtype); ``load_universal``:
+    the engine will load a universal checkpoint (a resume on another number of ranks, runtime/elastic.py).
 
     Nothing in it times or synchronises the step: DeepSpeed's throughput timer (on by default; it synchronises the
     device at every forward and step end) and its wall-clock breakdown are off, the trainer measures the step."""
@@ -140,6 +141,8 @@ def deepspeed_config(ds: DeepSpeedConfig, train, total_steps: int, world_size: i
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False
+    if load_universal:  # DeepSpeed reads the flag at load_checkpoint; it must be in the config it was made with
+        config["checkpoint"] = {"load_universal": True}
     return _merge(config, ds.extra)
 
 
@@ -237,14 +240,23 @@ class Run:
         return self.engine.dp_world_size
 
 
-def build(cfg, config_yaml: str = "") -> Run:
-    """The trainer's run: open the data (and held-out data), load the tokenizer, then :func:`build_run`."""
+def build(cfg, config_yaml: str = "", data: Optional[PackedData] = None, eval_data: Optional[PackedData] = None,
+          load_universal: bool = False) -> Run:
+    """The trainer's run: open the data (and held-out data), load the tokenizer, then :func:`build_run`.
+
+    ``data`` / ``eval_data``: shards already opened instead of data.shards / data.eval_shards, and
+    ``load_universal``: the engine will load a universal checkpoint (both for a resume on another number of ranks,
+    runtime/elastic.py)."""
     from transformers import AutoTokenizer
 
     world_size = dist_groups.world_size()
-    data = _open_packed(cfg.data.shards, cfg, world_size, shuffle=True)
-    eval_data = _open_packed(cfg.data.eval_shards, cfg, world_size, shuffle=False) if cfg.data.eval_shards else None
-    total_steps = data.num_steps * cfg.data.epochs
+    if data is None:
+        data = _open_packed(cfg.data.shards, cfg, world_size, shuffle=True)
+    else:
+        _check_packed(data, data.path, cfg, world_size)
+    if eval_data is None and cfg.data.eval_shards:
+        eval_data = _open_packed(cfg.data.eval_shards, cfg, world_size, shuffle=False)
+    total_steps = data.run_steps(cfg.data.epochs)
     if cfg.train.max_steps is not None:
         total_steps = min(total_steps, cfg.train.max_steps)
     modeling.check_tokenizer_dir(cfg.model.tokenizer)
@@ -261,7 +273,7 @@ def build(cfg, config_yaml: str = "") -> Run:
     longest = [n for n in (_longest_sample(data.plan), eval_data and _longest_sample(eval_data.plan)) if n]
     run = build_run(cfg, data.groups, total_steps, sp_degrees=sorted(sp_degrees), vocab_size=vocab_size,
                     plan=f"{cfg.data.shards}/plan.json", longest_sample=max(longest) if longest else None,
-                    max_micro_batches=data.max_micro_batches())
+                    max_micro_batches=data.max_micro_batches(), load_universal=load_universal)
     run.data, run.eval_data, run.tokenizer, run.config_yaml = data, eval_data, tokenizer, config_yaml
     run.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return run
@@ -269,14 +281,14 @@ def build(cfg, config_yaml: str = "") -> Run:
 
 def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: Optional[int] = None,
               init_device=None, plan: str = "the plan", longest_sample: Optional[int] = None,
-              max_micro_batches: Optional[int] = None) -> Run:
+              max_micro_batches: Optional[int] = None, load_universal: bool = False) -> Run:
     """SP groups, model, SP attention and DeepSpeed engine for a plan's packing ``groups`` (dicts with pack_len,
     sp, ckpt_layers); no data. ``sp_degrees``: the SP groups to build (default: the groups' degrees);
     ``vocab_size``: grow the model's vocabulary to the tokenizer's; ``init_device``: build the weights directly on
     this device (default: the host; deepspeed.initialize moves them); ``plan``: where ``groups`` came from, for
     error messages; ``longest_sample``: the longest sample a pack may hold (default: the longest pack_len);
     ``max_micro_batches``: the most micro-batches a replica runs in one optimizer step (None = unknown; one lets
-    bf16 gradients accumulate in bf16, see DeepSpeedConfig.grad_accum_dtype)."""
+    bf16 gradients accumulate in bf16, see DeepSpeedConfig.grad_accum_dtype); ``load_universal``: see build."""
     world_size = dist_groups.world_size()
     ckpt_override = cfg.train.ckpt_layers
     if ckpt_override is not None and len(ckpt_override) not in (1, len(groups)):
@@ -320,12 +332,13 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
                   else f"{plan} groups[].ckpt_layers={[g.get('ckpt_layers') for g in groups]}")
         raise UserError(f"{source}: the model has only {num_layers} decoder layers")
     _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers, max_micro_batches)
-    engine = build_engine(cfg, model, total_steps, world_size, max_micro_batches)
+    engine = build_engine(cfg, model, total_steps, world_size, max_micro_batches, load_universal)
     return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps,
                router_aux=router_aux_of(model.config))
 
 
-def build_engine(cfg, model, total_steps: int, world_size: int, max_micro_batches: Optional[int] = None):
+def build_engine(cfg, model, total_steps: int, world_size: int, max_micro_batches: Optional[int] = None,
+                 load_universal: bool = False):
     """The DeepSpeed engine that trains ``model`` (an HF causal LM from model.build_model) with the chunked loss.
 
     Needs cfg.model (precision), cfg.train (optimizer, schedule), cfg.deepspeed and cfg.loss (chunk size). Wraps
@@ -335,7 +348,8 @@ def build_engine(cfg, model, total_steps: int, world_size: int, max_micro_batche
     """
     import deepspeed
 
-    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg), max_micro_batches)
+    ds_config = deepspeed_config(cfg.deepspeed, cfg.train, total_steps, world_size, _bf16(cfg), max_micro_batches,
+                                 load_universal)
     router_aux = router_aux_of(model.config)
     wrapper = PackedCausalLM(model, cfg.loss.chunk_size, router_aux=router_aux is not None,
                              router_choices=router_aux is not None and router_aux.deepseek,
@@ -412,8 +426,6 @@ def _bf16(cfg) -> bool:
 
 def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData:
     """The packed shards of a directory, checked against this run: its world size and its ZeRO stage."""
-    from hbp_train.planning.baselines.bytescale import check_zero_stage
-
     if shuffle:
         packed = PackedData(shards, cfg.data.check_counts, cfg.data.shuffle_epochs, cfg.train.seed)
     else:
@@ -421,6 +433,14 @@ def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData
             packed = PackedData(shards, cfg.data.check_counts)
         except UserError as e:  # the loader's message names data.shards: here it is the held-out folder
             raise UserError(str(e).replace("data.shards", "data.eval_shards")) from None
+    _check_packed(packed, shards, cfg, world_size)
+    return packed
+
+
+def _check_packed(packed: PackedData, shards: str, cfg, world_size: int) -> None:
+    """Packed shards checked against this run: its world size and its ZeRO stage."""
+    from hbp_train.planning.baselines.bytescale import check_zero_stage
+
     if packed.world_size != world_size:
         raise UserError(f"{shards}/plan.json was planned for world size {packed.world_size}, but this run has "
                         f"{world_size} ranks: launch {packed.world_size} processes (NPROC={packed.world_size} "
@@ -429,7 +449,6 @@ def _open_packed(shards: str, cfg, world_size: int, shuffle: bool) -> PackedData
         check_zero_stage(packed.plan, cfg.deepspeed.zero_stage)
     except UserError as e:
         raise UserError(f"{shards}/plan.json: {e} (deepspeed.zero_stage=1)") from None
-    return packed
 
 
 def _check_attention_backend(model_cfg) -> None:

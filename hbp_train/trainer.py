@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from hbp_train.runtime import checkpoint
+from hbp_train.runtime import checkpoint, elastic
+from hbp_train.runtime.ledger import SampleLedger
 from hbp_train.runtime.status import RunStatus, ended_by
 
 from hbp_train.observe import heldout
@@ -166,11 +167,14 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
     run folder's status.json writer (runtime/status.py; train.py makes it), started once the folder is known to be
     this run's, then rewritten after every step and save."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
-    try:  # before building anything: a wrong path, or a checkpoint of another world size or plan, is one line
+    source = None
+    try:  # before building anything: a wrong path, a checkpoint of another plan, is one line
         resume = checkpoint.find_resume(cfg.train.resume, ckpt_root,
                                         warn=lambda line: print(line, flush=True) if rank() == 0 else None)
         if resume is not None:
-            checkpoint.check_resumable(*resume, world_size(), cfg.data.shards)
+            saved = checkpoint.check_resumable(*resume, world_size(), cfg.data.shards)
+            # Another world size: the untrained samples re-planned, the checkpoint made universal (elastic.py).
+            source = elastic.prepare(cfg, *resume, saved, world_size())
     except UserError as e:
         raise UserError(f"train.resume={cfg.train.resume}: {e}") from None
     checkpoint.check_fresh_root(ckpt_root, resume)
@@ -178,24 +182,30 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
     tag_step = checkpoint.TAG_RE.match(resume[1]) if resume is not None else None
     status.start(int(tag_step.group(1)) if tag_step else 0, None,  # being built
                  os.path.join(*resume) if resume is not None else None)
-    run = build(cfg, config_yaml)
+    run = build(cfg, config_yaml, **(source.build_args() if source else {}))
     start_step, num_skipped, sp_totals = 0, 0, None
+    ledger = SampleLedger()  # which samples every step trains (rank 0), saved with every checkpoint
     if resume is not None:
-        resumed = checkpoint.load(run.engine, *resume)
+        resumed, ledger = source.load(run)
         start_step = resumed.next_step
         num_skipped = int(resumed.counters.get("num_skipped", 0))
         sp_totals = resumed.counters.get("sp_token_totals")
     run.sp.stats.start_run(sp_totals)  # live CR counts the whole run, across resumes
     status.start(start_step, run.total_steps)
     metrics = MetricsLogger(cfg.logging, cfg.train.out_dir, rank(), run.total_steps, start_step)
+    for line in source.messages if source else []:  # a resume on another world size: its re-plan and conversion
+        metrics.message(line)
     metrics.message(start_summary(run))  # rank 0: what is about to be trained, on what, how (run_summary.py)
     step_mix = StepLengthMix(run.data)  # mix/...: the length mix of every step (a skew costs quality)
     if resume is not None and resumed.total_steps not in (None, run.total_steps):
         # The cosine schedule is laid out over the run's length: a changed length bends it from here on.
+        why = "data.epochs / train.max_steps changed" + (", or the re-plan has other steps" if source.data else "")
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
-                        f"of {resumed.total_steps} (data.epochs / train.max_steps changed): the LR schedule changes")
+                        f"of {resumed.total_steps} ({why}): the LR schedule changes")
     if resume is not None:
-        metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}")
+        where = f" on {world_size()} rank{'s' if world_size() > 1 else ''} (saved by {source.saved_world_size})"
+        metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}"
+                        + (where if source.universal else ""))
     elif cfg.train.resume == "auto":
         metrics.message(f"[train] train.resume=auto: no checkpoint in {ckpt_root}, starting fresh")
     stop = checkpoint.StopSignal().install()
@@ -212,7 +222,8 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
             return
         counters = {"num_skipped": num_skipped, "sp_token_totals": run.sp.stats.totals()}
         checkpoint.save(run.engine, ckpt_root, next_step, run.config_yaml, run.model, run.tokenizer,
-                        cfg.train.keep_last, run.total_steps, counters, cfg.data.shards)
+                        cfg.train.keep_last, run.total_steps, counters, cfg.data.shards,
+                        ledger if rank() == 0 else None, elastic.record(run, next_step))
         saved_at = next_step
         metrics.message(f"[train] checkpoint saved: {os.path.join(ckpt_root, checkpoint.tag_for(next_step))}")
         status.saved(os.path.join(ckpt_root, checkpoint.tag_for(next_step)), next_step)
@@ -239,6 +250,9 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
                 pack_len=step_batch.capacity_tokens / max(step_batch.num_packs, 1), num_packs=step_batch.num_packs,
                 steps_per_epoch=run.data.num_steps)
             m.update(step_mix(step_batch.plan_step))
+            m["epoch"] = run.data.epoch_of(step) + 1  # a re-planned run's epochs need not be equally long
+            if rank() == 0:
+                ledger.record(step, run.data.epoch_of(step), run.data.step_samples(step_batch.plan_step), skipped)
             m.update(run.sp.stats.step_metrics(  # SP: live CR and per-rank compute times
                 *(gathered[:, STAT_COLUMNS.index(c)].tolist() for c in ("compute_time", "booked_tokens", "sp_tokens"))))
             if run.eval_data is not None and _eval_due(step, run.total_steps, cfg.train.eval_every):

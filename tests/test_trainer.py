@@ -221,7 +221,16 @@ def test_sigterm_saves_loadable_checkpoint_and_exits_zero(shards, tmp_path):
     assert state["counters"]["num_skipped"] == 0 and state["counters"]["sp_token_totals"][0] > 0
     with open(os.path.join(root, tag, "resume.json")) as f:  # what a resume is checked against, before building
         assert json.load(f) == {"next_step": steps_done, "world_size": 1, "data_shards": shards,
-                                "plan_sha256": plan_fingerprint(shards)}
+                                "plan_sha256": plan_fingerprint(shards), "epoch": steps_done // len(ONE_RANK_STEPS)}
+    # What a resume on another number of ranks needs: DeepSpeed's conversion key, and the samples each step trained.
+    assert state["universal_checkpoint_info"] == {"universal_checkpoint_version": 0.2}
+    from hbp_train.runtime.ledger import SampleLedger
+
+    ledger = SampleLedger.load(os.path.join(root, tag))
+    assert ledger.arrays()["step"].tolist() == list(range(steps_done))
+    for epoch in range(steps_done // len(ONE_RANK_STEPS)):  # every whole epoch: each of the 12 samples once
+        assert ledger.counts(12, epoch).tolist() == [1] * 12
+    assert ledger.counts(12, steps_done // len(ONE_RANK_STEPS)).max() <= 1
     assert (out / "config.yaml").exists() and os.path.isfile(os.path.join(root, tag, "config.yaml"))
     export(str(out / "checkpoints"), str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "model.safetensors").exists()

@@ -89,19 +89,22 @@ class MappedListColumns:
         files = [f[:len(f) // np_dtype.itemsize * np_dtype.itemsize].view(np_dtype) for f in files]
         return cls(files, file_of, _joined(starts), _joined(lengths), np_dtype)
 
-    def gather(self, names: list[str], rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    def gather(self, names: list[str], rows: np.ndarray, lengths: np.ndarray, offsets=0) -> list[np.ndarray]:
         """For each column of ``names``: the values of ``rows`` (dataset row indices, ``lengths`` their list
-        lengths), concatenated in order. The columns share where each row's values go, computed once."""
+        lengths), concatenated in order. The columns share where each row's values go, computed once.
+        ``offsets``: take each row's values from that position in the row on (``lengths`` of them): a slice of a
+        row, e.g. one sample of a packed row."""
         file_of = self._file_of[rows]
         if len(self._files) == 1:
-            return [self._files[0][gather_ranges(self._starts[n][rows], lengths)] for n in names]
+            return [self._files[0][gather_ranges(self._starts[n][rows] + offsets, lengths)] for n in names]
         outs = [np.empty(int(lengths.sum()), self.dtype) for _ in names]
         dest = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         for f in np.unique(file_of).tolist():  # a few files (shards of ~GBs), never a loop per row or batch
             sel = np.flatnonzero(file_of == f)
             at = gather_ranges(dest[sel], lengths[sel])
+            start = np.broadcast_to(offsets, rows.shape)[sel]
             for out, n in zip(outs, names):
-                out[at] = self._files[f][gather_ranges(self._starts[n][rows[sel]], lengths[sel])]
+                out[at] = self._files[f][gather_ranges(self._starts[n][rows[sel]] + start, lengths[sel])]
         return outs
 
 
@@ -118,8 +121,8 @@ class InMemoryListColumns:
         self._columns = {n: list_column(dataset, n) for n in names}
         self.lengths = {n: np.diff(offsets) for n, (offsets, _) in self._columns.items()}
 
-    def gather(self, names: list[str], rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-        return [self._columns[n][1][gather_ranges(self._columns[n][0][rows], lengths)] for n in names]
+    def gather(self, names: list[str], rows: np.ndarray, lengths: np.ndarray, offsets=0) -> list[np.ndarray]:
+        return [self._columns[n][1][gather_ranges(self._columns[n][0][rows] + offsets, lengths)] for n in names]
 
 
 def open_list_columns(dataset, names: list[str]):

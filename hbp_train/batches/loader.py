@@ -394,12 +394,23 @@ class PackedData:
         """The plan's optimizer step that global step ``step`` runs: epoch 0 in plan order, later epochs in their own
         seeded order when shuffle_epochs (the same on every rank and after a resume: it depends only on seed and
         epoch)."""
-        epoch, index = divmod(step, self.num_steps)
+        return self.epoch_step(*divmod(step, self.num_steps))
+
+    def epoch_step(self, epoch: int, index: int) -> int:
+        """The plan's optimizer step that runs ``index``-th in epoch ``epoch`` (see plan_step)."""
         if epoch == 0 or not self.shuffle_epochs:
             return index
         if epoch not in self._orders:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_steps)
         return int(self._orders[epoch][index])
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch (0-based) global step ``step`` is in."""
+        return step // self.num_steps
+
+    def run_steps(self, epochs: int) -> int:
+        """Optimizer steps of a run of ``epochs`` epochs (before train.max_steps)."""
+        return self.num_steps * epochs
 
     def step_batch(self, step: int, rank: int, pad_token_id: int = 0, equal_counts: bool = True) -> StepBatch:
         """This rank's micro-batches for global step ``step`` and the step's global counts.

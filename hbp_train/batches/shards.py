@@ -20,6 +20,10 @@ disk costs: docs/data.md has the figures). The trainer verifies them before trai
 flipped byte in the token ids or labels stops the run at start-up in one line naming the file, not a loss that is
 quietly off. ``python -m hbp_train.batches.shards OUT`` verifies a folder (e.g. a copy on a node's own disk) and
 says how fast it went. Shards from before checksums load with a one-line warning (docs/data.md).
+
+``write_shards_from_packed`` writes the shards of a re-plan (planning/replan.py) from the packed shards of the
+plan it re-plans (``PackedSamples``: each sample is a slice of its pack's row), so a resume on another number of
+ranks needs only the packed shards it was trained from, not the tokenized data.
 """
 
 from __future__ import annotations
@@ -123,9 +127,7 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
     Raises UserError if the dataset's ``length`` column does not match the plan's lengths. Returns
     {group: number of rows}."""
     import datasets
-    from tqdm.auto import tqdm
 
-    out_dir = Path(out_dir)
     ds = datasets.load_from_disk(str(dataset_dir))
     for col in ("input_ids", "labels", "length"):
         if col not in ds.column_names:
@@ -139,6 +141,80 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
     columns = open_list_columns(ds, ["input_ids", "labels"])
     if any(np.any(columns.lengths[c] != ds_len) for c in ("input_ids", "labels")):
         raise UserError(f"{dataset_dir}: input_ids/labels lengths disagree with the 'length' column")
+    return _write(plan, columns, ds_len, out_dir, progress, num_shards, plan_format)
+
+
+def write_shards_from_packed(plan: Plan, packed_dir: str | Path, out_dir: str | Path, progress: bool = False,
+                             plan_format: str = "json") -> dict[int, int]:
+    """``write_shards`` with the samples taken from the packed shards of another plan over the same samples
+    (``packed_dir``, e.g. the plan a run was started with) instead of the tokenized dataset: a re-plan (a resume on
+    another number of ranks, planning/replan.py) re-packs them without the tokenized data."""
+    return _write(plan, PackedSamples(packed_dir, plan.lengths), plan.lengths, out_dir, progress, None, plan_format)
+
+
+class PackedSamples:
+    """The samples of a packed-shard folder, addressed by their index in its plan: sample i's tokens and labels are
+    the slice of the row of the pack that holds it that its ``cu_seqlens`` bound (the row's ``sample_indices``
+    say which samples it holds). ``gather`` is the interface of ``columns.open_list_columns``' readers, read in
+    place from the groups' memory-mapped files. UserError (one line) when a row's samples do not have the lengths
+    the plan gives them (stale shards)."""
+
+    def __init__(self, packed_dir: str | Path, lengths: np.ndarray):
+        import datasets
+
+        from hbp_train.batches.columns import list_column
+
+        n = len(lengths)
+        self.group_of = np.full(n, -1, np.int64)
+        self.row_of = np.zeros(n, np.int64)
+        self.offset_of = np.zeros(n, np.int64)
+        self.readers = {}
+        for gdir in sorted(Path(packed_dir).glob("group_*")):
+            g = int(gdir.name.split("_", 1)[1])
+            ds = datasets.load_from_disk(str(gdir))
+            idx_ptr, idx = list_column(ds, "sample_indices")
+            cu_ptr, cu = list_column(ds, "cu_seqlens")
+            idx, cu = idx.astype(np.int64), cu.astype(np.int64)
+            # A row's n samples have n + 1 cu_seqlens: every entry but a row's last starts a sample.
+            starts = np.ones(len(cu), bool)
+            starts[cu_ptr[1:] - 1] = False
+            first = np.flatnonzero(starts)
+            if len(first) != len(idx) or np.any((idx < 0) | (idx >= n)) or \
+                    np.any(cu[first + 1] - cu[first] != lengths[idx]):
+                raise UserError(f"{gdir}: its rows' samples do not have the lengths the plan gives them (stale "
+                                f"shards): rewrite them with data_tools.pack --shards {packed_dir}")
+            self.group_of[idx] = g
+            self.row_of[idx] = np.repeat(np.arange(len(ds), dtype=np.int64), np.diff(idx_ptr))
+            self.offset_of[idx] = cu[first]
+            self.readers[g] = open_list_columns(ds, ["input_ids", "labels"])
+
+    def gather(self, names: list[str], samples: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        """For each column of ``names``: the values of ``samples`` (``lengths`` their token counts), concatenated
+        in order."""
+        group = self.group_of[samples]
+        if np.any(group < 0):
+            raise UserError(f"sample {int(samples[group < 0][0])} is in no row of the packed shards: they hold "
+                            "another plan's samples")
+        outs = [np.empty(int(lengths.sum()), np.int32) for _ in names]
+        dest = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        for g in np.unique(group).tolist():  # a few groups, never a loop per sample
+            sel = np.flatnonzero(group == g)
+            at = gather_ranges(dest[sel], lengths[sel])
+            values = self.readers[g].gather(names, self.row_of[samples[sel]], lengths[sel],
+                                            self.offset_of[samples[sel]])
+            for out, v in zip(outs, values):
+                out[at] = v
+        return outs
+
+
+def _write(plan: Plan, columns, lengths: np.ndarray, out_dir: str | Path, progress: bool, num_shards: int | None,
+           plan_format: str) -> dict[int, int]:
+    """The packed shards of ``plan`` from ``columns`` (a reader of every sample's input_ids and labels, its
+    ``gather(names, samples, lengths)``; ``lengths``: every sample's token count): write_shards' body."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
     packs_by_group, step_rows = group_row_order(plan)
     tokens = plan.pack_tokens
     features = datasets.Features({
@@ -165,7 +241,7 @@ def write_shards(plan: Plan, dataset_dir: str | Path, out_dir: str | Path, progr
                 start = 0
                 while start < len(packs):
                     stop = max(start + 1, int(np.searchsorted(ctok, (ctok[start - 1] if start else 0) + CHUNK_TOKENS)))
-                    batch = _pack_batch(plan, packs[start:stop], ds_len, columns)
+                    batch = _pack_batch(plan, packs[start:stop], lengths, columns)
                     writer.write_table(pa.Table.from_batches([batch]))
                     bar.update(int(tokens[packs[start:stop]].sum()))
                     start = stop

@@ -171,7 +171,25 @@ class PlanConfig:
             "step_tokens": self.step_tokens,
             "curriculum_steps": int(self.curriculum_steps),
             "groups": [g.to_dict() for g in self.groups],
+            # How the strategy was run, so a re-plan (planning/replan.py: a resume on another number of ranks) runs
+            # it the same way. pack_cost is a function and is not recorded (a re-plan uses the default cost).
+            "balance": self.balance,
+            "step_mix": self.step_mix,
+            "isf_rounds": int(self.isf_rounds),
+            "isf_threshold": None if self.isf_threshold is None else int(self.isf_threshold),
         }
+
+    @classmethod
+    def from_record(cls, d: dict) -> "PlanConfig":
+        """The config a plan file records (``to_dict``'s keys at the top of plan.json, or a binary plan's header);
+        keys an older plan lacks take their defaults (step_tokens: "capacity", how plans before #24 were cut)."""
+        groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in d["groups"]]
+        return cls(world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),
+                   global_tokens=int(d.get("global_tokens", 1)), max_len=d.get("max_len"),
+                   curriculum_steps=int(d.get("curriculum_steps", 0)), seed=int(d.get("seed", 0)),
+                   step_tokens=d.get("step_tokens", "capacity"), balance=d.get("balance", "refine"),
+                   step_mix=d.get("step_mix", "mixed"), isf_rounds=int(d.get("isf_rounds", 4)),
+                   isf_threshold=d.get("isf_threshold"))
 
 
 @dataclass
@@ -405,13 +423,7 @@ class Plan:
         if d.get("version", PLAN_VERSION) != PLAN_VERSION:
             raise UserError(f"plan version {d.get('version')!r} is not the version {PLAN_VERSION} this code reads; "
                             "re-run python -m data_tools.pack to rebuild the plan")
-        groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in d["groups"]]
-        cfg = PlanConfig(
-            world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),
-            global_tokens=int(d.get("global_tokens", 1)), max_len=d.get("max_len"),
-            curriculum_steps=int(d.get("curriculum_steps", 0)), seed=int(d.get("seed", 0)),
-            step_tokens=d.get("step_tokens", "capacity"),  # plans written before #24 were cut by capacity
-        )
+        cfg = PlanConfig.from_record(d)
         lengths = np.asarray(d["lengths"], np.int64)
         pack_sizes, flat, step_sizes, step_packs, step_group, pack_group = [], [], [], [], [], []
         p = 0
@@ -431,7 +443,7 @@ class Plan:
             step_group.append(g)
         dropped = d.get("dropped", [])
         known = {"version", "world_size", "strategy", "seed", "max_len", "global_tokens", "step_tokens",
-                 "curriculum_steps", "groups",
+                 "curriculum_steps", "groups", "balance", "step_mix", "isf_rounds", "isf_threshold",
                  "steps", "dropped", "deferred", "num_samples", "empty_packs", "lengths", "metrics", "step_metrics"}
         plan = cls(
             config=cfg, lengths=lengths,

@@ -38,7 +38,7 @@ import numpy as np
 from hbp_train.common.errors import UserError
 from hbp_train.common.outputs import atomic_write
 from hbp_train.planning.metrics import with_metrics
-from hbp_train.planning.plan import PLAN_VERSION, GroupSpec, Plan, PlanConfig
+from hbp_train.planning.plan import PLAN_VERSION, Plan, PlanConfig
 
 FORMAT = "hbp-plan-npz"
 ARRAYS = ("lengths", "pack_ptr", "pack_samples", "pack_group", "step_ptr", "step_packs", "step_group", "dropped")
@@ -243,11 +243,7 @@ def read_npz(path, mmap: bool = True) -> Plan:
     """The Plan stored at ``path`` by write_npz (its arrays widened to plan.py's types; the file is memory-mapped
     while reading unless ``mmap`` is False)."""
     header, arrays = open_npz(path, mmap)
-    groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in header["groups"]]
-    cfg = PlanConfig(world_size=int(header["world_size"]), groups=groups, strategy=header.get("strategy", "hbp"),
-                     global_tokens=int(header.get("global_tokens", 1)), max_len=header.get("max_len"),
-                     curriculum_steps=int(header.get("curriculum_steps", 0)), seed=int(header.get("seed", 0)),
-                     step_tokens=header.get("step_tokens", "capacity"))
+    cfg = PlanConfig.from_record(header)
     reasons = header["dropped_reasons"]
     # The Plan's documented types (int64 indices, int32 groups): widened from the file's narrow types in one pass
     # per array (milliseconds at 10M samples). The loader (data.py) reads the memory maps as they are instead.

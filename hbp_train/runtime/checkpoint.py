@@ -8,7 +8,9 @@ Layout under ``CKPT_ROOT`` (= RUN_DIR/checkpoints):
                                 (loaded with torch.load(weights_only=True))
         config.yaml             the resolved run config
         resume.json             what a resume must match: world size and the plan's fingerprint (read before any
-                                model is built, so a mismatch is one line, not a failed DeepSpeed load)
+                                model is built, so a mismatch is one line, not a failed DeepSpeed load), the
+                                epoch of next_step and, for a run resumed on another number of ranks, its re-plan
+        ledger.npz              the sample ledger: which samples every step so far trained (runtime/ledger.py)
         hf/                     the model's HF config and the tokenizer (what export needs besides the weights)
         manifest.json           written last, after every rank has saved: every file's size and CRC-32
                                 (hbp_train/runtime/manifest.py); a tag without it is a save that did not finish
@@ -18,6 +20,9 @@ against its manifest, loads the DeepSpeed state (weights, optimizer, LR schedule
 and continues at ``next_step``, so a resumed run reproduces the uninterrupted run's loss trace. ``train.resume=auto``
 falls back to the newest complete checkpoint, with a one-line warning, when the newest is damaged or unfinished;
 a checkpoint named explicitly must be whole (a one-line error names the damaged file). docs/reliability.md.
+
+Every save also carries DeepSpeed's ``universal_checkpoint_info``, which its ``ds_to_universal`` needs to turn the
+checkpoint into one any number of ranks can load: a resume on another world size (runtime/elastic.py).
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ import torch
 import torch.distributed as dist
 
 from hbp_train.runtime import manifest
+from hbp_train.runtime.ledger import FILE as LEDGER_FILE
 from hbp_train.common.errors import UserError
 
 TAG_RE = re.compile(r"^step_(\d+)$")
+# In every save's client_state: what DeepSpeed's ds_to_universal requires to convert it (runtime/elastic.py).
+UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
 
 
 def tag_for(step: int) -> str:
@@ -98,10 +106,10 @@ def plan_fingerprint(shards: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
-def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> None:
-    """UserError (one line) when the checkpoint was saved by a run of another world size or another plan: its
-    optimizer shards would not load, or its next_step would point into different data. A missing resume.json is an
-    error too: without it none of this can be checked."""
+def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> dict:
+    """The checkpoint's resume record (resume.json); UserError (one line) when it was saved with another plan: its
+    next_step would point into different data. A missing resume.json is an error too: without it none of this can
+    be checked. Another world size is not refused here: runtime/elastic.py resumes it, or says why it cannot."""
     path = os.path.join(ckpt_root, tag, "resume.json")
     if not os.path.isfile(path):
         raise UserError(f"{path}: missing, so the world size and plan it was saved with cannot be checked; the "
@@ -117,25 +125,23 @@ def check_resumable(ckpt_root: str, tag: str, world_size: int, shards: str) -> N
     if not isinstance(saved, dict):
         raise UserError(f"{path}: not a resume record (a JSON object); the checkpoint is damaged: resume from an "
                         "earlier one, or start fresh (train.resume=null, another train.out_dir)")
-    if saved.get("world_size") not in (None, world_size):
-        raise UserError(f"{os.path.join(ckpt_root, tag)} was saved by {saved['world_size']} ranks and this run has "
-                        f"{world_size}: resume with {saved['world_size']} ranks, or export it (hbp_train.export) and "
-                        "start a new run from the export")
     if saved.get("plan_sha256") not in (None, plan_fingerprint(shards)):
         raise UserError(f"{os.path.join(ckpt_root, tag)} was saved with another plan than {shards}/plan.json "
                         f"(saved with {saved.get('data_shards')}): its step {saved.get('next_step')} would be other "
                         "data; resume with the same packed shards, or start fresh (train.resume=null, another "
                         "train.out_dir)")
+    return saved
 
 
 def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None, tokenizer=None,
          keep_last: int = 0, total_steps: Optional[int] = None, counters: Optional[dict] = None,
-         shards: Optional[str] = None) -> str:
+         shards: Optional[str] = None, ledger=None, record: Optional[dict] = None) -> str:
     """Save a checkpoint after ``next_step`` steps; every rank must call this. Returns the tag directory.
 
     ``total_steps`` (the run's length, which shapes the LR schedule) is kept so a resume can tell when it changed;
     ``counters`` (JSON-able, the same on every rank) are handed back by ``load``; ``shards`` (the packed-shard
-    directory) goes into resume.json for ``check_resumable``.
+    directory) goes into resume.json for ``check_resumable``; ``ledger`` (rank 0's ledger.SampleLedger) is written
+    as ledger.npz; ``record`` (JSON-able: the epoch of next_step, a re-plan's record) is added to resume.json.
 
     Publishing is the last act: DeepSpeed writes its shards without touching ``latest``, every rank writes its RNG
     file, rank 0 the config, resume.json and hf/; after a barrier the files are checksummed into manifest.json, and
@@ -157,15 +163,18 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
     try:
         engine.save_checkpoint(ckpt_root, tag=tag, save_latest=False,
                                client_state={"next_step": next_step, "config": config_yaml,
-                                             "total_steps": total_steps, "counters": counters or {}})
+                                             "total_steps": total_steps, "counters": counters or {},
+                                             **UNIVERSAL_INFO})
         _atomic(os.path.join(tag_dir, f"rng_rank{_rank()}.pt"), lambda p: torch.save(rng_state(), p))
         ours = [f"rng_rank{_rank()}.pt"]
         if _rank() == 0:
             ours += ["config.yaml", "resume.json"]
             _atomic(os.path.join(tag_dir, "config.yaml"), lambda p: _write_text(p, config_yaml))
-            record = json.dumps({"next_step": next_step, "world_size": world_size, "data_shards": shards,
-                                 "plan_sha256": plan_fingerprint(shards) if shards else None})
-            _atomic(os.path.join(tag_dir, "resume.json"), lambda p: _write_text(p, record))
+            resume = json.dumps({"next_step": next_step, "world_size": world_size, "data_shards": shards,
+                                 "plan_sha256": plan_fingerprint(shards) if shards else None, **(record or {})})
+            _atomic(os.path.join(tag_dir, "resume.json"), lambda p: _write_text(p, resume))
+            if ledger is not None:
+                _atomic(os.path.join(tag_dir, LEDGER_FILE), lambda p: _write_with(p, ledger.save))
             hf_dir = os.path.join(tag_dir, "hf")
             os.makedirs(hf_dir, exist_ok=True)
             if hf_model is not None:
@@ -190,6 +199,12 @@ def save(engine, ckpt_root: str, next_step: int, config_yaml: str, hf_model=None
 def _write_text(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
+
+
+def _write_with(path: str, write) -> None:
+    """write(file object) into ``path`` (np.savez given a name would add .npz to it)."""
+    with open(path, "wb") as f:
+        write(f)
 
 
 def _atomic(path: str, write) -> None:
@@ -409,13 +424,20 @@ def _read_latest(ckpt_root: str) -> Optional[str]:
         return None
 
 
-def load(engine, ckpt_root: str, tag: str) -> Resumed:
-    """Load a checkpoint into the engine and restore this rank's RNG state."""
-    load_path, client_state = engine.load_checkpoint(ckpt_root, tag=tag, load_optimizer_states=True,
+def load(engine, ckpt_root: str, tag: str, engine_state: Optional[tuple] = None,
+         saved_world_size: Optional[int] = None) -> Resumed:
+    """Load a checkpoint into the engine and restore this rank's RNG state.
+
+    A resume on another number of ranks (runtime/elastic.py) loads the engine state from ``engine_state`` (the
+    (folder, tag) of the checkpoint converted to DeepSpeed's universal format) and gives rank r the RNG state of
+    saved rank r mod ``saved_world_size`` (every rank starts a run with the same seed, train.seed)."""
+    load_dir, load_tag = engine_state or (ckpt_root, tag)
+    load_path, client_state = engine.load_checkpoint(load_dir, tag=load_tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     if load_path is None:
-        raise UserError(f"{os.path.join(ckpt_root, tag)}: DeepSpeed could not load this checkpoint")
-    rng_path = os.path.join(ckpt_root, tag, f"rng_rank{_rank()}.pt")
+        raise UserError(f"{os.path.join(load_dir, load_tag)}: DeepSpeed could not load this checkpoint")
+    rng_rank = _rank() % saved_world_size if saved_world_size else _rank()
+    rng_path = os.path.join(ckpt_root, tag, f"rng_rank{rng_rank}.pt")
     if not os.path.isfile(rng_path):
         raise UserError(f"{rng_path}: missing; without it the resumed run would not reproduce the uninterrupted "
                         "one: resume from another checkpoint (or with the world size that saved this one)")

@@ -37,7 +37,7 @@ from hbp_train.runtime.status import RunStatus, ended_by
 
 from hbp_train.observe import heldout
 from hbp_train.build import Run, build, step_ckpt_layers
-from hbp_train.batches.loader import StepBatch, to_device
+from hbp_train.batches.collate import StepBatch, to_device
 from hbp_train.distributed.groups import rank, world_size
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX

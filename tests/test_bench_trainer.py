@@ -61,7 +61,7 @@ def test_cpu_smoke_run_writes_both_paths(tmp_path):
 
 
 def test_hf_batch_holds_the_same_tokens_and_targets_as_ours():
-    from hbp_train.batches.loader import collate_pack
+    from hbp_train.batches.collate import collate_pack
 
     packs = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)
     again = workload.make_packs(2048, 3, 500, seed=1, prompt_frac=0.3)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hbp_train.batches.loader import DataConfig, PackedData, collate_pack, empty_micro_batch
+from hbp_train.batches.collate import collate_pack, empty_micro_batch
+from hbp_train.batches.loader import DataConfig, PackedData
 from hbp_train.model.ulysses import split_for_sp
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX

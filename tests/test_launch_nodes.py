@@ -172,6 +172,7 @@ def test_a_save_longer_than_the_shutdown_timeout_is_killed_and_the_raised_timeou
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the default tier names a frozen node (the same watch); these two cases are proven in CI
 def test_a_node_that_never_joins_is_named_every_few_seconds_then_one_line(tmp_path):
     start = time.monotonic()
     code, lines = _lines(_node(0, _free_port(), tmp_path, HBP_RDZV_TIMEOUT=5, HBP_RDZV_REPORT=2))
@@ -185,6 +186,7 @@ def test_a_node_that_never_joins_is_named_every_few_seconds_then_one_line(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the default tier names a frozen node (the same watch); these two cases are proven in CI
 def test_node_1_without_node_0_or_on_a_port_another_program_holds_is_one_line(tmp_path):
     code, lines = _lines(_node(1, _free_port(), tmp_path, HBP_RDZV_TIMEOUT=4, HBP_RDZV_REPORT=1))
     assert code == 1 and "Traceback" not in "\n".join(lines)

@@ -291,7 +291,7 @@ def profile_paths(args) -> dict:
 
     import bench.trainer.paths as paths
     from bench.trainer.workload import make_packs, pack_row, parse_shape
-    from hbp_train.batches.loader import collate_pack
+    from hbp_train.batches.collate import collate_pack
     from hbp_train.distributed.groups import init_distributed
 
     if args.device == "cuda" and not torch.cuda.is_available():

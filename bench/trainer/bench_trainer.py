@@ -284,7 +284,7 @@ def save(results: dict, out) -> None:
 def run_bench(args) -> dict:
     import torch
 
-    from hbp_train.batches.loader import collate_pack
+    from hbp_train.batches.collate import collate_pack
     from hbp_train.model import attention
     from hbp_train.observe.telemetry import is_oom, resolve_peak_flops
     from hbp_train.model.hf_model import num_params

@@ -137,8 +137,8 @@ def destroy_ours(run) -> None:
 
 
 def step_batch(micro_batch: dict, step: int, ckpt_layers: int):
-    """A data.StepBatch of one pack on the only rank (what PackedData.step_batch returns for world size 1)."""
-    from hbp_train.batches.loader import StepBatch
+    """A StepBatch (batches/collate.py) of one pack on the only rank (what PackedData.step_batch returns for world size 1)."""
+    from hbp_train.batches.collate import StepBatch
 
     return StepBatch(step=step, plan_step=step, group=0, sp=1, replica=0, micro_batches=[micro_batch],
                      rank_loss_tokens=micro_batch["num_loss_tokens"], rank_num_samples=micro_batch["num_samples"],

@@ -44,7 +44,7 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     """
     from tqdm import tqdm
 
-    from hbp_train.batches.loader import collate_pack
+    from hbp_train.batches.collate import collate_pack
     from hbp_train.perf.flops import pack_flops
     from hbp_train.perf.shape import parse_model_shape
     from hbp_train.observe.telemetry import is_oom, peak_memory_gib, reset_peak_memory

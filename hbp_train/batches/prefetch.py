@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from hbp_train.batches.loader import StepBatch
+from hbp_train.batches.collate import StepBatch
 
 
 class StepPrefetcher:

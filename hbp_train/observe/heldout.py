@@ -17,7 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from hbp_train.batches.loader import PackedData, to_device
+from hbp_train.batches.collate import to_device
+from hbp_train.batches.loader import PackedData
 from hbp_train.distributed.groups import rank as this_rank
 from hbp_train.common.labels import IGNORE_INDEX
 

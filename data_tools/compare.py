@@ -71,7 +71,7 @@ def plan_strategies(lengths: np.ndarray, plan_kwargs: dict, model, sim_config, s
     cost = pack_cost_fn(model, sim_config.ckpt_layers, sim_config.intra_node_gbps, sim_config.inter_node_gbps,
                         sim_config.gpus_per_node)
     out = {}
-    for name in tqdm(strategies, desc="strategies", disable=not progress):
+    for name in tqdm(strategies, desc="strategies", disable=None if progress else True):  # None: none in a log file
         strategy = name.removesuffix("-cost")
         # wlb and bytescale balance a workload; give them (and the -cost variants) the cost model the simulator uses.
         use_cost = name.endswith("-cost") or name in ("wlb", "bytescale")

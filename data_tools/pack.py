@@ -409,8 +409,9 @@ def run(argv=None) -> int:
 
         import datasets
 
-        silence = args.quiet and not datasets.utils.are_progress_bars_disabled()
-        if silence:  # datasets' own "Saving the dataset" bars
+        # datasets' own "Saving the dataset" bars: not with --quiet, nor into a log file (redraws joined by \r)
+        silence = (args.quiet or not sys.stderr.isatty()) and not datasets.utils.are_progress_bars_disabled()
+        if silence:
             datasets.disable_progress_bars()
         c0 = time.process_time()
         try:

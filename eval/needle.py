@@ -93,7 +93,7 @@ def run_needle(model, tokenizer, config: NeedleConfig, stop_ids: set[int], max_n
     if samples is None:
         samples = generate_samples(tokenizer, config)
     results = [score_sample(model, tokenizer, s, max_new_tokens, stop_ids)
-               for s in tqdm(samples, desc="needle", unit="sample", disable=not progress)]
+               for s in tqdm(samples, desc="needle", unit="sample", disable=None if progress else True)]
 
     cells = []
     for length in config.lengths:

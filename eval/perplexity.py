@@ -87,7 +87,7 @@ def run_perplexity(model, dataset_dir: Path, max_samples: int | None = None, pro
     device = next(model.parameters()).device
     total_nll, total_targets, skipped = 0.0, 0, 0
     columns = dataset.select_columns(list(REQUIRED_COLUMNS)).with_format("numpy")
-    for row in tqdm(columns, total=len(columns), desc="perplexity", unit="sample", disable=not progress):
+    for row in tqdm(columns, total=len(columns), desc="perplexity", unit="sample", disable=None if progress else True):
         input_ids = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64)).to(device)
         labels = torch.from_numpy(np.asarray(row["labels"], dtype=np.int64)).to(device)
         if input_ids.shape != labels.shape:

@@ -46,3 +46,18 @@ def test_under_lora_the_summary_counts_the_trained_parameters():
     total, trainable = count_parameters(model)
     assert 0 < trainable < total and trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert f"({100 * trainable / total:.2f}%, LoRA r=4)" in start_summary(_run(model_cfg, model)).splitlines()[0]
+
+
+def test_after_a_resume_on_another_world_size_trained_samples_are_not_called_dropped():
+    """A re-plan (planning/replan.py) lists the samples trained before the resume as dropped for that reason: the
+    summary counts them apart; a re-plan that plans them again (a head of later epochs) drops none of them."""
+    model_cfg = ModelConfig(config=TINY)
+    model = build_model(model_cfg, vocab_size=512)
+    run = _run(model_cfg, model)
+    run.data.plan = {"metrics": {"num_samples": 500, "num_dropped": 202, "tokens": 40_000},
+                     "replanned": {"trained": 200, "head_steps": 0}}
+    assert start_summary(run).splitlines()[2] == ("[train] data: packed/ (500 samples, 2 dropped by the plan, "
+                                                  "200 trained before the resume, 40,000 tokens)")
+    run.data.plan = {"metrics": {"num_samples": 500, "num_dropped": 2, "tokens": 40_000},
+                     "replanned": {"trained": 200, "head_steps": 3}}
+    assert "(500 samples, 2 dropped by the plan, 40,000 tokens)" in start_summary(run)

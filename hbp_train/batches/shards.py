@@ -228,7 +228,8 @@ def _write(plan: Plan, columns, lengths: np.ndarray, out_dir: str | Path, progre
     from datasets.arrow_writer import ArrowWriter
 
     rows_written = {}
-    bar = tqdm(total=int(tokens.sum()), unit="tok", unit_scale=True, desc="packed shards", disable=not progress)
+    bar = tqdm(total=int(tokens.sum()), unit="tok", unit_scale=True, desc="packed shards",
+               disable=None if progress else True)  # None: off when stderr is no terminal (a log file)
     # The whole new set is built beside OUT and swapped in at the end: an interrupt or error never leaves new
     # groups next to an earlier plan.json (a mix the trainer would read without complaint).
     staged = staging_dir(out_dir)

@@ -49,7 +49,13 @@ def start_summary(run) -> str:
     tokens = metrics.get("tokens")
     data = f"[train] data: {cfg.data.shards}"
     if metrics.get("num_samples") is not None:
-        data += f" ({metrics['num_samples']:,} samples, {metrics.get('num_dropped', 0):,} dropped by the plan"
+        # after a resume on another number of ranks, the samples trained before it are left out of the re-plan
+        # (listed as dropped for that reason): counted apart, not as the plan's drops
+        trained = 0 if (run.data.plan.get("replanned") or {}).get("head_steps") else \
+            int((run.data.plan.get("replanned") or {}).get("trained", 0))
+        dropped = metrics.get("num_dropped", 0) - trained
+        data += f" ({metrics['num_samples']:,} samples, {dropped:,} dropped by the plan"
+        data += f", {trained:,} trained before the resume" if trained else ""
         data += f", {tokens:,} tokens)" if tokens is not None else ")"
     if cfg.data.eval_shards:
         data += f" | held-out {cfg.data.eval_shards}"

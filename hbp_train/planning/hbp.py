@@ -314,7 +314,8 @@ def progress_bar(config: PlanConfig, num_samples: int, total: int, desc: str):
     """A tqdm bar over planning phases, shown only when asked for and the input is large (>= 100K samples)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="phase", disable=not config.progress or num_samples < 100_000)
+    quiet = not config.progress or num_samples < 100_000
+    return tqdm(total=total, desc=desc, unit="phase", disable=True if quiet else None)  # None: off in a log file
 
 
 def plan_hbp(lengths: np.ndarray, config: PlanConfig) -> Plan:

@@ -395,4 +395,5 @@ def _progress(total: int, enabled: bool):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="profile (length, sp)", unit="cfg", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc="profile (length, sp)", unit="cfg", file=sys.stderr, dynamic_ncols=True,
+                disable=None)  # None: no bar when stderr is a log file, not a terminal

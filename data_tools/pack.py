@@ -378,6 +378,9 @@ def run(argv=None) -> int:
                          isf_threshold=args.isf_threshold, balance=args.balance, step_mix=args.step_mix,
                          step_tokens=args.step_tokens, progress=not args.quiet,
                          pack_cost=pack_cost)
+        if not args.quiet and not sys.stderr.isatty():  # a log file gets no bar: one line says the work began
+            print(f"planning {len(lengths):,} samples ({args.strategy}, world size {args.world_size}) ...",
+                  file=sys.stderr, flush=True)
         t0, c0 = time.perf_counter(), time.process_time()
         plan = make_plan(lengths, cfg)
         plan.extra["wall_seconds"] = time.perf_counter() - t0

@@ -333,12 +333,12 @@ def test_sigint_subprocess_one_line_no_traceback(tmp_path, ctrl_c_stops_python):
                              "--groups", "4096:1,32768:8", "--out", str(out)], cwd=Path(__file__).parent.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     err, deadline = b"", time.monotonic() + 60
-    while b"planning" not in err and time.monotonic() < deadline:  # the first progress bar: planning is under way
+    while b"planning" not in err and time.monotonic() < deadline:  # planning is under way (a line: stderr is a pipe)
         chunk = os.read(proc.stderr.fileno(), 4096)
         if not chunk:
             break
         err += chunk
-    time.sleep(0.2)  # not inside the bar's first draw (a bar interrupted there cannot be closed); ~1 s of work is left
+    time.sleep(0.2)  # a moment into the planning; about a second of work is left
     proc.send_signal(signal.SIGINT)
     err += proc.stderr.read()
     proc.wait(timeout=60)

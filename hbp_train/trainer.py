@@ -31,25 +31,25 @@ from typing import Optional
 
 import torch
 
+from hbp_train.batches.collate import StepBatch, to_device
+from hbp_train.batches.prefetch import StepPrefetcher
+from hbp_train.build import Run, build, step_ckpt_layers
+from hbp_train.common.errors import UserError
+from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.distributed.groups import rank, world_size
+from hbp_train.model.hf_model import set_checkpointed_layers
+from hbp_train.model.loss import token_loss_weights
+from hbp_train.model.moe import pack_aux_loss
+from hbp_train.observe import heldout
+from hbp_train.observe.run_summary import start_summary
+from hbp_train.observe.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
+from hbp_train.observe.telemetry import (MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib,
+                                         reset_peak_memory)
+from hbp_train.perf.flops import pack_flops
+from hbp_train.perf.shape import parse_model_shape
 from hbp_train.runtime import checkpoint, elastic
 from hbp_train.runtime.ledger import SampleLedger
 from hbp_train.runtime.status import RunStatus, ended_by
-
-from hbp_train.observe import heldout
-from hbp_train.build import Run, build, step_ckpt_layers
-from hbp_train.batches.collate import StepBatch, to_device
-from hbp_train.distributed.groups import rank, world_size
-from hbp_train.common.errors import UserError
-from hbp_train.common.labels import IGNORE_INDEX
-from hbp_train.model.loss import token_loss_weights
-from hbp_train.model.hf_model import set_checkpointed_layers
-from hbp_train.perf.flops import pack_flops
-from hbp_train.model.moe import pack_aux_loss
-from hbp_train.perf.shape import parse_model_shape
-from hbp_train.batches.prefetch import StepPrefetcher
-from hbp_train.observe.run_summary import start_summary
-from hbp_train.observe.step_timing import SPMixTimer, comm_wait_mode, comm_wait_timer, sp_mix_columns
-from hbp_train.observe.telemetry import MetricsLogger, StepLengthMix, all_gather_floats, peak_memory_gib, reset_peak_memory
 
 ON_NAN = ("skip", "abort")
 

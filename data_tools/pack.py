@@ -379,7 +379,7 @@ def run(argv=None) -> int:
                          step_tokens=args.step_tokens, progress=not args.quiet,
                          pack_cost=pack_cost)
         if not args.quiet and not sys.stderr.isatty():  # a log file gets no bar: one line says the work began
-            print(f"planning {len(lengths):,} samples ({args.strategy}, world size {args.world_size}) ...",
+            print(f"planning {len(lengths):,} samples ({strategy}, world size {args.world_size}) ...",
                   file=sys.stderr, flush=True)
         t0, c0 = time.perf_counter(), time.process_time()
         plan = make_plan(lengths, cfg)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eval.report import make_out
 from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_path, fraction_list, int_list, nonneg_int,
-                           output_dir, positive_int)
+                           library_bars_on_a_terminal_only, output_dir, positive_int)
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 
 DEFAULT_LENGTHS = "256,512,1024"
@@ -408,6 +408,7 @@ def run_compare(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    library_bars_on_a_terminal_only()
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         return _dispatch(parser, args)

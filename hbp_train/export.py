@@ -21,12 +21,13 @@ ends its answer with that token, not with eos, so without it ``generate()`` runs
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import sys
 
-from hbp_train.common.cli import ArgumentParser, existing_dir, output_dir
+from hbp_train.common.cli import ArgumentParser, existing_dir, library_bars_on_a_terminal_only, output_dir
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -42,6 +43,8 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
         # Name DeepSpeed's accelerator before its import (as launch.sh does): without a GPU it picks the CPU anyway,
         # after a warning that it could not detect one. The consolidation runs on the CPU either way.
         os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.utils import zero_to_fp32
+    from tqdm import tqdm as tqdm_std
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -95,6 +98,9 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if zero_to_fp32.tqdm is tqdm_std and not sys.stderr.isatty():
+        # Its "Loading checkpoint shards" bar takes no switch; in a log file it is a run of \r-joined frames.
+        zero_to_fp32.tqdm = functools.partial(tqdm_std, disable=True)
     try:
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     except FileNotFoundError as e:  # shards missing from a copied or partly deleted checkpoint
@@ -302,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list | None = None) -> int:
     args = build_parser().parse_args(argv)
+    library_bars_on_a_terminal_only()
     try:
         out = export(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
     except UserError as e:

@@ -149,6 +149,9 @@ def main() -> None:
     from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
     from hbp_train.common.errors import EXIT_USER_ERROR
 
+    from hbp_train.common.cli import library_bars_on_a_terminal_only
+
+    library_bars_on_a_terminal_only()
     argv = _strip_local_rank(sys.argv[1:])
     sys.argv = [sys.argv[0]] + argv
     if any(a in ("-h", "--help") for a in argv):

@@ -296,7 +296,8 @@ def test_own_tokenizer_own_model_four_formats_run_quietly_and_report_one_loss(fa
         run(f"pack {name}", "-m", "data_tools.pack", "--dataset", name, "--shards", f"packed_{name}", "--max-len",
             "512", "--world-size", "2", "--groups", "256:1,512:2", "--model", str(model_dir), "--quiet")
     plan = json.loads((tmp_path / "packed_tok" / "plan.json").read_text())
-    assert plan["model"]["model_type"] == family and plan["model"]["shape"]["head_dim"] == OWN_MODELS[family]["head_dim"]
+    recorded = plan["model"]
+    assert recorded["model_type"] == family and recorded["shape"]["head_dim"] == OWN_MODELS[family]["head_dim"]
     assert plan["num_samples"] == report["rows"] and not plan["dropped"] and not plan["deferred"]  # all packed
     assert "recorded in the plan" in run("simulate", "-m", "data_tools.simulate", "--plan", "packed_tok/plan.json")
 

@@ -146,10 +146,9 @@ def _task(dict_cfg) -> None:
 def main() -> None:
     import hydra
 
-    from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
-    from hbp_train.common.errors import EXIT_USER_ERROR
-
     from hbp_train.common.cli import library_bars_on_a_terminal_only
+    from hbp_train.common.errors import EXIT_USER_ERROR
+    from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
 
     library_bars_on_a_terminal_only()
     argv = _strip_local_rank(sys.argv[1:])

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.assets.packed_fixture import ONE_RANK_STEPS, TINY_LLAMA, TWO_RANK_STEPS, synthetic_samples, write_packed
+from tests.run_watch import steps_logged, wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 4096
@@ -62,21 +63,6 @@ def _trace(out: Path) -> list:
     return [(r["plan/step"], r["loss/train"]) for r in rows]
 
 
-def _steps_logged(out: Path) -> int:
-    try:
-        return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}"))
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_for_step(proc, out: Path, step: int, timeout=240) -> None:
-    deadline = time.time() + timeout
-    while _steps_logged(out) < step:
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the run did not reach the step in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     return write_packed(str(tmp_path_factory.mktemp("chaos_packed")), synthetic_samples(12, VOCAB, seed=1),
@@ -107,7 +93,7 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_same_trace(shards, tmp_pa
     out = tmp_path / "run"
     kill_at = int(np.random.default_rng(seed).integers(1, TOTAL - 3))
     proc = _train(shards, out)
-    _wait_for_step(proc, out, kill_at)
+    wait_for_step([proc], out, kill_at)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert (out / "run.lock").exists()  # left behind by the killed run: stale, taken over with a warning
@@ -120,7 +106,7 @@ def test_sigterm_then_resume_gives_the_same_trace_and_a_second_run_is_refused_me
                                                                                         reference):
     out = tmp_path / "run"
     proc = _train(shards, out, "data.epochs=400")  # long enough to still be running after the second run's start
-    _wait_for_step(proc, out, 2)
+    wait_for_step([proc], out, 2)
     config_before = (out / "config.yaml").read_text()
     second = _train(shards, out, "train.resume=auto", "train.lr=5e-3")
     code, stdout, err = _finish(second)
@@ -147,7 +133,7 @@ def test_sigterm_then_resume_gives_the_same_trace_and_a_second_run_is_refused_me
 def test_the_launcher_killed_with_9_lets_its_worker_save_and_exit(shards, tmp_path, reference):
     out = tmp_path / "run"
     launcher = _train(shards, out, launcher=True)
-    _wait_for_step(launcher, out, 3)
+    wait_for_step([launcher], out, 3)
     launcher.send_signal(signal.SIGKILL)  # the launcher alone; its worker is in a session of its own
     launcher.communicate()
     deadline = time.time() + 120
@@ -155,7 +141,7 @@ def test_the_launcher_killed_with_9_lets_its_worker_save_and_exit(shards, tmp_pa
         time.sleep(0.1)
     assert not (out / "run.lock").exists(), "the worker outlived its launcher"
     latest = (out / "checkpoints" / "latest").read_text()
-    assert int(latest.split("_")[1]) == _steps_logged(out)  # saved where it stopped
+    assert int(latest.split("_")[1]) == steps_logged(out)  # saved where it stopped
     _resume_and_compare(shards, out, reference)
 
 
@@ -203,7 +189,7 @@ def test_kill_9_of_every_process_of_a_two_process_run_then_resume_gives_the_same
     out = tmp_path / "run"
     kill_at = int(np.random.default_rng(0).integers(1, total - 2))
     launcher = _train(shards, out, *extra, launcher=True, nproc=2)
-    _wait_for_step(launcher, out, kill_at)
+    wait_for_step([launcher], out, kill_at)
     workers = _descendants(launcher.pid)
     assert len(workers) >= 2
     for pid in [*workers, launcher.pid]:  # the workers first: none of them gets to save on its way out

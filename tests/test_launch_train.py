@@ -15,12 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.assets.packed_fixture import TINY_LLAMA, TWO_RANK_STEPS, synthetic_samples, write_packed
+from tests.run_watch import wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -40,22 +40,6 @@ def _overrides(shards: str, out: Path, *extra) -> list:
     model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
     return ["experiment=cpu_demo", f"data.shards={shards}", f"train.out_dir={out}", "logging=quiet",
             f"model.config={model_cfg}", "train.warmup_steps=2", "data.epochs=30", *extra]
-
-
-def _steps_logged(out: Path) -> int:
-    try:
-        return sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}"))
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_for_step(procs, out: Path, step: int, timeout=240) -> None:
-    deadline = time.time() + timeout
-    while _steps_logged(out) < step:
-        for proc in procs:
-            assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the run did not reach the step in time"
-        time.sleep(0.05)
 
 
 def _children(pid: int) -> list:
@@ -87,7 +71,7 @@ def test_node_1_killed_after_a_checkpoint_is_named_with_the_checkpoint_to_resume
 
     node0, node1 = node(0), node(1)
     try:
-        _wait_for_step([node0, node1], out, 3)  # the checkpoint of step 2 is published before step 3 runs
+        wait_for_step([node0, node1], out, 3)  # the checkpoint of step 2 is published before step 3 runs
         for pid in [*_children(node1.pid), node1.pid]:
             os.kill(pid, signal.SIGKILL)
         node1.communicate()
@@ -114,7 +98,7 @@ def test_sighup_before_any_checkpoint_never_says_resume(shards, tmp_path):
          *_overrides(shards, out, "train.save_every=0", "train.save_final=false")],
         cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step([launcher], out, 2)
+        wait_for_step([launcher], out, 2)
         launcher.send_signal(signal.SIGHUP)
         stdout, err = launcher.communicate(timeout=120)
     finally:

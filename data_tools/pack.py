@@ -31,6 +31,7 @@ from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_file, i
                            output_file, positive_int)
 from hbp_train.batches.columns import int_column
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.library_bars import datasets_bars_off
 from hbp_train.common.outputs import check_output_file, interrupted, write_output
 from hbp_train.planning.equal_steps import AUTO_MAX_TOKENS, AUTO_STEPS, auto_global_tokens, slot_tokens
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
@@ -410,22 +411,15 @@ def run(argv=None) -> int:
     if args.shards:
         from hbp_train.batches.shards import write_shards
 
-        import datasets
-
-        # datasets' own "Saving the dataset" bars: not with --quiet, nor into a log file (redraws joined by \r)
-        silence = (args.quiet or not sys.stderr.isatty()) and not datasets.utils.are_progress_bars_disabled()
-        if silence:
-            datasets.disable_progress_bars()
         c0 = time.process_time()
+        # datasets' own "Saving the dataset" bars: not with --quiet, nor into a log file
         try:
-            rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet,
-                                plan_format=args.plan_format)
+            with datasets_bars_off(when=args.quiet or not sys.stderr.isatty()):
+                rows = write_shards(plan, args.dataset, args.shards, progress=not args.quiet,
+                                    plan_format=args.plan_format)
         except OSError as e:  # the --dataset files or the --shards folder: a full disk, no permission
             raise CliError(f"--shards {args.shards}: {e.filename or args.dataset}: {e.strerror}; check the --dataset "
                            "and --shards paths and their permissions") from None
-        finally:
-            if silence:
-                datasets.enable_progress_bars()
         cpu["shards"] = time.process_time() - c0
         print(f"wrote packed shards to {args.shards}: " + ", ".join(f"group_{g}: {n} rows" for g, n in rows.items()))
     print(metrics_table(plans))

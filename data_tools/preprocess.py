@@ -55,6 +55,7 @@ from data_tools.sft_formats import FORMATS, REASONS, FormatError
 from data_tools.sft_inputs import FILE_REASONS, KINDS, input_kind, iter_records, jsonl_blocks, resolve_input
 from hbp_train.common.cli import ArgumentParser, existing_dir, float_range, int_range, output_dir, positive_int
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.library_bars import datasets_bars_off
 from hbp_train.common.outputs import interrupted, replace_dir, staging_dir
 from hbp_train.batches.vocab import data_record
 
@@ -259,11 +260,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
         dataset, heldout = apply_mix(dataset, np.concatenate(row_input), mix, inputs, read_per_input, report,
                                      dropped_file, heldout_dir)
         dropped_file.close()
-        # datasets has its own bar: silence it whenever ours is off (non-terminal runs stay quiet), then restore.
-        silence = bar.disable and not datasets.utils.are_progress_bars_disabled()
-        if silence:
-            datasets.disable_progress_bars()
-        try:
+        with datasets_bars_off(when=bar.disable):  # datasets' own bar: off whenever ours is (a log file)
             staged, heldout_staged = work / "dataset", None
             report["num_shards"] = _save(dataset, staged, num_shards)
             report.update(_data_record(encoder, tokenizer, staged))  # checked by the trainer (vocab.py)
@@ -272,9 +269,6 @@ def preprocess(inputs: list[str], output: str, tokenizer: str, fmt: str = "auto"
                 held = report["heldout"]
                 held["num_shards"] = _save(heldout, heldout_staged, num_shards)
                 held.update(_data_record(encoder, tokenizer, heldout_staged))
-        finally:
-            if silence:
-                datasets.enable_progress_bars()
         del dataset, heldout
         (staged / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         shutil.move(str(work / "dropped.jsonl"), str(staged / "dropped.jsonl"))

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from eval.report import make_out
 from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_path, fraction_list, int_list, nonneg_int,
-                           library_bars_on_a_terminal_only, output_dir, positive_int)
+                           output_dir, positive_int)
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.library_bars import library_bars_on_a_terminal_only
 
 DEFAULT_LENGTHS = "256,512,1024"
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"

@@ -27,8 +27,9 @@ import os
 import shutil
 import sys
 
-from hbp_train.common.cli import ArgumentParser, existing_dir, library_bars_on_a_terminal_only, output_dir
+from hbp_train.common.cli import ArgumentParser, existing_dir, output_dir
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+from hbp_train.common.library_bars import library_bars_on_a_terminal_only
 
 DTYPES = ("fp32", "bf16", "fp16")
 MARKER = "hbp_export.json"  # written last: marks a finished export (which checkpoint, dtype); --out may replace it

@@ -146,8 +146,8 @@ def _task(dict_cfg) -> None:
 def main() -> None:
     import hydra
 
-    from hbp_train.common.cli import library_bars_on_a_terminal_only
     from hbp_train.common.errors import EXIT_USER_ERROR
+    from hbp_train.common.library_bars import library_bars_on_a_terminal_only
     from hbp_train.config import CONF_DIR, ConfigError, check_command_line, check_paths, load, user_overrides
 
     library_bars_on_a_terminal_only()

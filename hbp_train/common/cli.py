@@ -164,20 +164,3 @@ output_file = _path("out_file")
 output_dir = _path("out_dir")
 """A folder to write into: new or existing, never an existing file."""
 
-
-def library_bars_on_a_terminal_only() -> None:
-    """Turn off transformers' and datasets' own progress bars ("Loading weights", "Writing model shards", "Map")
-    when stderr is not a terminal: in a log file each is a run of ``\\r``-joined frames, noise beside our lines.
-    Our bars follow the same rule (``tqdm(disable=None)`` or an ``isatty`` test); on a terminal nothing changes."""
-    import sys
-
-    if sys.stderr.isatty():
-        return
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        import datasets
-    except ImportError:  # eval and export run without datasets installed
-        return
-    datasets.disable_progress_bars()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from hbp_train.batches.loader import PackedData
 from hbp_train.batches.replanned import ReplannedData
 from hbp_train.common.errors import UserError
+from hbp_train.common.library_bars import datasets_bars_off
 from hbp_train.runtime import checkpoint
 from hbp_train.runtime.ledger import SampleLedger
 
@@ -157,43 +158,36 @@ def _replan_and_convert(cfg, tag_dir: str, saved_world: int, world_size: int, ep
                         shards_dir: str, eval_dir: str, convert_into: Optional[str]) -> list:
     """Rank 0's work for ``prepare``: the re-plan's shards (and held-out shards), the universal checkpoint. Returns
     the lines to log."""
-    import datasets
-
     from hbp_train.batches.shards import write_shards_from_packed
     from hbp_train.planning.plan_npz import load_plan
     from hbp_train.planning.replan import replan
 
     lines = []
-    quiet = not datasets.utils.are_progress_bars_disabled()
-    if quiet:  # datasets' "Saving the dataset" bars: one per group, on every resume
-        datasets.disable_progress_bars()
-    try:
-        t0 = time.perf_counter()
-        original = load_plan(_plan_path(cfg.data.shards))
-        trained = ledger.epoch_samples(epoch)
-        with_head = epoch + 1 < cfg.data.epochs
-        plan, head_steps = replan(original, trained, world_size, ledger.epoch_steps(epoch), with_head)
-        write_shards_from_packed(plan, cfg.data.shards, shards_dir, plan_format=_plan_format(cfg.data.shards))
-        rest = plan.num_optimizer_steps - head_steps
-        lines.append(f"[train] re-planned for {world_size} rank{'s' if world_size > 1 else ''} "
-                     f"({original.config.strategy}): the {plan.extra['replanned']['rest_samples']} samples of epoch "
-                     f"{epoch + 1} not yet trained in {rest} optimizer steps"
-                     f"{f', then later epochs of {plan.num_optimizer_steps} steps' if with_head else ''}, packed into "
-                     f"{shards_dir} in {time.perf_counter() - t0:.1f}s")
-        if cfg.data.eval_shards:
-            held_out = load_plan(_plan_path(cfg.data.eval_shards))
-            if held_out.config.world_size != world_size:
-                eval_plan, _ = replan(held_out, [], world_size)
-                write_shards_from_packed(eval_plan, cfg.data.eval_shards, eval_dir,
-                                         plan_format=_plan_format(cfg.data.eval_shards))
-            else:
-                shutil.rmtree(eval_dir, ignore_errors=True)
+    try:  # datasets' "Saving the dataset" bars off: one per group, on every resume
+        with datasets_bars_off():
+            t0 = time.perf_counter()
+            original = load_plan(_plan_path(cfg.data.shards))
+            trained = ledger.epoch_samples(epoch)
+            with_head = epoch + 1 < cfg.data.epochs
+            plan, head_steps = replan(original, trained, world_size, ledger.epoch_steps(epoch), with_head)
+            write_shards_from_packed(plan, cfg.data.shards, shards_dir, plan_format=_plan_format(cfg.data.shards))
+            rest = plan.num_optimizer_steps - head_steps
+            later = f", then later epochs of {plan.num_optimizer_steps} steps" if with_head else ""
+            lines.append(f"[train] re-planned for {world_size} rank{'s' if world_size > 1 else ''} "
+                         f"({original.config.strategy}): the {plan.extra['replanned']['rest_samples']} samples of "
+                         f"epoch {epoch + 1} not yet trained in {rest} optimizer steps{later}, packed into "
+                         f"{shards_dir} in {time.perf_counter() - t0:.1f}s")
+            if cfg.data.eval_shards:
+                held_out = load_plan(_plan_path(cfg.data.eval_shards))
+                if held_out.config.world_size != world_size:
+                    eval_plan, _ = replan(held_out, [], world_size)
+                    write_shards_from_packed(eval_plan, cfg.data.eval_shards, eval_dir,
+                                             plan_format=_plan_format(cfg.data.eval_shards))
+                else:
+                    shutil.rmtree(eval_dir, ignore_errors=True)
     except UserError as exc:
         raise UserError(f"cannot resume on {world_size} rank{'s' if world_size > 1 else ''} from {tag_dir}: "
                         f"{exc}") from None
-    finally:
-        if quiet:
-            datasets.enable_progress_bars()
     if convert_into is not None:
         seconds = convert_to_universal(tag_dir, os.path.join(convert_into, "universal"), saved_world)
         lines.append(f"[train] converted {tag_dir} ({saved_world} ranks) to DeepSpeed's universal checkpoint in "

@@ -15,9 +15,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from hbp_train.common.errors import UserError
-from hbp_train.perf.shape import ModelShape, parse_model_shape, sp_heads_problem
-
-SP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+from hbp_train.perf.shape import ModelShape, parse_model_shape, sp_degrees_that_work, sp_heads_problem
 
 
 def read_model(path: str, flag: str = "--model") -> dict:
@@ -64,7 +62,7 @@ def check_sp_degrees(record: dict, groups: Iterable, flag: str = "--groups") -> 
     for group in groups:
         problem = sp_heads_problem(shape.num_heads, shape.num_kv_heads, int(group.sp))
         if problem:
-            good = [d for d in SP_CANDIDATES if sp_heads_problem(shape.num_heads, shape.num_kv_heads, d) is None]
+            good = sp_degrees_that_work(shape.num_heads, shape.num_kv_heads)
             raise UserError(f"{flag} {group.pack_len}:{group.sp}: {problem}; model {describe(record)}; SP degrees "
                             f"that work: {', '.join(map(str, good))}")
 

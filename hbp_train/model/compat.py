@@ -34,7 +34,7 @@ import torch
 
 from hbp_train.common.errors import UserError
 from hbp_train.model.loss import LogitHead
-from hbp_train.perf.shape import parse_model_shape, sp_heads_problem
+from hbp_train.perf.shape import parse_model_shape, sp_degrees_that_work, sp_heads_problem
 
 
 def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int], backend: str) -> None:
@@ -75,7 +75,7 @@ def check_sp_degrees(hf_config, sp_degrees: Iterable[int], where: str) -> None:
     for sp in sorted(set(sp_degrees)):
         problem = sp_heads_problem(shape.num_heads, shape.num_kv_heads, sp)
         if problem:
-            good = [d for d in (1, 2, 4, 8, 16, 32, 64) if sp_heads_problem(shape.num_heads, shape.num_kv_heads, d) is None]
+            good = sp_degrees_that_work(shape.num_heads, shape.num_kv_heads)
             raise UserError(f"{where}: {problem} (SP degrees that work: {', '.join(map(str, good))}; "
                             "data_tools.pack --groups)")
 

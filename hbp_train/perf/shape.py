@@ -306,3 +306,8 @@ def sp_heads_problem(num_heads: int, num_kv_heads: int, sp: int) -> Optional[str
         return (f"sp={sp} and the model's {num_kv_heads} key/value heads do not divide one another: Ulysses "
                 f"splits kv heads (kv % sp == 0) or replicates them (sp % kv == 0); use another SP degree")
     return None
+
+
+def sp_degrees_that_work(num_heads: int, num_kv_heads: int) -> list:
+    """The powers of two up to 64 Ulysses can split these heads by (``sp_heads_problem`` is None), for messages."""
+    return [sp for sp in (1, 2, 4, 8, 16, 32, 64) if sp_heads_problem(num_heads, num_kv_heads, sp) is None]

@@ -175,7 +175,7 @@ def profile(argv: list, on_measurement=None) -> int:
     else:
         try:
             backend = GpuBackend(run.model, pcfg, cost_model, job, vocab_size=vocab,
-                                 device="cpu" if pcfg.device == "cpu" else None)
+                                 device="cpu" if pcfg.device == "cpu" else None, loss_impl=run.loss.impl)
         except OSError as e:  # the weights under model.name_or_path are missing or unreadable
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"model.name_or_path: cannot load the model ({reason}); a GPU profile needs the "

@@ -90,7 +90,12 @@ setup_offline() {
     echo "launch.sh: setup --offline: no torch in $dir and none on this system (add it: ./launch.sh wheelhouse DIR --torch installed)" >&2
     exit 2
   fi
-  "$PY" -m pip install "${pipi[@]}" -r "$ROOT/requirements.txt"
+  if [ -f "$dir/node-has.txt" ]; then
+    # A wheelhouse for a node's image (wheelhouse --node-has): the runtime requirements, over the image's packages.
+    PYTHONWARNINGS=ignore::UserWarning "$PY" -m pip install "${pipi[@]}" --no-build-isolation -e "$ROOT"
+  else
+    "$PY" -m pip install "${pipi[@]}" -r "$ROOT/requirements.txt"
+  fi
   # Liger's wheel (the wheelhouse adds it) on a CUDA node only; its Triton comes with the node's CUDA torch.
   if have_cuda && [ "${HBP_INSTALL_LIGER:-1}" = 1 ] && compgen -G "$dir/liger_kernel-*.whl" >/dev/null; then
     "$PY" -m pip install "${pipi[@]}" --no-deps -r "$ROOT/requirements-liger.txt"

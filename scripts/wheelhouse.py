@@ -3,6 +3,7 @@
     ./launch.sh wheelhouse wheels/                                   # for this machine's Python and platform
     ./launch.sh wheelhouse wheels/ --python-version 3.12             # for a node with another Python (Linux x86-64)
     ./launch.sh wheelhouse wheels/ --torch none                      # the node's own torch will be used
+    ./launch.sh wheelhouse wheels/ --python-version 3.12 --node-has "torch==2.11.0 transformers==5.17.0 ..."
     ./launch.sh setup --offline wheels/                              # on the node: install from it, no network
 
 Run it on a machine with network access and a set-up venv (``./launch.sh setup``): the exact versions are the ones
@@ -19,6 +20,15 @@ with the NVIDIA libraries it needs), ``--torch none`` leaves it out (the node's 
 (``--torch 'torch==2.11.0'``). ``--only``/``--exclude`` narrow the set by name, for a node that already has most of
 the stack.
 
+A node whose image has most of the stack (``--node-has``: the image's packages, ``name==version`` or a bare
+``name`` for any version): the wheelhouse then holds only what training and the GPU acceptance need beyond them, the
+project's runtime requirements (pyproject.toml) and Liger, each with the requirements of its own, walked through the
+venv's package metadata: a package the image lacks, or has at a version a requirement excludes (transformers 5.17
+under our floor of 5.23, and then huggingface-hub under transformers' own), is added at the venv's version; one the
+image has at a version that will do is left to it, with its own dependencies. torch's family is always the image's
+(``--torch none``). The list is written beside the wheels (``node-has.txt``); ``setup --offline`` then installs the
+runtime requirements only, over the image's packages.
+
 Optional extras for a CUDA node: Liger's decoder kernels (requirements-liger.txt, one pure-Python wheel under 1 MiB;
 its Triton comes with the node's CUDA torch) are added whether or not this venv has them (a CPU machine cannot run
 them); ``--no-liger`` leaves them out. ``setup --offline`` installs them on a CUDA node only.
@@ -27,6 +37,7 @@ them); ``--no-liger`` leaves them out. ``setup --offline`` installs them on a CU
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -73,7 +84,74 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add Liger's kernels (requirements-liger.txt) for a CUDA node (default on; --no-liger: not)")
     p.add_argument("--python", default=sys.executable,
                    help="the venv's interpreter whose packages are pinned (default: the one running this)")
+    p.add_argument("--node-has", default=None, metavar="PACKAGES",
+                   help="the packages the node's image has (name==version, or name for any version; separated by "
+                        "spaces or commas): only what the project needs beyond them is added (implies --torch none)")
     return p
+
+
+def parse_node(spec: str) -> dict[str, str | None]:
+    """--node-has: {canonical name: version, or None for any version}; UserError for a malformed entry."""
+    node = {}
+    for item in re.split(r"[,\s]+", spec.strip()):
+        if not item:
+            continue
+        name, _, version = item.partition("==")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.\-]*", name) or ("==" in item and not version):
+            raise UserError(f"--node-has: {item!r} is not name==version or name")
+        node[canonical(name)] = version or None
+    return node
+
+
+def project_requirements() -> list[str]:
+    """What a node needs to train and run the GPU acceptance: pyproject.toml's runtime dependencies (not the test
+    extras; Liger's is requirements-liger.txt's, an optional extra)."""
+    import tomllib
+
+    return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+_METADATA = """
+import importlib.metadata as md, json
+print(json.dumps({d.metadata["Name"]: [d.version, d.requires or []] for d in md.distributions()}))
+"""
+
+
+def installed_metadata(python: str) -> dict[str, tuple[str, list[str]]]:
+    """{canonical name: (version, its requirement strings)} of every package the venv at ``python`` holds."""
+    out = subprocess.run([python, "-c", _METADATA], check=True, capture_output=True, text=True).stdout
+    return {canonical(name): (version, requires) for name, (version, requires) in json.loads(out).items()}
+
+
+def node_selection(roots: list[str], installed: dict, node: dict, python_version: str | None = None,
+                   optional: list[str] = ()) -> tuple[list[str], list[str]]:
+    """(pins, requirements) a node with ``node``'s packages needs for ``roots`` and the ``optional`` extras: every
+    requirement met by neither the node nor torch's family, at the venv's version (``name==version``), walked into
+    the requirements of each package added; an optional extra this venv does not hold (Liger on a CPU machine) is
+    returned as its requirement line, for pip to resolve."""
+    from packaging.requirements import Requirement
+
+    env = {"extra": ""}
+    if python_version:
+        env.update(python_version=python_version, python_full_version=f"{python_version}.0")
+    chosen, unheld = {}, []
+    queue = [(Requirement(r), False) for r in roots] + [(Requirement(r), True) for r in optional]
+    while queue:
+        req, extra = queue.pop(0)
+        name = canonical(req.name)
+        if (req.marker and not req.marker.evaluate(env)) or TORCH_FAMILY.match(name) or name in chosen:
+            continue
+        if name in node and (node[name] is None or req.specifier.contains(node[name], prereleases=True)):
+            continue  # the image's own will do, with its own dependencies
+        if name not in installed:
+            if extra:
+                unheld.append(str(req))
+                continue
+            raise UserError(f"{req}: needed on the node and not in this venv (./launch.sh setup first)")
+        version, requires = installed[name]
+        chosen[name] = f"{name}=={version}"
+        queue += [(Requirement(r), False) for r in requires]
+    return sorted(chosen.values()), unheld
 
 
 def pinned_requirements(python: str) -> list[str]:
@@ -185,14 +263,21 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         split = lambda text: None if text is None else {canonical(n) for n in text.split(",") if n.strip()}  # noqa: E731
         only, exclude = split(args.only), split(args.exclude) or set()
-        pins, torch_req = select(pinned_requirements(args.python), only, exclude, args.torch)
+        extras = optional_requirements(OPTIONAL_REQUIREMENTS if args.liger else (), only, exclude)
+        if args.node_has is not None:  # only what the node's image lacks
+            node = parse_node(args.node_has)
+            wanted, extras = node_selection(project_requirements(), installed_metadata(args.python), node,
+                                            args.python_version, extras)
+            pins, torch_req = select(wanted, only, exclude, "none")
+            (out / "node-has.txt").write_text(" ".join(f"{k}=={v}" if v else k for k, v in node.items()) + "\n")
+        else:
+            pins, torch_req = select(pinned_requirements(args.python), only, exclude, args.torch)
         flags = target_flags(args)
         if flags:  # another interpreter: a local build tag (+cpu) names no wheel on the index
             pins = [re.sub(r"\+[A-Za-z0-9.]+$", "", p) for p in pins]
             torch_req = torch_req and re.sub(r"\+[A-Za-z0-9.]+$", "", torch_req)
         print(f"[wheelhouse] {len(pins)} packages{' + ' + torch_req if torch_req else ''} -> {out}", flush=True)
         to_build = download(args.python, pins, out, flags, deps=False)
-        extras = optional_requirements(OPTIONAL_REQUIREMENTS if args.liger else (), only, exclude)
         if extras:  # pure-Python wheels; their dependencies (torch, Triton) are torch's family
             to_build += download(args.python, extras, out, flags, deps=False)
         if torch_req:  # with its dependencies: the CUDA build's NVIDIA libraries are not in a CPU venv's freeze

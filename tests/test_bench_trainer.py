@@ -223,12 +223,149 @@ def test_a_best_hf_kernel_that_fails_gives_way_to_the_next(monkeypatch):
     assert "ImportError" in tried[0]
 
 
-def test_an_hf_path_whose_logits_cannot_fit_is_not_run(monkeypatch):
-    """HF's loss holds the pack's logits in bf16 and twice in fp32 (>= 10 B per token and vocabulary entry: 84 GB at
-    64K tokens of a 128K vocabulary): a GPU with less free memory would run its first step (a flex compile) only to
-    run out of memory. Such a path is reported as not run, with the figures, and costs nothing."""
-    monkeypatch.setattr(paths, "free_device_bytes", lambda device: 70 * 2**30)
-    why = paths.hf_logits_do_not_fit(65536, 128256, torch.device("cuda"))
-    assert why.startswith("its full logits need at least 78.3 GiB") and "70.0 GiB free" in why
-    assert paths.hf_logits_do_not_fit(16384, 128256, torch.device("cuda")) is None
-    assert paths.hf_logits_do_not_fit(65536, 128256, torch.device("cpu")) is None  # the CPU: not checked
+def test_an_hf_path_that_cannot_fit_is_not_run(monkeypatch):
+    """HF's loss holds the pack's logits in bf16 and twice in fp32 (>= 10 B per token and vocabulary entry: 78.3 GiB at
+    64K tokens of a 128K vocabulary), and its model states hold 8 B per parameter on the speed path (bf16 weights,
+    gradients, two AdamW states; 16 B in fp32 on the accuracy path): on an 80 GB GPU the 1B shape's 64K pack cannot
+    fit, although its logits alone would (the check that counted them alone let flex compile for minutes, then run
+    out of memory). Such a path is reported as "cannot fit" with the figures, and costs nothing."""
+    from hbp_train.perf.shape import parse_model_shape
+
+    one_b = parse_model_shape(workload.parse_shape("llama3.2-1b")[2]).num_params
+    monkeypatch.setattr(paths, "free_device_bytes", lambda device: 79 * 2**30)  # an H100's 80 GB, less the context
+    why = paths.hf_cannot_fit(65536, 128256, one_b, "bf16", torch.device("cuda"))
+    assert why.startswith("cannot fit: its full logits need at least 78.3 GiB") and "79.0 GiB free" in why
+    assert "model states 9.2 GiB" in why and "HF speed path" in why
+    assert paths.hf_cannot_fit(16384, 128256, one_b, "bf16", torch.device("cuda")) is None
+    assert "model states 18.4 GiB" in paths.hf_cannot_fit(65536, 128256, one_b, "amp", torch.device("cuda"))
+    monkeypatch.setattr(paths, "free_device_bytes", lambda device: 139 * 2**30)  # an H200: it fits, it is tried
+    assert paths.hf_cannot_fit(65536, 128256, one_b, "bf16", torch.device("cuda")) is None
+    assert paths.hf_cannot_fit(65536, 128256, one_b, "bf16", torch.device("cpu")) is None  # the CPU: not checked
+
+
+# ------------------------------------------------------------------------------------ the bench held to a budget
+class _FakeRun:
+    """What run_bench reads of ours' build.Run; its engine records being destroyed."""
+
+    def __init__(self, destroyed: list):
+        from hbp_train.build import DeepSpeedConfig
+        from hbp_train.model.loss import LossConfig
+
+        self.model, self.device = torch.nn.Linear(2, 2), torch.device("cpu")
+        self.model.config = SimpleNamespace(num_hidden_layers=2)
+        self.cfg = SimpleNamespace(loss=LossConfig(), deepspeed=DeepSpeedConfig())
+        self.engine = SimpleNamespace(destroy=lambda: destroyed.append(self))
+
+
+def _fake_paths(monkeypatch, order: list, destroyed: list, ours=None):
+    import hbp_train.distributed.groups
+
+    def measure_hf(args, architecture, hf_config, baseline, packs, device, measure=None):
+        order.append(baseline.key)
+        return paths.Measured([0.1], 64, 1e6, [1.0], 0.1), baseline, []
+
+    monkeypatch.setattr(hbp_train.distributed.groups, "init_distributed", lambda backend=None: None)
+    monkeypatch.setattr(bench, "device_info", lambda device, peak_flops: {"name": "cpu", "type": "cpu"})
+    monkeypatch.setattr(bench, "build_ours", lambda *args: (_FakeRun(destroyed), "sdpa_block"))
+    monkeypatch.setattr(bench, "measure_hf_best", measure_hf)
+    monkeypatch.setattr(bench, "measure_ours", ours or (lambda *args: order.append("ours") or
+                                                        paths.Measured([0.05], 64, 1e6, [1.0], 0.1)))
+
+
+def test_with_a_budget_the_ratio_is_measured_before_the_accuracy_path(monkeypatch, tmp_path):
+    """The headline is ours over the HF speed path: with --time-budget-s the speed path runs, then ours, and the results
+    written right after ours hold the ratio; the accuracy path (whose first step compiles again) comes after, in the
+    time left, and only when as much time is left as the speed path took."""
+    order, destroyed, saved = [], [], []
+    _fake_paths(monkeypatch, order, destroyed)
+    real_save = bench.save
+    monkeypatch.setattr(bench, "save", lambda results, out: (saved.append(json.loads(json.dumps(results, default=float))),
+                                                            real_save(results, out)))
+    argv = ["--device", "cpu", "--pack-len", "64", "--steps", "1", "--baselines", "sdpa,sdpa:amp", "--no-sp1-check",
+            "--max-pack-search", "0", "--time-budget-s", "60", "--ours-reserve-s", "20", "--out",
+            str(tmp_path / "r.json")]
+    results = bench.run_bench(bench.resolve_args(bench.build_parser().parse_args(argv)))
+    assert order == ["hf_sdpa", "ours", "hf_sdpa_amp"]
+    after_ours = next(s for s in saved if "ours" in s["paths"])
+    assert after_ours["ratios"]["ours/best_hf"]["tokens_per_s"] == pytest.approx(2.0)
+    assert "hf_sdpa_amp" not in after_ours["paths"] and results["paths"]["hf_sdpa_amp"]["ran"]
+    assert destroyed  # ours' engine was gone before the accuracy path was built
+    # the speed path took longer than what is left: the accuracy path is skipped, and said why
+    order.clear()
+    real_measure = bench.measure_hf_best
+
+    def slow_hf(*args, **kwargs):
+        import time
+
+        time.sleep(1.0)
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure_hf_best", slow_hf)
+    argv[argv.index("--time-budget-s") + 1], argv[argv.index("--ours-reserve-s") + 1] = "2.5", "0.5"
+    results = bench.run_bench(bench.resolve_args(bench.build_parser().parse_args(argv)))
+    assert order == ["hf_sdpa", "ours"] and not results["paths"]["hf_sdpa_amp"]["ran"]
+    assert "it needs 1 s (what the first HF path took)" in results["paths"]["hf_sdpa_amp"]["error"]
+
+
+def test_a_stop_from_outside_destroys_ours_engine(monkeypatch):
+    """The acceptance stops a check at its budget from outside (bench/trainer/deadline.py): ours' engine must be
+    destroyed on the way out, not left (~20 GB for the 1B shape) to the garbage collector before the next check."""
+    import time
+
+    from bench.trainer.deadline import run_limited
+
+    def stuck(*args):
+        while True:
+            time.sleep(0.01)
+
+    order, destroyed = [], []
+    _fake_paths(monkeypatch, order, destroyed, ours=stuck)
+    args = bench.resolve_args(bench.build_parser().parse_args(
+        ["--device", "cpu", "--pack-len", "64", "--steps", "1", "--baselines", "none", "--no-sp1-check"]))
+    result, over = run_limited(lambda: bench.run_bench(args), 0.5, "trainer")
+    assert over and len(destroyed) == 1
+    # the same in the pack search, which holds the engine it built after an out-of-memory error
+    search_destroyed, built = [], []
+
+    def oom_then_stuck(run, batch, step, ckpt):
+        if len(built) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        stuck()
+
+    monkeypatch.setattr(search, "ours_step", oom_then_stuck)
+    monkeypatch.setattr(search, "destroy_ours", lambda run: run is not None and search_destroyed.append(run))
+    fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=500)), device=torch.device("cpu"))
+    built.append(fake)
+    args = SimpleNamespace(ckpt_levels=None, pack_len=64, max_pack_search=128, search_docs="single", seed=0,
+                           prompt_frac=0.0, search_budget_s=60.0, search_steps=1)
+
+    def rebuild():
+        built.append(SimpleNamespace(**vars(fake)))
+        return built[-1]
+
+    _, over = run_limited(lambda: search.pack_search(args, fake, rebuild, {"vocab_size": 500}, torch.device("cpu"),
+                                                     None, None), 0.5, "longest_pack")
+    assert over and search_destroyed == built  # the first after its OOM, the rebuilt one by the stop
+
+
+def test_a_stop_while_the_results_are_written_leaves_the_last_ones_whole(monkeypatch, tmp_path):
+    """A stop from outside is a signal: it can land inside the write of the results. The last results written must
+    stay whole (the acceptance reads them back as the check's partial result)."""
+    from bench.trainer.deadline import OverBudget
+
+    out = tmp_path / "trainer.json"
+    bench.save({"paths": {"ours": {"ran": True}}, "ratios": {}}, out)
+    real_write = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2])
+        raise OverBudget(SimpleNamespace(what="trainer", seconds=1.0))
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(OverBudget):
+        bench.save({"paths": {"ours": {"ran": True}, "hf_sdpa": {"ran": True}}, "ratios": {}}, out)
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"paths": {"ours": {"ran": True}}, "ratios": {}}
+    assert [p.name for p in tmp_path.iterdir()] == ["trainer.json"]  # no temporary file left behind

@@ -65,6 +65,20 @@ def test_what_the_head_does_to_the_logits_is_read_from_the_config():
         assert logit_head_of(_config(family)) == LogitHead(), family
 
 
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_the_logit_head_check_runs_on_the_host_whatever_the_default_device(family):
+    """The check draws its probe with a host generator: under a caller's default device (``with torch.device(
+    "cuda")``, where a host generator cannot fill a tensor; the meta device stands for it here) its tensors must still
+    be made on the host, and it must still tell the model's head from another one."""
+    import torch
+
+    config = _config(family)
+    with torch.device("meta"):
+        check_logit_head(_meta_model(config), logit_head_of(config), family)
+        with pytest.raises(UserError, match="its forward changes the LM head's logits"):
+            check_logit_head(_meta_model(config), LogitHead(scale=2.0), family)
+
+
 @pytest.mark.parametrize("family", ["recurrent_gemma", "xlstm", "inkling_text"])
 def test_a_head_the_loss_would_not_reproduce_is_refused_in_one_line(family):
     """Families transformers ships whose forward changes the logits otherwise (RecurrentGemma and xLSTM soft-cap

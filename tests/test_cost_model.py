@@ -534,7 +534,7 @@ def test_the_calibration_times_what_training_runs(tmp_path, monkeypatch):
         fused_rows.append(hidden.shape[0])
         return real_fused(hidden, *args, **kwargs)
 
-    def liger_stand_in(model):
+    def liger_stand_in(model, requested="auto"):
         patched.append(len(model.layers if hasattr(model, "layers") else model.model.layers))
         return "liger (stand-in: RMSNorm, RoPE, SwiGLU)"
 

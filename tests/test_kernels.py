@@ -1,9 +1,11 @@
 """hbp_train/model/kernels.py (model.kernels): which decoder kernels a run gets, how Liger is applied to a model instance
-(with a stand-in for Liger, whose Triton kernels need CUDA), and that compiled decoder layers give the eager
-layers' loss and gradients on the CPU with the real inductor."""
+(with a stand-in for Liger, whose Triton kernels need CUDA), Liger's kernels probed before use (model/liger_probe.py:
+a stand-in that fails, and the real Liger through Triton's interpreter on the CPU where it is installed), and that
+compiled decoder layers give the eager layers' loss and gradients on the CPU with the real inductor."""
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -21,20 +23,24 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 @pytest.fixture
 def liger_installed(monkeypatch):
     """A stand-in for liger_kernel.transformers that does to transformers' modules what Liger's apply functions do
-    (swap the family's RoPE function and its RMSNorm class, patch the instance) and records its arguments."""
+    (swap the family's RoPE function and its RMSNorm class, patch the instance) and records its arguments; its
+    "kernels" compute what HF's modules do, so they pass the probe (model/liger_probe.py) on the CPU."""
     from transformers.models.llama import modeling_llama
 
     calls = []
+    hf_rope = modeling_llama.apply_rotary_pos_emb
 
     def apply_liger_kernel_to_llama(model=None, **kwargs):
         calls.append(dict(kwargs, model=model))
-        modeling_llama.apply_rotary_pos_emb = fused_rope
-        modeling_llama.LlamaRMSNorm = FusedNorm
-        for layer in model.model.layers:
-            layer.input_layernorm.patched = True
+        if kwargs.get("rope"):
+            modeling_llama.apply_rotary_pos_emb = fused_rope
+        if kwargs.get("rms_norm"):
+            modeling_llama.LlamaRMSNorm = FusedNorm
+            for layer in model.model.layers:
+                layer.input_layernorm.patched = True
 
     def fused_rope(*args, **kwargs):
-        raise AssertionError("not run on the CPU")
+        return hf_rope(*args, **kwargs)
 
     class FusedNorm(torch.nn.Module):
         pass
@@ -93,7 +99,10 @@ def test_liger_patches_the_instance_keeps_our_loss_and_undoes_its_class_swaps(li
     model = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32"), vocab_size=256)
     phrase = kernels.apply_kernels(model, "liger", decoder_layers(model))
     assert phrase == "liger (liger-kernel 0.8.5: RMSNorm, RoPE, SwiGLU)"
-    (call,) = liger_installed.calls
+    assert modeling_llama.LlamaRMSNorm is hf_norm and modeling_llama.apply_rotary_pos_emb is liger_installed.fused_rope
+    probes, (call,) = liger_installed.calls[:-1], liger_installed.calls[-1:]  # each kernel probed alone first
+    assert [sorted(k for k, on in c.items() if on is True) for c in probes] == [["rope"], ["rms_norm"], ["swiglu"]]
+    assert all(c["model"] is not model for c in probes)
     assert call == {"model": model, "rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
                     "fused_linear_cross_entropy": False}
     assert all(getattr(layer.input_layernorm, "patched", False) for layer in model.model.layers)
@@ -303,6 +312,7 @@ def test_qwen3_query_and_key_norms_are_fused_too(monkeypatch):
         setattr(fake_module, fn.__name__, fn)
     monkeypatch.setitem(sys.modules, fake_module.__name__, fake_module)
     monkeypatch.setattr(kernels, "liger_module", lambda: fake_module)
+    monkeypatch.setattr(kernels.liger_probe, "probe_liger", lambda *args: {})  # the probe: tests below
     monkeypatch.setattr(kernels, "_version", lambda dist: "0.8.5")
     model = build_model(ModelConfig(config=tiny_config("qwen3"), architecture="qwen3", dtype="fp32", kernels="none"),
                         vocab_size=256)
@@ -324,3 +334,125 @@ def test_a_model_without_liger_runs_hf_modules_after_one_with_liger(liger_instal
     eager = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
     assert eager._hbp_kernels.startswith("none")
     assert modeling_llama.apply_rotary_pos_emb is hf_rope
+
+
+# ----------------------------------------------------------------------------- Liger's kernels probed before use
+class _BrokenKernels:
+    """liger_kernel.transformers whose RMSNorm gives wrong values and whose SwiGLU fails at its first call (as a
+    Triton kernel that does not compile for this GPU or width would, inside the first step); its RoPE is HF's."""
+
+    def __init__(self, broken=("rms_norm", "swiglu")):
+        from transformers.models.llama import modeling_llama
+
+        self.broken, self.patched, hf_rope = broken, [], modeling_llama.apply_rotary_pos_emb
+        self.fused_rope = lambda *args, **kwargs: hf_rope(*args, **kwargs)
+
+    def apply_liger_kernel_to_llama(self, model=None, rope=False, rms_norm=False, swiglu=False, **kwargs):
+        from transformers.models.llama import modeling_llama
+
+        def wrong_norm(x):
+            return 2 * x
+
+        def failing_mlp(x):
+            raise RuntimeError("triton: out of resource: shared memory, required 262144, hardware limit 232448")
+
+        if rope:
+            modeling_llama.apply_rotary_pos_emb = self.fused_rope
+        for layer in model.model.layers:
+            if rms_norm:
+                layer.input_layernorm.forward = wrong_norm if "rms_norm" in self.broken else layer.input_layernorm.forward
+                self.patched.append(layer.input_layernorm)
+            if swiglu:
+                layer.mlp.forward = failing_mlp if "swiglu" in self.broken else layer.mlp.forward
+                self.patched.append(layer.mlp)
+
+
+def test_a_liger_kernel_that_fails_its_probe_stays_eager_with_one_line(monkeypatch, caplog):
+    """Each kernel is run alone on a one-layer copy, forward and backward, against HF's modules before the model uses
+    it: a kernel that raises (a Triton compile) or differs stays eager, named in one warning line, the others are
+    used; with model.kernels=liger it is one error line; when none passes the model keeps HF's modules."""
+    import logging
+
+    from transformers.models.llama import modeling_llama
+
+    fake = _BrokenKernels()
+    monkeypatch.setattr(kernels, "liger_module", lambda: fake)
+    monkeypatch.setattr(kernels, "_version", lambda dist: "0.8.5")
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    eager = build_model(ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none"), vocab_size=256)
+    model = copy.deepcopy(eager)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hbp_train.model.kernels"):
+            phrase = kernels.apply_kernels(model, "liger", decoder_layers(model))
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith("Liger's kernels failed their check on cpu (RMSNorm: its output differs from HF's by")
+        assert "SwiGLU: RuntimeError: triton: out of resource" in line and "stay eager" in line
+        assert phrase == "liger (liger-kernel 0.8.5: RoPE; RMSNorm, SwiGLU eager: failed their check)"
+        assert model._hbp_fused_kernels == ("rope",) and modeling_llama.apply_rotary_pos_emb is fake.fused_rope
+        assert not any(m in fake.patched for layer in model.model.layers for m in (layer.input_layernorm, layer.mlp))
+        (loss_e, grads_e), (loss_f, grads_f) = (_loss_and_grads(m, _packs(256)[0]) for m in (eager, model))
+        assert loss_f == loss_e and all(torch.equal(grads_f[n], g) for n, g in grads_e.items())  # it trains as HF's
+        with pytest.raises(UserError) as err:
+            kernels.apply_kernels(model, "liger", decoder_layers(model), requested="liger")
+        assert str(err.value).startswith("model.kernels=liger: Liger's kernels failed their check on cpu (RMSNorm:")
+        assert "\n" not in str(err.value)
+        fake.broken = ("rms_norm", "swiglu", "rope")
+        fake.fused_rope = lambda *args, **kwargs: (args[0] * 0, args[1] * 0)
+        assert kernels.apply_kernels(model, "liger", decoder_layers(model)).startswith("none (eager HF modules")
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope  # the probe left transformers as it found it
+    finally:
+        kernels.restore_hf_modules()
+
+
+_INTERPRETED = """
+import json, logging, os, sys
+os.environ["TRITON_INTERPRET"] = "1"  # Triton's interpreter: Liger's kernels on CPU tensors, before Liger imports
+sys.path.insert(0, sys.argv[1])
+import torch
+from liger_kernel.transformers.rope import liger_rotary_pos_emb
+from transformers.models.llama import modeling_llama
+from hbp_train.model import kernels
+from hbp_train.model.families import tiny_config
+from hbp_train.model.hf_model import ModelConfig, build_model, decoder_layers
+from tests.test_kernels import _loss_and_grads, _packs
+
+warnings = []
+logging.getLogger("hbp_train.model.kernels").addHandler(logging.Handler())
+logging.getLogger("hbp_train.model.kernels").handlers[-1].emit = lambda record: warnings.append(record.getMessage())
+cfg = ModelConfig(config=tiny_config("llama"), dtype="fp32", kernels="none")
+eager, model = build_model(cfg, vocab_size=256), build_model(cfg, vocab_size=256)
+phrase = kernels.apply_kernels(model, "liger", decoder_layers(model))
+(loss_e, grads_e), (loss_l, grads_l) = (_loss_and_grads(m, _packs(256)[0]) for m in (eager, model))
+print(json.dumps({"phrase": phrase, "warnings": warnings, "fused": list(model._hbp_fused_kernels),
+                  "liger_rope": modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb,
+                  "loss": [loss_e, loss_l],
+                  "grad_error": max(float((grads_l[n] - g).abs().max()) for n, g in grads_e.items())}))
+"""
+
+
+@pytest.mark.slow  # a subprocess: Triton reads TRITON_INTERPRET when Liger's kernels are defined, at its import
+def test_the_real_liger_probe_through_tritons_interpreter_on_the_cpu():
+    """The real Liger kernels, probed on the CPU by Triton's interpreter: its RoPE runs there and passes (the model
+    then trains with it, with HF's loss and gradients), its RMSNorm and SwiGLU do not run there (the interpreter
+    rejects their scalar eps / casts) and stay eager, said in one line. Needs triton and liger-kernel installed
+    (pip install --no-deps triton liger-kernel into the venv)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    for module in ("triton", "liger_kernel"):
+        pytest.importorskip(module, reason=f"{module} is not installed: pip install --no-deps triton liger-kernel")
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, str(repo)], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "",
+                                            "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = found["warnings"]
+    assert line.startswith("Liger's kernels failed their check on cpu (") and "RoPE" not in line
+    assert "RMSNorm: " in line and "SwiGLU: " in line
+    assert found["fused"] == ["rope"] and found["liger_rope"]  # Liger's RoPE kernel is what the model runs
+    assert found["phrase"].startswith("liger (liger-kernel ") and "RoPE; RMSNorm, SwiGLU eager" in found["phrase"]
+    loss_e, loss_l = found["loss"]
+    assert loss_l == pytest.approx(loss_e, rel=1e-6) and found["grad_error"] < 1e-5

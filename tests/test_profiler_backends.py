@@ -67,7 +67,7 @@ def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch
     OutOfMemoryError it marks the configuration infeasible; any other error still stops the profile."""
     import torch
 
-    from hbp_train.model import loss
+    from hbp_train import build as loss
     from hbp_train.perf.cost_model import CostModel
     from hbp_train.model.hf_model import ModelConfig
 
@@ -112,12 +112,12 @@ def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_p
     def spy(model, input_ids, position_ids, **kw):
         seen["input_ids"], seen["position_ids"] = input_ids.clone(), position_ids.clone()
         return real_forward(model, input_ids, position_ids, **kw)
-    from hbp_train.model import loss as loss_mod
+    from hbp_train import build as loss_mod
     real_chunked = loss_mod.chunked_token_losses
 
-    def loss_spy(hidden, weight, labels, chunk):
+    def loss_spy(hidden, weight, labels, chunk, **kw):
         seen["labels"] = labels.clone()
-        return real_chunked(hidden, weight, labels, chunk)
+        return real_chunked(hidden, weight, labels, chunk, **kw)
     monkeypatch.setattr(model_mod, "forward_hidden", spy)
     monkeypatch.setattr(loss_mod, "chunked_token_losses", loss_spy)
     b.measure(256, 1, 0, 1)
@@ -164,3 +164,41 @@ def test_docs_file_draws_documents_from_the_dataset_lengths(tmp_path):
     bad.write_text("12\n0\n")
     with pytest.raises(UserError, match="profile.docs"):
         load_doc_lengths(str(bad))
+
+
+@pytest.mark.parametrize("impl, fused", [("fused", True), ("auto", False)])
+def test_the_gpu_backend_times_the_program_training_runs(monkeypatch, impl, fused):
+    """The profiler measures what a training step runs (as the calibration does): the trainer's forward with the pack's
+    sample boundaries, and the LM-head loss loss.impl resolves (fused on a GPU, so "fused" here stands for it; chunked
+    on the CPU) with the trained rows' count known on the host, so that neither selects its rows with a host sync."""
+    import torch
+
+    from hbp_train import build
+    from hbp_train.model import hf_model
+    from hbp_train.model.hf_model import ModelConfig
+    from hbp_train.perf.cost_model import CostModel
+
+    model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
+    shape = model_shape_of(model_cfg, None)
+    b = GpuBackend(model_cfg, cfg(max_len=512, min_len=128, warmup_iters=0, iters=1),
+                   CostModel.from_calibration(model_shape=shape), JobSettings(), device="cpu", loss_impl=impl)
+    seen = {}
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            seen.setdefault(name, kwargs)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("fused_token_losses", "chunked_token_losses"):
+        monkeypatch.setattr(build, name, spy(name, getattr(build, name)))
+    monkeypatch.setattr(hf_model, "forward_hidden", spy("forward", hf_model.forward_hidden))
+    m = b.measure(256, 1, 0, 1)
+    assert not m.oom and m.time_s > 0 and b.hardware()["loss"] == ("fused" if fused else "chunked")
+    (used,) = [n for n in ("fused_token_losses", "chunked_token_losses") if n in seen]
+    assert used == ("fused_token_losses" if fused else "chunked_token_losses")
+    docs = synthetic_docs(256, load_doc_lengths("single"), b.cfg.seed)
+    assert seen[used]["num_rows"] == 256 - len(docs)  # every token but each document's last, counted on the host
+    cu = seen["forward"]["cu_seq_lens_q"]
+    assert cu.tolist() == [0, *np.cumsum(docs).tolist()] and seen["forward"]["max_length_q"] == max(docs)
+    assert isinstance(seen[used]["num_rows"], int) and not isinstance(seen[used]["num_rows"], torch.Tensor)

@@ -115,6 +115,31 @@ def test_sequence_parallel_state_is_its_own_object():
     assert sp.active_sp == 1
 
 
+def test_the_packs_longest_sample_bounds_its_padding_too(monkeypatch):
+    """Under SP the pack is padded to a multiple of sp and the padding is a sample of its own, which the core attention
+    sees with the pack's boundaries. Tiny samples at sp >= 4 can be shorter than that padding: max_seqlen must still
+    bound every sample, or a flash kernel skips the padding's rows and leaves them uninitialised (NaN x 0 in the
+    weight gradient). Checked on every rank, at the boundaries the core attention is handed."""
+    from types import SimpleNamespace
+
+    from hbp_train.model import ulysses
+
+    handed = []
+    monkeypatch.setattr(ulysses, "hf_packed_attention", lambda *args, **kwargs: handed.append(kwargs) or (None, None))
+    ones = torch.ones(1, 5, dtype=torch.long)
+    pack = {"input_ids": ones, "shift_labels": ones, "position_ids": torch.zeros(1, 5, dtype=torch.long),
+            "cu_seqlens": torch.arange(6, dtype=torch.int32), "max_seqlen": 1}  # five one-token samples
+    for rank in range(4):
+        sp = ulysses.SequenceParallel(SimpleNamespace(sp_degrees=[1, 4], sp_rank=lambda degree, rank=rank: rank))
+        sp.active_sp = 4  # a stand-in that only cuts packs: no Ulysses attention is built without a model
+        local = sp.split(pack)
+        assert local["num_pad_tokens"] == 3  # 5 tokens padded to 8: a padding sample of 3 tokens
+        sp._core_attention(None, torch.empty(1), None, None, None)
+        bounds = handed[-1]["cu_seq_lens_q"]
+        assert bounds.tolist() == [0, 1, 2, 3, 4, 5, 8]
+        assert handed[-1]["max_length_q"] >= int((bounds[1:] - bounds[:-1]).max()), rank
+
+
 # ------------------------------------------------------------------------------- distributed vs reference
 def _tiny_llama(num_kv_heads: int, attn: str):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -82,3 +82,49 @@ def test_liger_is_an_optional_extra_for_a_cuda_node(tmp_path):
     assert wheelhouse.optional_requirements(files, {"liger-kernel"}, set()) == [line]
     assert wheelhouse.build_parser().parse_args(["out"]).liger is True
     assert wheelhouse.build_parser().parse_args(["out", "--no-liger"]).liger is False
+
+
+def _node_spec() -> str:
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    return re.search(r'--node-has "([^"]+)"', text.replace("\\\n", " ")).group(1)
+
+
+def test_a_node_images_wheelhouse_carries_the_transformers_the_requirements_need():
+    """docs/gpu.md records a GPU node's image (torch 2.11, triton 3.6, transformers 5.17, ... and no deepspeed, Hydra,
+    datasets or Liger) as the --node-has it gives the wheelhouse. For that image the wheelhouse carries transformers
+    at this venv's version (the image's is under our floor) with the huggingface-hub it needs, DeepSpeed, Hydra,
+    datasets and Liger; nothing of torch's and nothing the image has at a version that will do; and with them every
+    runtime requirement of the project is met on the node."""
+    import re
+    import sys
+
+    from packaging.requirements import Requirement
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    assert "image has torch 2.11.0, triton 3.6.0, transformers 5.17.0" in " ".join(text.split())
+    node = wheelhouse.parse_node(_node_spec())
+    installed = wheelhouse.installed_metadata(sys.executable)
+    liger = wheelhouse.optional_requirements(wheelhouse.OPTIONAL_REQUIREMENTS, None, set())
+    pins, extras = wheelhouse.node_selection(wheelhouse.project_requirements(), installed, node, "3.12", liger)
+    carried = {wheelhouse.canonical(p.split("==")[0]): p.split("==")[1] for p in pins}
+    assert node["transformers"] == "5.17.0" and carried["transformers"] == installed["transformers"][0]
+    transformers_hub = next(Requirement(r) for r in installed["transformers"][1] if r.startswith("huggingface-hub"))
+    assert node["huggingface-hub"] not in transformers_hub.specifier and "huggingface-hub" in carried
+    assert {"deepspeed", "pydantic", "hydra-core", "omegaconf", "antlr4-python3-runtime", "datasets"} <= set(carried)
+    assert "liger-kernel" in carried or [e.split(">=")[0] for e in extras] == ["liger-kernel"]
+    assert not set(carried) & {"torch", "triton", "numpy", "safetensors", "tokenizers", "accelerate", "pyarrow"}
+    for line in wheelhouse.project_requirements():  # each met on the node: by the image or by what is carried
+        req = Requirement(line)
+        name = wheelhouse.canonical(req.name)
+        version = carried.get(name) or node.get(name)
+        assert name in carried or name in node, line
+        assert version is None or req.specifier.contains(version), line
+    assert not re.search(r"torch|triton|nvidia", " ".join(carried))
+
+
+def test_a_bad_node_has_entry_is_one_line(tmp_path, capsys):
+    assert wheelhouse.main([str(tmp_path / "w"), "--node-has", "torch==2.11 transformers=="]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--node-has: 'transformers==' is not name==version or name" in err[0]

@@ -3,10 +3,11 @@
 ``ctx`` carries the run's settings (device, dtype, model shape, pack length, output folder, dry run), the seconds
 this check is held to (``share_s``: bench/gpu_acceptance.py stops it there), what earlier checks found (the HF
 implementation that ran, the measured peaks) and ``partial``: per check, a function returning what it measured so
-far, for a check stopped at its budget. A check plans its own parts within ``share_s`` (``inner_budget``) and lists
-what it left out and why under "skipped". What a check runs lives in its own module: the trainer comparison in
-bench/trainer/, the step profile in bench/gpu/step_profile.py, the calibration in hbp_train/perf/calibrate/, the
-profiler in hbp_train/profiler/.
+far, for a check stopped at its budget (every check keeps one: what it wrote after each part, read back whole
+because it is written atomically). A check plans its own parts within ``share_s`` (``inner_budget``) and lists what
+it left out and why under "skipped". What a check runs lives in its own module: the trainer comparison in
+bench/trainer/, the step profile in bench/gpu/step_profile.py, the backends in bench/gpu/backends_check.py, the
+calibration in hbp_train/perf/calibrate/, the profiler in hbp_train/profiler/.
 """
 
 from __future__ import annotations
@@ -14,11 +15,18 @@ from __future__ import annotations
 import json
 import time
 
+from bench.gpu.backends_check import check_backends
 from bench.gpu.report import verdict
+from hbp_train.common.outputs import atomic_write
 
 # The profiler's time budget counts its measurements only: its set-up (the model built on the GPU, the back-end's
-# first compile) comes off its share first.
+# first compile) comes off its share first, and the last measurement it starts, its choice and its file after it.
 PROFILER_SETUP_S = 30
+PROFILER_TAIL_S = 20
+# Seconds kept for ours while the HF path before it runs: our engine's build (DeepSpeed, Liger's probe) and a few
+# steps of the 1B shape at 16K on one H100/H200 (bench_trainer --ours-reserve-s, step_profile --ours-reserve-s).
+OURS_RESERVE_S = 60
+PROFILE_OURS_RESERVE_S = 40
 
 # In the order of their value: ours against the best HF path at 16K (the figure the work is judged by), where the
 # step's time goes, the same at 64K, the memory model against the peaks just measured, the cost model, then every
@@ -37,165 +45,65 @@ def check_step_profile(ctx) -> dict:
     (when ours fuses them); written to step_profile.json/.md and shown in the report."""
     import bench.gpu.step_profile as gp
 
+    budget = inner_budget(ctx)
     argv = ["--device", ctx.device.type, "--model-shape", ctx.shape_name, "--pack-len", str(ctx.pack_len),
-            "--out", str(ctx.out), "--time-budget-s", str(inner_budget(ctx))]
-    if getattr(ctx, "best_hf_impl", None):  # the one the trainer check found trains here (and compiled it)
-        argv += ["--baseline", ctx.best_hf_impl]
+            "--out", str(ctx.out), "--time-budget-s", str(budget),
+            "--ours-reserve-s", str(min(PROFILE_OURS_RESERVE_S, 0.6 * budget))]
+    baseline = hf_baseline(ctx)
+    if baseline:
+        argv += ["--baseline", baseline]
     if ctx.dry_run:
         argv += ["--steps", "1", "--warmup", "1"]
-    profile = gp.profile_paths(gp.resolve(gp.build_parser().parse_args(argv)))
-    (ctx.out / "step_profile.json").write_text(json.dumps(profile, indent=1) + "\n")
+    path = ctx.out / "step_profile.json"
+    path.unlink(missing_ok=True)
+
+    def partial() -> dict:  # the paths profiled before the stop (step_profile writes them after each)
+        profile = read_json(path)
+        return _profile_result(ctx, profile, gp) if profile else {}
+
+    keep_partial(ctx, "step_profile", partial)
+    profile = gp.profile_paths(gp.resolve(gp.build_parser().parse_args(argv)),
+                               on_path=lambda profile: write_json(path, profile))
+    write_json(path, profile)
+    return _profile_result(ctx, profile, gp)
+
+
+def _profile_result(ctx, profile: dict, gp) -> dict:
     markdown = gp.to_markdown(profile)
-    (ctx.out / "step_profile.md").write_text(markdown)
+    atomic_write(ctx.out / "step_profile.md", lambda tmp: tmp.write_text(markdown))
     ours = profile["paths"].get("ours", {})
     return {"profile": profile, "markdown": markdown, "skipped": profile.get("skipped", []),
             "verdict": verdict("loss_share", (ours.get("share") or {}).get("loss"), ctx.dry_run)}
 
 
-def _attention_ms(backend: str, shape, lengths: list[int], device, dtype, iters: int) -> float:
-    """Forward + backward of one packed attention call of the model's head shape over the pack, ms (mean of
-    ``iters`` after one untimed call: compiles and JIT builds happen there)."""
-    import torch
-
-    from hbp_train.model.attention import packed_attention
-
-    gen = torch.Generator().manual_seed(0)
-    num_tokens = sum(lengths)
-    q, k, v = (torch.randn(num_tokens, heads, dim, generator=gen, device="cpu").to(device, dtype).requires_grad_()
-               for heads, dim in ((shape.num_heads, shape.head_dim), (shape.num_kv_heads, shape.head_dim),
-                                  (shape.num_kv_heads, shape.v_head_dim)))
-    cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-    grad = torch.randn(num_tokens, shape.num_heads, shape.v_head_dim, generator=gen, device="cpu").to(device, dtype)
-    times = []
-    for i in range(iters + 1):
-        sync_device(device)
-        t0 = time.perf_counter()
-        out = packed_attention(q, k, v, cu, max(lengths), backend)
-        torch.autograd.grad(out, (q, k, v), grad)
-        sync_device(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * sum(times) / len(times)
+def hf_baseline(ctx) -> str | None:
+    """The HF path later checks run: the one the trainer check found trains here (its first step compiled already,
+    in this process); "none" when the trainer check ran and no HF path finished there (a "best" would compile flex
+    again for the whole budget and leave ours nothing); None (each check's default, "best") without a trainer check."""
+    if getattr(ctx, "best_hf_impl", None):
+        return ctx.best_hf_impl
+    if getattr(ctx, "trainer_results", None) is not None and not ctx.dry_run:
+        return "none"
+    return None
 
 
-def sync_device(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def check_backends(ctx) -> dict:
-    """Every available backend and our decoder kernels vs fp32 eager attention, one forward per document: loss and
-    parameter grads; every backend's attention time, and whether "auto" chose the fastest."""
-    import torch
-
-    from hbp_train.model.attention_setup import HeadShape, available_backends, describe_backend, select_backend
-    from hbp_train.model.kernels import restore_hf_modules
-    from hbp_train.model.loss import chunked_token_losses
-    from hbp_train.model.hf_model import ModelConfig, build_model, forward_hidden
-    from hbp_train.common.labels import IGNORE_INDEX
-
-    device, dtype = ctx.device, ctx.dtype
-    cfg = dict(ctx.hf_config, num_hidden_layers=2)  # two layers of the shape: the attention is what is checked
-    cfg.pop("model_type", None)
-    lengths = [ctx.pack_len // 2, ctx.pack_len // 4, ctx.pack_len // 8, ctx.pack_len - ctx.pack_len // 2
-               - ctx.pack_len // 4 - ctx.pack_len // 8]
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg["vocab_size"], (ctx.pack_len,), generator=gen)
-    labels = torch.cat([torch.cat([ids[s + 1:s + n], torch.tensor([IGNORE_INDEX])])
-                        for s, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths)])
-    position_ids = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-
-    def run(model, packed: bool):
-        model.zero_grad(set_to_none=True)
-        dev = next(model.parameters()).device
-        weight = model.get_output_embeddings().weight
-        if packed:
-            hidden = forward_hidden(model, ids[None].to(dev), position_ids[None].to(dev), cu_seq_lens_q=cu.to(dev),
-                                    cu_seq_lens_k=cu.to(dev), max_length_q=max(lengths), max_length_k=max(lengths))
-        else:  # the reference: each document alone, HF's own causal mask
-            hidden = torch.cat([forward_hidden(model, ids[None, s:s + n].to(dev), torch.arange(n)[None].to(dev))
-                                for s, n in zip(cu[:-1].tolist(), lengths)], dim=1)
-        loss = chunked_token_losses(hidden[0], weight, labels.to(dev)).float().sum() / (labels != IGNORE_INDEX).sum()
-        loss.backward()
-        return float(loss.detach()), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
-                                      if p.grad is not None}
-
-    restore_hf_modules()  # the reference is HF's own code, whatever an earlier check built
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised on the device: the 128K-vocabulary embeddings take long on the host
-        ref_model = build_model(ModelConfig(config=cfg, dtype="fp32", attention_backend="sdpa_block", kernels="none"),
-                                vocab_size=cfg["vocab_size"])
-    ref_model.set_attn_implementation("eager")
-    ref_loss, ref_grads = run(ref_model, packed=False)
-    state = {k: v.cpu() for k, v in ref_model.state_dict().items()}
-    shape = HeadShape.of(ref_model.config)
-    del ref_model
-    tol, min_cos = (2e-2, 0.99) if dtype != torch.float32 else (1e-4, 0.99999)  # bf16 against an fp32 reference
-    model_dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
-
-    def against_reference(backend: str, kernels: str) -> tuple[dict, object]:
-        try:
-            with torch.device(device):
-                model = build_model(ModelConfig(config=cfg, dtype=model_dtype, attention_backend=backend,
-                                                kernels=kernels), vocab_size=cfg["vocab_size"])
-            model.load_state_dict(state)
-            loss, grads = run(model, packed=True)
-        except Exception as exc:  # noqa: BLE001 - a backend that fails here is the finding
-            return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}, None
-        phrase = model._hbp_kernels
-        del model
-        cos = min(float(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), dim=0))
-                  for n, g in ref_grads.items())
-        rel = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in ref_grads.items())
-        return {"loss": loss, "loss_rel_error": abs(loss / ref_loss - 1), "grad_min_cosine": cos,
-                "grad_max_rel_error": rel,
-                "verdicts": {"loss": verdict("backend_loss_rel_error", abs(loss / ref_loss - 1), ctx.dry_run, tol),
-                             "grads": verdict("backend_grad_cosine", cos, ctx.dry_run, min_cos)}}, phrase
-
-    def check(backend):
-        row, _ = against_reference(backend, "none")
-        if "error" not in row:
-            row["kernel"] = describe_backend(backend, device)
-        return row
-
-    rows, times, skipped = backend_rows(available_backends(device, dtype), check, lambda backend: _attention_ms(
-        backend, shape, lengths, device, dtype, iters=1 if ctx.dry_run else 5))
-    auto = select_backend("auto", device, dtype, shape)
-    # The decoder kernels a run gets by default (model.kernels=auto: Liger on a GPU where installed; none on the
-    # CPU, where the row still proves the path), on the backend auto chose.
-    row, phrase = against_reference(auto, "auto" if not ctx.dry_run else "none")
-    rows[f"kernels={(phrase or 'auto').split()[0]}"] = dict(row, decoder_kernels=phrase, backend=auto)
-    restore_hf_modules()  # the later checks' HF baselines run HF's own RoPE
-    fastest = min(times, key=times.get) if times else None
-    ratio = times[auto] / times[fastest] if fastest and auto in times else None
-    return {"reference": {"what": "fp32, HF eager attention, one forward per document", "loss": ref_loss},
-            "pack_lengths": lengths, "dtype": str(dtype), "backends": rows, "auto": auto, "fastest": fastest,
-            "skipped": skipped, "verdict": verdict("auto_backend_fastest", ratio, ctx.dry_run)}
+def keep_partial(ctx, name: str, partial) -> None:
+    """Register ``partial()``: what check ``name`` measured so far, read if it is stopped at its budget."""
+    ctx.partial = getattr(ctx, "partial", {})
+    ctx.partial[name] = partial
 
 
-def backend_rows(available: list, check, time_it) -> tuple[dict, dict, list]:
-    """(rows, times, skipped) over the ``available`` backends in preference order: ``check(backend)`` -> its row
-    (with "error" when it failed), ``time_it(backend)`` -> ms for each that passed. flex is skipped once a varlen
-    kernel passed: auto never picks it over one, and its compile (minutes on a GPU) would eat the budget."""
-    from hbp_train.model.attention import VARLEN_KERNELS
+def read_json(path) -> dict | None:
+    """A JSON file a stopped check wrote, or None: missing, or (not written by this command) not whole."""
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
-    rows, times, skipped = {}, {}, []
-    for backend in available:
-        passed = [b for b, row in rows.items() if b in VARLEN_KERNELS and "error" not in row]
-        if backend == "flex" and passed:
-            skipped.append(f"flex: {passed[0]} passed, which auto picks first; flex's compile is not worth the budget")
-            continue
-        rows[backend] = check(backend)
-        if "error" in rows[backend]:
-            continue
-        try:
-            times[backend] = rows[backend]["attention_fwd_bwd_ms"] = time_it(backend)
-        except Exception as exc:  # noqa: BLE001 - reported beside its correctness figures
-            rows[backend]["timing_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return rows, times, skipped
+
+def write_json(path, data: dict) -> None:
+    text = json.dumps(data, indent=1, default=str) + "\n"
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def _bench_trainer(ctx, argv: list[str]) -> dict:
@@ -228,14 +136,14 @@ def _bench_json(ctx, name: str, argv: list[str]) -> list[str]:
     path.unlink(missing_ok=True)
 
     def partial() -> dict:
-        results = json.loads(path.read_text()) if path.exists() else None
+        results = read_json(path)
         if not results or "ratios" not in results:
             return {}
         _remember(ctx, name, results)  # what ran before the stop still serves the later checks
         return _comparison(results)
 
-    ctx.partial = getattr(ctx, "partial", {})
-    ctx.partial[name] = partial
+    if name not in getattr(ctx, "partial", {}):
+        keep_partial(ctx, name, partial)
     return [*argv, "--out", str(path)]
 
 
@@ -244,8 +152,9 @@ def _remember(ctx, name: str, results: dict) -> None:
     HF implementation that trained on the speed path (the profile and 64K run it rather than try again)."""
     setattr(ctx, f"{name}_results", results)
     if name == "trainer":
-        ctx.best_hf_impl = next((v["attention"] for k, v in results["paths"].items()
-                                 if k != "ours" and v.get("ran") and v.get("precision") == "bf16"), None)
+        speed = next((v for k, v in results["paths"].items()
+                      if k != "ours" and v.get("ran") and v.get("precision") == "bf16"), {})
+        ctx.best_hf_impl, ctx.best_hf_wall_s = speed.get("attention"), speed.get("wall_s")
 
 
 def _baselines(ctx) -> str:
@@ -270,8 +179,10 @@ def check_trainer(ctx) -> dict:
     """bench_trainer's comparison: our step against the best HF path (speed path first; the accuracy path in the time
     left after it and ours), tokens/s and MFU, held to the check's budget, no sp=1 parity steps (bench_trainer's
     own run checks those)."""
+    budget = inner_budget(ctx)
     argv = ["--pack-len", str(ctx.pack_len), "--max-pack-search", "0", "--baselines", _baselines(ctx),
-            "--no-sp1-check", "--time-budget-s", f"{inner_budget(ctx):.1f}"]
+            "--no-sp1-check", "--time-budget-s", f"{budget:.1f}",
+            "--ours-reserve-s", f"{min(OURS_RESERVE_S, 0.5 * budget):.1f}"]
     if ctx.dry_run:
         argv += ["--steps", "1", "--warmup", "0"]
     results = _bench_trainer(ctx, _bench_json(ctx, "trainer", argv))
@@ -284,13 +195,17 @@ def check_trainer(ctx) -> dict:
 
 def check_trainer_64k(ctx) -> dict:
     """The comparison at 4x the pack length (64K for the 1B shape), every layer checkpointed on both sides, against
-    the HF implementation that ran at 16K (its speed path only: a second compile would not fit), held to the check's
-    budget; HF's full logits may not fit at 64K, which is reported as why there is no ratio."""
+    the HF implementation that ran at 16K (its speed path only), held to the check's budget. HF's full logits and
+    model states cannot fit 80 GB at 64K: the HF path is then not tried, ours runs alone and the report says "cannot
+    fit" in place of the ratio; where it fits (a larger GPU), it runs when its compile fits the time left."""
     layers = int(ctx.hf_config["num_hidden_layers"])
-    baseline = "sdpa" if ctx.dry_run else (getattr(ctx, "best_hf_impl", None) or "best")
+    baseline = "sdpa" if ctx.dry_run else (hf_baseline(ctx) or "best")
+    budget = inner_budget(ctx)
     argv = ["--pack-len", str(4 * ctx.pack_len), "--max-pack-search", "0", "--no-sp1-check",
             "--baselines", baseline, "--ckpt-layers", str(layers), "--baseline-ckpt",
-            "--time-budget-s", f"{inner_budget(ctx):.1f}"]
+            "--time-budget-s", f"{budget:.1f}", "--ours-reserve-s", f"{min(OURS_RESERVE_S, 0.8 * budget):.1f}",
+            # the HF path's first step compiles again for the new length: as long as it took at 16K (on a GPU)
+            "--hf-min-s", f"{0.0 if ctx.dry_run else getattr(ctx, 'best_hf_wall_s', 0.0) or 0.0:.1f}"]
     argv += ["--steps", "1", "--warmup", "0"] if ctx.dry_run else ["--steps", "3", "--warmup", "1"]
     results = _bench_trainer(ctx, _bench_json(ctx, "trainer_64k", argv))
     _remember(ctx, "trainer_64k", results)
@@ -299,20 +214,31 @@ def check_trainer_64k(ctx) -> dict:
 
 
 def check_longest_pack(ctx) -> dict:
-    """bench_trainer's search in the time left: the longest single-document pack per checkpointing level."""
+    """bench_trainer's search within the check's budget (its engine's build and first step come off it first): the
+    longest single-document pack per checkpointing level; stopped, what it wrote after each attempt."""
     start = 2 * ctx.pack_len  # the comparison trained --pack-len already
     argv = ["--pack-len", str(start), "--baselines", "none", "--no-sp1-check", "--steps", "1", "--warmup", "0",
-            "--search-budget-s", str(ctx.share_s)]
+            "--time-budget-s", f"{inner_budget(ctx):.1f}"]
     if ctx.dry_run:
         argv += ["--max-pack-search", str(2 * start), "--ckpt-levels", "0,2"]
-    results = _bench_trainer(ctx, argv)
+    path = ctx.out / "longest_pack.json"
+
+    def partial() -> dict:
+        results = read_json(path)
+        return _longest_pack_result(ctx, results) if results and results.get("pack_search") else {}
+
+    keep_partial(ctx, "longest_pack", partial)
+    return _longest_pack_result(ctx, _bench_trainer(ctx, _bench_json(ctx, "longest_pack", argv)))
+
+
+def _longest_pack_result(ctx, results: dict) -> dict:
     search = results.get("pack_search") or {}
     ctx.search_results = results
     per_level = {}
     for a in search.get("attempts", []):
         if a and a.get("ok"):
             per_level[a["ckpt_layers"]] = max(per_level.get(a["ckpt_layers"], 0), a["pack_len"])
-    return {"search_budget_s": ctx.share_s, "longest_pack_by_ckpt_layers": per_level,
+    return {"search_budget_s": results["settings"].get("search_budget_s"), "longest_pack_by_ckpt_layers": per_level,
             "attempts": [{k: a.get(k) for k in ("pack_len", "ckpt_layers", "ok", "oom", "step_time_s", "peak_mem_gib")}
                          for a in search.get("attempts", []) if a],
             "not_tried": search.get("skipped", []),
@@ -383,13 +309,18 @@ def check_calibration(ctx) -> dict:
         argv = ["--tokens", str(TABLE_TOKENS), "--iters", "5", "--warmup", "2"]
         val = ["--tokens", str(fits), "--max-samples", "100", "--num-packs", "8", "--iters", "2", "--warmup", "1"]
     path = ctx.out / "calibration.json"
+    path.unlink(missing_ok=True)
     args = build_parser().parse_args(argv + ["--out", str(path)])
     calibration = layer.calibrate(shape, args, ctx.device, ctx.dtype)
-    path.write_text(json.dumps(calibration, indent=1))
+    write_json(path, calibration)
+    measured = {"calibration": str(path.name),
+                "linear_ms_per_32768": calibration["linear_fwdbwd_ms_per_32768_tokens"],
+                "head_ms_per_32768": calibration["head_fwdbwd_ms_per_32768_tokens"]}
+    # stopped in the validation: the calibration made (the cost model of this GPU) is kept, its error is not known
+    keep_partial(ctx, "calibration", lambda: dict(measured, validation="stopped before it ended"))
     vargs = build_parser().parse_args(val + ["--validate", "--calibration", str(path)])
     report = validation.validate(shape, CostModel.from_calibration(path, shape), vargs, ctx.device, ctx.dtype)
-    return {"calibration": str(path.name), "linear_ms_per_32768": calibration["linear_fwdbwd_ms_per_32768_tokens"],
-            "head_ms_per_32768": calibration["head_fwdbwd_ms_per_32768_tokens"],
+    return {**measured,
             "validation": {k: report[k] for k in ("tokens", "mean_abs_error", "max_abs_error", "backend",
                                                   "decoder_kernels", "loss_impl")},
             "packs": [{k: r[k] for k in ("num_samples", "measured_s", "predicted_s", "error")} for r in report["packs"]],
@@ -397,7 +328,11 @@ def check_calibration(ctx) -> dict:
 
 
 def check_profiler(ctx) -> dict:
-    """hbp-profile end to end on the shape (a dry run: the analytic back-end), timed."""
+    """hbp-profile end to end on the shape (a dry run: the analytic back-end), timed; its own time budget ends before
+    the check's (its set-up and the tail after its last measurement come off the share), and stopped, the check keeps
+    the measurements it had made."""
+    from dataclasses import asdict
+
     from hbp_train.profiler.cli import main as profile_main
 
     c = ctx.hf_config
@@ -408,19 +343,33 @@ def check_profiler(ctx) -> dict:
             f"model.init_config.num_attention_heads={c['num_attention_heads']}",
             f"model.init_config.num_key_value_heads={c.get('num_key_value_heads', c['num_attention_heads'])}",
             f"+model.init_config.vocab_size={c['vocab_size']}", f"profile.output={out}",
-            f"profile.time_budget_s={max(ctx.share_s - (0 if ctx.dry_run else PROFILER_SETUP_S), 1.0)}"]
+            f"profile.time_budget_s={profiler_time_budget_s(ctx):.1f}"]
     if ctx.dry_run:
         argv += ["profile.dry_run=true", "profile.min_len=256", "profile.max_len=1024", "profile.world_size=2"]
     else:
         argv += ["profile.min_len=4096", "profile.max_len=65536", "profile.world_size=8",
                  "model.init_config.max_position_embeddings=131072"]
     t0 = time.monotonic()
-    rc = profile_main(argv)
+    out.unlink(missing_ok=True)
+    measured = []
+    keep_partial(ctx, "profiler", lambda: {"exit_code": None, "measurements": measured,
+                                           "time_budget_s": ctx.share_s, "wall_s": time.monotonic() - t0})
+    rc = profile_main(argv, on_measurement=lambda m: measured.append(
+        {k: v for k, v in asdict(m).items() if k in ("pack_len", "sp", "ckpt_layers", "time_s", "oom")}))
     wall = time.monotonic() - t0
-    profile = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
+    profile = read_json(out) if rc == 0 else None
+    profile = profile or {}
     return {"exit_code": rc, "wall_s": wall, "time_budget_s": ctx.share_s, "groups": profile.get("groups"),
+            "measurements": measured,
             "profiler_total_s": (profile.get("profiler") or {}).get("total_s"),
             "verdict": verdict("profiler_s", wall if rc == 0 else None, ctx.dry_run)}
+
+
+def profiler_time_budget_s(ctx) -> float:
+    """The profiler's own budget: the check's share less its set-up and the tail after its last measurement (on a
+    GPU; a dry run measures nothing), so that it stops itself and writes its file before the check is stopped."""
+    overhead = 0.0 if ctx.dry_run else PROFILER_SETUP_S + PROFILER_TAIL_S
+    return max(inner_budget(ctx) - overhead, 1.0)
 
 
 CHECK_FNS = {"step_profile": check_step_profile, "backends": check_backends, "trainer": check_trainer,

@@ -99,5 +99,9 @@ def to_markdown(report: dict) -> str:
 
 
 def write(report: dict, out: Path) -> None:
-    (out / "acceptance.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "acceptance.md").write_text(to_markdown(report))
+    """Both files, each written whole or not at all (a check stopped from outside can land in a write)."""
+    from hbp_train.common.outputs import atomic_write
+
+    text, markdown = json.dumps(report, indent=1, default=str) + "\n", to_markdown(report)
+    atomic_write(out / "acceptance.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out / "acceptance.md", lambda tmp: tmp.write_text(markdown))

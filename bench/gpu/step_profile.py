@@ -8,7 +8,9 @@ Paths (built as bench/trainer/bench_trainer.py builds them, bench/trainer/paths.
   ours        hbp_train's real ``trainer.train_step`` on the engine ``build.build_run`` makes (the decoder kernels and
               attention backend it would train with: model.kernels, model.attention_backend)
   hf_<impl>   the best plain HF path (``--baseline``, default best: the best packed-capable HF attention present,
-              bf16 parameters and AdamW states; ``best:amp`` for the accuracy path)
+              bf16 parameters and AdamW states; ``best:amp`` for the accuracy path; ``none``: ours only), held with
+              --time-budget-s to what is left less --ours-reserve-s: a first step compiling flex for minutes stops in
+              time for ours
   ours_eager  with --compare-kernels (default on when our decoder kernels are not ``none``): ours again with
               model.kernels=none (HF's own modules, Liger's RoPE taken out of transformers first), so the table
               shows what the fused kernels remove; with --time-budget-s only when as much time as ours took is left
@@ -32,8 +34,9 @@ launched from, then by its name (`kernel_category`):
 Kernels on several streams may overlap (NCCL beside compute): ``overlap_ms`` is the kernel time that ran while
 another kernel did, so the categories plus idle exceed the wall time by exactly that.
 
-Writes --out/profile.json (every figure, the top kernels per category) and --out/profile.md (the table); with
---trace, one Chrome trace per path. `profile_paths` is what bench/gpu_acceptance.py's step_profile check runs.
+Writes --out/profile.json (every figure, the top kernels per category) and --out/profile.md (the table), each
+atomically; with --trace, one Chrome trace per path. `profile_paths` is what bench/gpu_acceptance.py's step_profile
+check runs (it writes the figures after each path, so a profile stopped from outside keeps the paths it had).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ sys.path.insert(0, str(REPO))
 from bench.trainer.deadline import Deadline, run_limited  # noqa: E402
 from bench.trainer.paths import OPTIMIZER_SCOPE  # noqa: E402
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.common.outputs import atomic_write  # noqa: E402
 
 CATEGORIES = ("gemm", "attention", "elementwise", "loss", "optimizer", "collective", "memcpy", "idle")
 STEP_SCOPE, MODEL_SCOPE, DECODER_SCOPE, ATTENTION_SCOPE = "hbp/step", "hbp/model", "hbp/decoder", "hbp/attention"
@@ -284,9 +288,10 @@ def _profile_hf(args, architecture, hf_config, baseline, packs, device) -> dict:
     return dict(table, attention=baseline.impl, precision=baseline.precision, label=baseline.label)
 
 
-def profile_paths(args) -> dict:
-    """Profile the HF baseline first (plain torch frees cleanly and sees no Liger RoPE), then ours, then ours with
-    eager decoder kernels when asked; returns {"settings", "paths": {name: table}, "notes"}."""
+def profile_paths(args, on_path=lambda result: None) -> dict:
+    """Profile the HF baseline first (plain torch frees cleanly and sees no Liger RoPE), held to what is left less
+    ``args.ours_reserve_s``, then ours, then ours with eager decoder kernels when asked; returns {"settings", "paths":
+    {name: table}, "notes", "skipped"}; ``on_path(result so far)`` after each path."""
     import torch
 
     import bench.trainer.paths as paths
@@ -305,23 +310,31 @@ def profile_paths(args) -> dict:
                            "model_shape": name, "pack_len": args.pack_len, "dtype": args.dtype,
                            "warmup": args.warmup, "steps": args.steps, "torch": torch.__version__},
               "paths": {}, "notes": [], "skipped": []}
-    baselines, notes = paths.resolve_baselines([args.baseline], device, args.dtype)
+    baselines, notes = ([], []) if args.baseline == "none" else \
+        paths.resolve_baselines([args.baseline], device, args.dtype)
     result["notes"] += notes
+    if args.baseline == "none":
+        result["skipped"].append("hf: --baseline none (no HF path finished in the trainer check: its first step "
+                                 "would compile for the whole budget)")
     deadline = Deadline(args.time_budget_s)
+    reserve = getattr(args, "ours_reserve_s", None) or 0.0
     for baseline in baselines:  # "best": its fallbacks in turn, until one profiles
         args.current_path = baseline.key
+        hf_deadline = Deadline(deadline.left() - reserve if deadline.seconds else None)
         profiled = _run_path(lambda: paths.measure_hf_best(args, architecture, hf_config, baseline, packs, device,
-                                                           measure=_profile_hf), deadline, "hf")
+                                                           measure=_profile_hf), hf_deadline, "hf")
         if isinstance(profiled, tuple):
             table, ran, tried = profiled
             result["paths"][ran.key] = dict(table, tried=tried)
         else:
             result["paths"][baseline.key] = profiled
+        on_path(result)
     batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
     args.current_path = "ours"
     started = time.monotonic()
     result["paths"]["ours"] = _run_path(lambda: _profile_ours(args, architecture, hf_config, batches, device,
                                                               args.kernels), deadline, "ours")
+    on_path(result)
     took = time.monotonic() - started
     ours_kernels = result["paths"]["ours"].get("decoder_kernels", "")
     if args.compare_kernels and ours_kernels and not ours_kernels.startswith("none"):
@@ -332,6 +345,7 @@ def profile_paths(args) -> dict:
             args.current_path = "ours_eager"
             result["paths"]["ours_eager"] = _run_path(lambda: _profile_ours(args, architecture, hf_config, batches,
                                                                             device, "none"), deadline, "ours_eager")
+            on_path(result)
     if device.type == "cpu":
         result["notes"].append("CPU run: ops' self times on the CPU; the figures say nothing about a GPU")
     return result
@@ -339,8 +353,10 @@ def profile_paths(args) -> dict:
 
 def _run_path(fn, deadline: Deadline, what: str):
     """fn()'s result, held to what is left of ``deadline``, or {"error": why} when it failed or ran out of time."""
+    if deadline.seconds is not None and deadline.left() <= 0:
+        return {"error": f"{what}: no time left (the profile's budget)"}
     try:
-        result, over = run_limited(fn, deadline.left() if deadline.seconds else None, what)
+        result, over = run_limited(fn, deadline.left() if deadline.seconds is not None else None, what)
     except Exception as exc:  # noqa: BLE001 - one path failing (OOM, a missing kernel) is reported, not fatal
         from hbp_train.observe.telemetry import is_oom
 
@@ -396,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="hold the profile to this many seconds (default: none): a path past it is stopped and "
                         "reported; ours_eager runs only when as much time as ours took is left")
+    p.add_argument("--ours-reserve-s", type=float, default=0.0,
+                   help="with --time-budget-s: seconds the HF path leaves for ours (default 0)")
     p.add_argument("--out", required=True, help="folder for profile.json and profile.md")
     return p
 
@@ -413,6 +431,7 @@ def resolve(args) -> argparse.Namespace:
     if cpu and resolved.backend == "auto":
         resolved.backend = "sdpa_block"  # as bench_trainer: flex has no backward on the CPU
     resolved.baseline = args.baseline if not (cpu and args.baseline == "best") else "sdpa"
+    resolved.ours_reserve_s = args.ours_reserve_s
     resolved.compare_kernels, resolved.trace_dir, resolved.current_path = args.compare_kernels, None, None
     resolved.time_budget_s = args.time_budget_s
     return resolved
@@ -434,8 +453,9 @@ def main(argv=None) -> int:
     except UserError as exc:
         print(f"step_profile: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    (out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "profile.md").write_text(to_markdown(result))
+    text, markdown = json.dumps(result, indent=1) + "\n", to_markdown(result)
+    atomic_write(out / "profile.json", lambda tmp: tmp.write_text(text))
+    atomic_write(out / "profile.md", lambda tmp: tmp.write_text(markdown))
     print(to_markdown(result))
     print(f"wrote {out / 'profile.json'} and profile.md")
     return 0

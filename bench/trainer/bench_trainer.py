@@ -25,10 +25,13 @@ same order, from the same initial weights):
             collator's cu_seq_lens), then flex_attention (GPU only; HF builds a document BlockMask from the
             position_ids); one that fails to build or to train gives way to the next ("tried" in the JSON), running
             out of memory ends the search. Which one ran is in the table and the JSON. A path whose full logits
-            alone cannot fit the GPU's free memory (a 64K pack of a 128K vocabulary) is not run, and said so.
-With --time-budget-s the bench holds itself to that many seconds (bench/gpu_acceptance.py runs it so): the HF paths
-first, each stopped before it leaves ours less than 35% of the budget, ours in what is left (fewer timed steps
-if need be), every path left out listed under "skipped" with the reason.
+            and model states alone cannot fit the GPU's free memory (a 64K pack of a 128K vocabulary on 80 GB) is
+            not run: it "cannot fit", and the results say so.
+With --time-budget-s the bench holds itself to that many seconds (bench/gpu_acceptance.py runs it so): the first HF
+path (the speed path), stopped before it leaves ours less than --ours-reserve-s, then ours (fewer timed steps if need
+be), so that the ratio is the first figure measured; the other HF paths (the accuracy path) after ours' engine is
+gone, each only when as much time is left as the first HF path took (its first step compiles again); every path
+left out is listed under "skipped" with the reason. The results are written (atomically) after every path.
 Then the longest single pack our path trains (--pack-len, doubling up to --max-pack-search; --search-docs single
 = one document of the whole length, the worst case for attention) with the fewest checkpointed layers that fit:
 for each length the checkpoint levels (--ckpt-levels, default 0, L/4, L/2, 3L/4, L) are tried from the last one
@@ -62,16 +65,16 @@ sys.path.insert(0, str(REPO))
 
 # After the path set-up (noqa: E402). The parts: the workload, the timed paths, the pack search.
 from bench.trainer.deadline import Deadline, run_limited  # noqa: E402
-from bench.trainer.paths import (ZERO_STAGE, build_ours, destroy_ours, device_info, hf_logits_do_not_fit,  # noqa: E402
+from bench.trainer.paths import (ZERO_STAGE, build_ours, destroy_ours, device_info, hf_cannot_fit,  # noqa: E402
                                  measure_hf_best, measure_ours, release, resolve_baselines, sp1_check)
+from bench.trainer.report import TARGET_MFU, TARGET_RATIO, print_report  # noqa: E402
 from bench.trainer.search import TARGET_PACK, ckpt_levels, pack_search  # noqa: E402
 from bench.trainer.workload import PRESETS, describe_packs, make_packs, pack_row, parse_shape  # noqa: E402
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from hbp_train.common.outputs import atomic_write  # noqa: E402
 from hbp_train.train import set_cuda_allocator  # noqa: E402
 
-TARGET_RATIO = 1.2
-TARGET_MFU = 0.45
-OURS_SHARE = 0.35  # of --time-budget-s kept for our path while the HF paths run (its build and steps)
+OURS_SHARE = 0.35  # of --time-budget-s kept for our path while the first HF path runs, unless --ours-reserve-s
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -124,10 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no search attempt after this many seconds of searching (default 300)")
     p.add_argument("--no-sp1-check", action="store_true", help="skip the sp=1 dispatcher-vs-direct check")
     p.add_argument("--time-budget-s", type=float, default=None,
-                   help="hold the whole bench to this many seconds (default: none): the HF paths run first, each "
-                        f"stopped when it would leave ours less than {OURS_SHARE:.0%} of the budget (a first step "
-                        "compiling for minutes), one that no longer fits is skipped; ours then times the steps that "
-                        "fit, the sp=1 check and the search run in what is left. Every skip is in the results")
+                   help="hold the whole bench to this many seconds (default: none): the first HF path runs first, "
+                        "stopped when it would leave ours less than --ours-reserve-s (a first step compiling for "
+                        "minutes); ours then times the steps that fit, the sp=1 check and the search run in what is "
+                        "left, then the other HF paths when as much time is left as the first took. Every skip is in "
+                        "the results")
+    p.add_argument("--ours-reserve-s", type=float, default=None,
+                   help=f"with --time-budget-s: seconds kept for ours while the first HF path runs (default "
+                        f"{OURS_SHARE:.0%} of the budget)")
+    p.add_argument("--hf-min-s", type=float, default=0.0,
+                   help="with --time-budget-s: start the first HF path only when at least this many seconds are left "
+                        "for it (its first step's compile: less would stop it half-way; default 0)")
     p.add_argument("--prompt-frac", type=float, default=0.0,
                    help="share of each sample's first tokens with label -100 (a prompt). 0 (default) trains every "
                         "token; > 0 lets our loss skip those LM-head rows while MFU still counts them")
@@ -159,82 +169,14 @@ def resolve_args(args) -> argparse.Namespace:
         raise UserError(f"--prompt-frac {args.prompt_frac}: must be in [0, 1)")
     if args.time_budget_s is not None and args.time_budget_s <= 0:
         raise UserError(f"--time-budget-s {args.time_budget_s}: must be > 0")
+    if args.ours_reserve_s is not None and not (args.time_budget_s and 0 <= args.ours_reserve_s <= args.time_budget_s):
+        raise UserError(f"--ours-reserve-s {args.ours_reserve_s}: needs --time-budget-s and must be in [0, it]")
     if args.ckpt_layers < 0 or args.loss_chunk < 1 or args.lr <= 0 or args.peak_tflops < 0:
         raise UserError("--ckpt-layers, --peak-tflops must be >= 0; --loss-chunk, --lr must be > 0")
     if cpu and args.dtype == "bf16":
         raise UserError("--dtype bf16 with --device cpu: the CPU smoke run is fp32")
     args.baselines = [] if args.baselines.strip() in ("", "none") else [b.strip() for b in args.baselines.split(",")]
     return args
-
-
-# ------------------------------------------------------------------------------------------------- report
-def fmt(value, spec, missing="n/a") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def print_report(results: dict) -> None:
-    dev = results["device"]
-    model, data, settings = results["model"], results["data"], results["settings"]
-    print(f"\nTrainer benchmark on {dev['name']} ({dev['type']}, {settings['dtype']}), torch {dev['torch']}, "
-          f"transformers {dev['transformers']}, deepspeed {dev['deepspeed']}")
-    print(f"model {model['shape']} ({model['num_params'] / 1e9:.3f}B params, {model['architecture']}); packs of "
-          f"{settings['pack_len']} tokens, {data['docs_per_pack_mean']:.1f} docs/pack (p50 {data['doc_len_p50']}, "
-          f"max {data['doc_len_max']}); {settings['steps']} timed steps after {settings['warmup']} warm-up; "
-          f"MFU peak {fmt(dev['peak_flops'] and dev['peak_flops'] / 1e12, '.0f')} TFLOP/s")
-    head = (f"{'path':<24}{'attention':<28}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU %':>8}{'step s':>9}{'peak GiB':>10}"
-            f"{'1st loss':>10}")
-    print(f"[measured on {dev['name']}]\n{head}\n{'-' * len(head)}")
-    for name, r in results["paths"].items():
-        if not r.get("ran"):
-            print(f"{name:<24}{r.get('attention', ''):<28}  did not run: {r.get('error')}")
-            continue
-        print(f"{name:<24}{r['attention']:<28}{r['tokens_per_s']:>11,.0f}{r['tflops']:>9.1f}"
-              f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f'):>8}{r['step_time_s_mean']:>9.3f}{r['peak_mem_gib']:>10.2f}"
-              f"{fmt(r['first_loss'], '.4f'):>10}")
-    for name, r in results["paths"].items():
-        if name != "ours":
-            print(f"{name}: {r['label']}")
-    ours = results["paths"].get("ours", {})
-    if ours.get("attention_kernel"):
-        print(f"ours: attention {ours['attention_kernel']}; decoder kernels {ours['decoder_kernels']}")
-    if ours.get("optimizer_step_s_mean"):
-        print(f"ours: engine.step (optimizer) {ours['optimizer_step_s_mean']:.3f} s of {ours['step_time_s_mean']:.3f} s "
-              "per step; the rest is forward, backward, gradient reduction and step statistics")
-    for note in results["notes"]:
-        print(f"note: {note}")
-    for name, r in results["paths"].items():
-        for failed in r.get("tried") or []:
-            print(f"note: {name} ran after {failed}")
-    for skipped in results.get("skipped") or []:
-        print(f"skipped: {skipped}")
-    if results.get("no_ratio"):
-        print(f"no ratio: {results['no_ratio']}")
-    for name, ratio in results["ratios"].items():
-        print(f"ratio {name}: {ratio['tokens_per_s']:.2f}x tokens/s, "
-              f"peak memory {fmt(ratio['peak_mem'], '.2f')}x  [{dev['name']}]")
-    t = results["targets"]
-    print(f"targets: ours/best HF >= {TARGET_RATIO}x tokens/s: {fmt(t['ratio_met'], '')} | ours MFU >= "
-          f"{100 * TARGET_MFU:.0f}%: {fmt(t['mfu_met'], '')} | pack >= {TARGET_PACK}: {fmt(t['pack_met'], '')}")
-    if results.get("sp1_check"):
-        c = results["sp1_check"]
-        if "error" in c:
-            print(f"sp=1 check: {c['error']}")
-        else:
-            print(f"sp=1 check [{dev['name']}]: Ulysses dispatcher {c['dispatcher_step_s_mean']:.3f} s/step vs direct "
-                  f"{c['direct_step_s_mean']:.3f} s/step -> {c['speed_ratio_dispatcher_over_direct']:.3f}x")
-    search = results.get("pack_search")
-    if search:
-        print(f"pack search (ours, {search['docs']} docs, ckpt levels {search['ckpt_levels']}) [{dev['name']}]:")
-        for a in search["attempts"]:
-            status = "ok" if a["ok"] else ("OOM" if a["oom"] else f"error {a.get('error')}")
-            extra = (f" {a['step_time_s']:.2f} s/step, {a['tokens_per_s']:,.0f} tok/s, MFU "
-                     f"{fmt(a['mfu'] and 100 * a['mfu'], '.1f')}{'%' if a['mfu'] else ''}" if a["ok"] else "")
-            print(f"  {a['pack_len']:>8} tokens, {a['ckpt_layers']:>3} ckpt layers: {status:<4} peak "
-                  f"{fmt(a.get('peak_mem_gib'), '.2f')} GiB{extra}")
-        for s in search["skipped"]:
-            print(f"  {s['pack_len']:>8} tokens, {s['ckpt_layers']:>3} ckpt layers: skipped ({s['why']})")
-        print(f"  longest pack that trained: {search['longest_ok']} tokens with {search['ckpt_layers_needed']} "
-              f"checkpointed layers (goal {TARGET_PACK}: {'met' if search['goal_met'] else 'not met'})")
 
 
 def _measure_baseline(args, architecture, hf_config, baseline, packs, device, peak_flops, seconds) -> dict:
@@ -275,21 +217,19 @@ def ratios(paths: dict) -> tuple[dict, str | None]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def save(results: dict, out) -> None:
-    """Write the results so far (also after every phase: a run stopped by a time limit keeps what it measured)."""
+    """Write the results so far (also after every phase: a run stopped by a time limit keeps what it measured), to a
+    temporary file moved over the last one: a stop half-way through the write leaves the last results whole."""
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+        text = json.dumps(results, indent=1, default=float) + "\n"
+        atomic_write(out, lambda tmp: tmp.write_text(text))
 
 
 def run_bench(args) -> dict:
     import torch
 
-    from hbp_train.batches.collate import collate_pack
-    from hbp_train.model import attention
-    from hbp_train.observe.telemetry import is_oom, resolve_peak_flops
-    from hbp_train.model.hf_model import num_params
-    from hbp_train.model.attention_setup import describe_backend
     from hbp_train.distributed.groups import init_distributed
+    from hbp_train.observe.telemetry import resolve_peak_flops
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device here; use --device cpu --model-shape tiny for a smoke run")
@@ -315,42 +255,142 @@ def run_bench(args) -> dict:
                             "prompt_frac": args.prompt_frac, "seed": args.seed,
                             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
                "paths": {}, "notes": [], "ratios": {}}
-    label = results["device"]["name"]
     if device.type == "cpu":
         results["notes"].append("CPU smoke run: the figures only show that every path trains; they say nothing about "
                                 "GPU speed, and CPU peak memory is the process's peak RSS")
 
-    # 1. HF baselines first: plain torch frees cleanly; the DeepSpeed engine comes last and stays for the search.
+    # 1. The first HF path (the speed path): plain torch frees cleanly, ours' DeepSpeed engine comes after it and stays
+    # for the search. With a budget the other HF paths come after ours (step 3), so the ratio is measured first.
     deadline = args.deadline = Deadline(args.time_budget_s)
-    reserve = OURS_SHARE * args.time_budget_s if args.time_budget_s else 0.0
     baselines, notes = resolve_baselines(args.baselines, device, args.dtype, args.baseline_precision)
     results["notes"] += notes
     results["skipped"] = []
-    for baseline in baselines:
-        key, entry = baseline.key, {"label": baseline.label, "attention": baseline.impl, "precision": baseline.precision,
-                                    "device": label, "ran": False}
-        why_not = hf_logits_do_not_fit(args.pack_len, int(hf_config["vocab_size"]), device)
-        share = deadline.left() - reserve
-        if why_not is None and share < 0.1 * (args.time_budget_s or 0):
-            why_not = f"{max(deadline.left(), 0):.0f} s of the bench's budget left, {reserve:.0f} s of it kept for ours"
-        if why_not:
-            entry["error"] = f"not run: {why_not}"
-            results["skipped"].append(f"{key}: {why_not}")
-        else:
-            args.deadline = Deadline(share if args.time_budget_s else None)  # its steps stop in time for ours
-            entry.update(_measure_baseline(args, architecture, hf_config, baseline, packs, device, peak_flops, share))
-            args.deadline = deadline
-            if entry.get("key"):
-                key = entry.pop("key")
-        release(device)  # after the except block: its traceback held the failed step's tensors
-        results["paths"][key] = entry
+    early, late = (baselines[:1], baselines[1:]) if args.time_budget_s else (baselines, [])
+    first_took = 0.0
+    for baseline in early:
+        first_took = max(first_took, _run_baseline(args, results, baseline, architecture, hf_config, packs, device,
+                                                   peak_flops, reserve=ours_reserve_s(args), needs_s=args.hf_min_s))
+
+    # 2. Ours, then the sp=1 check and the pack search on the same engine, freed whatever stops them.
+    run = None
+    try:
+        run, backend = build_ours(args, architecture, hf_config, device)
+        entry, first = _measure_ours_entry(args, results, run, backend, packs, device, peak_flops)
+        if not entry["ran"]:  # outside the except block, whose traceback held the failed step's tensors
+            destroy_ours(run)
+            run = None  # drop the old engine before building the next one
+            release(device)
+            run = build_ours(args, architecture, hf_config, device)[0] if args.max_pack_search and deadline.left() > 0 \
+                else None
+        results["paths"] = {"ours": entry, **results["paths"]}
+        _judge(results)
         save(results, args.out)
+        if not args.no_sp1_check and entry["ran"]:
+            if deadline.left() < 2 * args.steps * entry["step_time_s_mean"]:
+                results["skipped"].append(f"sp1_check: {max(deadline.left(), 0):.0f} s of the budget left")
+            else:
+                try:
+                    results["sp1_check"] = sp1_check(run, batches_of(packs), args)
+                except Exception as exc:  # noqa: BLE001 - reported; the rest of the benchmark still counts
+                    results["sp1_check"] = {"error": f"{type(exc).__name__}: "
+                                                     f"{str(exc).splitlines()[0] if str(exc) else ''}"}
+        if args.max_pack_search and args.time_budget_s:
+            args.search_budget_s = min(args.search_budget_s, max(deadline.left(), 0.0))
+        results["settings"]["search_budget_s"] = args.search_budget_s if args.max_pack_search else None
+        if args.max_pack_search and run is not None:
 
-    # 2. Ours, then the sp=1 check and the pack search on the same engine.
-    def rebuild():
-        return build_ours(args, architecture, hf_config, device)[0]
+            def on_attempt(partial):
+                results["pack_search"] = partial
+                save(results, args.out)
 
-    run, backend = build_ours(args, architecture, hf_config, device)
+            # Hand the engine over with no reference left here: after an OOM the search drops it before building the
+            # next one, and a reference held here would keep its weights, gradients and optimizer states (~20 GB
+            # for the 1B shape) on the GPU for the rest of the search; a search that is stopped frees its own.
+            handover, run = [run], None
+            results["pack_search"], run = pack_search(
+                args, handover.pop(), lambda: build_ours(args, architecture, hf_config, device)[0], hf_config,
+                device, peak_flops, first, on_attempt)
+    finally:  # an outer time limit too: the next check must not find ~20 GB left to the garbage collector
+        destroy_ours(run)
+        run = None
+        release(device)
+
+    # 3. With a budget, the other HF paths (the accuracy path) in the time left, each when as much is left as the
+    # first HF path took (its first step compiles again).
+    for baseline in late:
+        _run_baseline(args, results, baseline, architecture, hf_config, packs, device, peak_flops, reserve=0.0,
+                      needs_s=first_took)
+    _judge(results)
+    best, entry = results["targets"]["best_hf"], results["paths"]["ours"]
+    best_ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
+    search = results.get("pack_search")
+    results["targets"].update(
+        ratio_met=None if best_ratio is None else best_ratio >= TARGET_RATIO,
+        mfu_met=None if entry.get("mfu") is None else entry["mfu"] >= TARGET_MFU,
+        pack_met=None if not search else search["goal_met"])
+    return results
+
+
+def ours_reserve_s(args) -> float:
+    """Seconds kept for ours while the first HF path runs (0 without a budget)."""
+    if not args.time_budget_s:
+        return 0.0
+    return args.ours_reserve_s if args.ours_reserve_s is not None else OURS_SHARE * args.time_budget_s
+
+
+def batches_of(packs: list) -> list:
+    from hbp_train.batches.collate import collate_pack
+
+    return [collate_pack(pack_row(p), check_counts=False) for p in packs]
+
+
+def _run_baseline(args, results, baseline, architecture, hf_config, packs, device, peak_flops, reserve: float,
+                  needs_s: float = 0.0) -> float:
+    """One HF path into results["paths"] (saved at once): not run when it cannot fit the GPU or when less than
+    ``needs_s`` (and a tenth of the budget) is left after ``reserve``; else measured, held to what is left less
+    ``reserve``. Returns the seconds it took."""
+    import time
+
+    from hbp_train.perf.shape import parse_model_shape
+
+    deadline = args.deadline
+    key, entry = baseline.key, {"label": baseline.label, "attention": baseline.impl, "precision": baseline.precision,
+                                "device": results["device"]["name"], "ran": False}
+    why_not = hf_cannot_fit(args.pack_len, int(hf_config["vocab_size"]), parse_model_shape(hf_config).num_params,
+                            baseline.precision, device)
+    share = deadline.left() - reserve
+    if why_not is None and share < max(0.1 * (args.time_budget_s or 0), needs_s):
+        why_not = (f"{max(deadline.left(), 0):.0f} s of the bench's budget left"
+                   + (f", {reserve:.0f} s of it kept for ours" if reserve else "")
+                   + (f"; it needs {needs_s:.0f} s (what the first HF path took)" if needs_s else ""))
+    started = time.monotonic()
+    if why_not:
+        entry["error"] = f"not run: {why_not}"
+        results["skipped"].append(f"{key}: {why_not}")
+    else:
+        args.deadline = Deadline(share if args.time_budget_s else None)  # its steps stop in time for ours
+        try:
+            entry.update(_measure_baseline(args, architecture, hf_config, baseline, packs, device, peak_flops, share))
+        finally:
+            args.deadline = deadline
+        key = entry.pop("key", key)
+    took = time.monotonic() - started
+    entry["wall_s"] = round(took, 1)
+    release(device)  # after the except block: its traceback held the failed step's tensors
+    results["paths"][key] = entry
+    save(results, args.out)
+    return took
+
+
+def _measure_ours_entry(args, results, run, backend, packs, device, peak_flops) -> tuple[dict, dict]:
+    """Ours' timed steps on ``run``: (its path entry, the search's first attempt). Out of memory or out of time is
+    recorded in the entry (ran=False); any other failure is raised."""
+    from hbp_train.model import attention
+    from hbp_train.model.attention_setup import describe_backend
+    from hbp_train.model.hf_model import num_params
+    from hbp_train.observe.telemetry import is_oom
+
+    label, deadline = results["device"]["name"], args.deadline
     results["model"]["num_params"] = num_params(run.model)
     fused_loss = run.cfg.loss.fused_on(device)
     results["settings"].update(grad_accum_fp32=run.cfg.deepspeed.grad_accum_fp32(1),
@@ -362,73 +402,41 @@ def run_bench(args) -> dict:
              "decoder_kernels": getattr(run.model, "_hbp_kernels", "n/a"),
              "fused_kernels": list(getattr(run.model, "_hbp_fused_kernels", ())),
              "ckpt_layers": args.ckpt_layers}
-    batches = [collate_pack(pack_row(p), check_counts=False) for p in packs]
-    first = None
+    first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": False, "oom": False,
+             "device": label, "from": "comparison"}
     try:
-        measured, over = run_limited(lambda: measure_ours(run, batches, args, run.model.config, "ours"),
+        measured, over = run_limited(lambda: measure_ours(run, batches_of(packs), args, run.model.config, "ours"),
                                      deadline.left() if args.time_budget_s else None, "ours")
         if over:
             raise TimeoutError(over)
-        entry.update(measured.summary(peak_flops), ran=True)
-        ran_with = attention.get_backend()
-        if ran_with != backend:  # the chosen kernel failed on the first real pack and gave way (attention.py)
-            results["notes"].append(f"ours: attention backend {backend} failed on the first pack; {ran_with} ran")
-            entry.update(attention=f"hbp_packed/{ran_with}", backend=ran_with,
-                         attention_kernel=describe_backend(ran_with, device))
-        if len(measured.step_times) < args.steps:
-            results["skipped"].append(f"ours: timed {len(measured.step_times)} of {args.steps} steps (the budget)")
-        first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": True, "oom": False,
-                 "device": label, "step_time_s": entry["step_time_s_mean"], "tokens_per_s": entry["tokens_per_s"],
-                 "mfu": entry["mfu"], "peak_mem_gib": entry["peak_mem_gib"], "from": "comparison"}
     except Exception as exc:  # noqa: BLE001
         if not (is_oom(exc) or isinstance(exc, TimeoutError)):
             raise
         entry["error"] = "out of memory" if is_oom(exc) else str(exc)
-        first = {"pack_len": args.pack_len, "ckpt_layers": args.ckpt_layers, "docs": "mix", "ok": False,
-                 "oom": is_oom(exc), "device": label, "from": "comparison"}
-    if not entry["ran"]:  # outside the except block, whose traceback held the failed step's tensors
-        destroy_ours(run)
-        run = None  # drop the old engine before building the next one
-        release(device)
-        run = rebuild() if args.max_pack_search and deadline.left() > 0 else None
-    results["paths"] = {"ours": entry, **results["paths"]}
+        first["oom"] = is_oom(exc)
+        return entry, first
+    entry.update(measured.summary(peak_flops), ran=True)
+    ran_with = attention.get_backend()
+    if ran_with != backend:  # the chosen kernel failed on the first real pack and gave way (attention.py)
+        results["notes"].append(f"ours: attention backend {backend} failed on the first pack; {ran_with} ran")
+        entry.update(attention=f"hbp_packed/{ran_with}", backend=ran_with,
+                     attention_kernel=describe_backend(ran_with, device))
+    if len(measured.step_times) < args.steps:
+        results["skipped"].append(f"ours: timed {len(measured.step_times)} of {args.steps} steps (the budget)")
+    first.update(ok=True, step_time_s=entry["step_time_s_mean"], tokens_per_s=entry["tokens_per_s"],
+                 mfu=entry["mfu"], peak_mem_gib=entry["peak_mem_gib"])
+    return entry, first
+
+
+def _judge(results: dict) -> None:
+    """The ratios to the HF paths that ran, the faster one as best_hf, and why there is no ratio when none ran."""
     results["ratios"], best = ratios(results["paths"])
+    results.setdefault("targets", {}).update(tokens_per_s_ratio=TARGET_RATIO, mfu=TARGET_MFU, pack_len=TARGET_PACK,
+                                             best_hf=best)
     hf_errors = [f"{k}: {v.get('error')}" for k, v in results["paths"].items() if k != "ours"]
-    if best is None and entry["ran"] and hf_errors:  # say why there is no ratio (e.g. HF's logits at 64K)
+    results.pop("no_ratio", None)
+    if best is None and results["paths"].get("ours", {}).get("ran") and hf_errors:  # e.g. HF cannot fit at 64K
         results["no_ratio"] = "no HF path ran: " + "; ".join(hf_errors)
-    save(results, args.out)
-    if not args.no_sp1_check and entry["ran"]:
-        if deadline.left() < 2 * args.steps * entry["step_time_s_mean"]:
-            results["skipped"].append(f"sp1_check: {max(deadline.left(), 0):.0f} s of the budget left")
-        else:
-            try:
-                results["sp1_check"] = sp1_check(run, batches, args)
-            except Exception as exc:  # noqa: BLE001 - reported; the rest of the benchmark still counts
-                results["sp1_check"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    if args.max_pack_search and args.time_budget_s:
-        args.search_budget_s = min(args.search_budget_s, max(deadline.left(), 0.0))
-    if args.max_pack_search and run is not None:
-
-        def on_attempt(partial):
-            results["pack_search"] = partial
-            save(results, args.out)
-
-        # Hand the engine over with no reference left here (popped straight into the call): after an OOM the search
-        # drops it before building the next one, and a reference held here would keep its weights, gradients and
-        # optimizer states (~20 GB for the 1B shape) on the GPU for the rest of the search.
-        handover = [run]
-        del run
-        results["pack_search"], run = pack_search(args, handover.pop(), rebuild, hf_config, device, peak_flops,
-                                                  first, on_attempt)
-    destroy_ours(run)
-    best_ratio = results["ratios"].get("ours/best_hf", {}).get("tokens_per_s")
-    search = results.get("pack_search")
-    results["targets"] = {
-        "tokens_per_s_ratio": TARGET_RATIO, "mfu": TARGET_MFU, "pack_len": TARGET_PACK, "best_hf": best,
-        "ratio_met": None if best_ratio is None else best_ratio >= TARGET_RATIO,
-        "mfu_met": None if entry.get("mfu") is None else entry["mfu"] >= TARGET_MFU,
-        "pack_met": None if not search else search["goal_met"]}
-    return results
 
 
 def main(argv=None) -> int:

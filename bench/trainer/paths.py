@@ -311,19 +311,25 @@ def free_device_bytes(device) -> int | None:
 # What HF's loss holds at least at once per token and vocabulary entry: the bf16 logits, their fp32 copy and the fp32
 # log-softmax (transformers' ForCausalLMLoss upcasts the logits, cross_entropy keeps its log-softmax for backward).
 HF_LOGITS_BYTES = 2 + 4 + 4
+# What an HF path's model states hold per parameter through its step: the speed path's bf16 parameters, gradients
+# and two AdamW states; the accuracy path's fp32 ones.
+HF_STATE_BYTES = {"bf16": 2 + 2 + 2 * 2, "amp": 4 + 4 + 2 * 4}
 
 
-def hf_logits_do_not_fit(pack_len: int, vocab: int, device) -> str | None:
-    """Why an HF path cannot fit this pack on ``device``: its full logits alone exceed the free memory (a lower
-    bound, so a path that might fit is never left out); None to run it."""
+def hf_cannot_fit(pack_len: int, vocab: int, num_params: int, precision: str, device) -> str | None:
+    """Why an HF path cannot fit this pack on ``device``: its full logits and its model states alone exceed the free
+    memory (a lower bound: activations come on top, so a path that might fit is never left out); None to run it."""
     if device.type != "cuda":  # a CPU's memory is not the question a smoke run asks
         return None
     free = free_device_bytes(device)
-    need = pack_len * vocab * HF_LOGITS_BYTES
-    if free is None or need <= free:
+    logits = pack_len * vocab * HF_LOGITS_BYTES
+    states = num_params * HF_STATE_BYTES[precision]
+    if free is None or logits + states <= free:
         return None
-    return (f"its full logits need at least {need / 2**30:.1f} GiB ({pack_len} tokens x {vocab} vocabulary, bf16 and "
-            f"twice fp32) and the GPU has {free / 2**30:.1f} GiB free: it would run out of memory")
+    return (f"cannot fit: its full logits need at least {logits / 2**30:.1f} GiB ({pack_len} tokens x {vocab} "
+            f"vocabulary, bf16 and twice fp32) and its model states {states / 2**30:.1f} GiB ({num_params / 1e9:.2f}B "
+            f"parameters, {PRECISIONS[precision][1].split(':')[0]}): {(logits + states) / 2**30:.1f} GiB, with "
+            f"{free / 2**30:.1f} GiB free on the GPU")
 
 
 def build_hf(args, architecture: str, hf_config: dict, impl: str, device, precision: str = "bf16"):

@@ -40,8 +40,21 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     """The longest single pack our path trains, with the fewest checkpointed layers (of the levels) that fit.
 
     Returns (result dict, the run in use): an OOM destroys the engine (its ZeRO buffers may be half-way through a
-    backward) and builds a fresh one. on_attempt(partial result) runs after every attempt.
+    backward) and builds a fresh one. on_attempt(partial result) runs after every attempt. No attempt starts that the
+    last one's seconds (its steps and any rebuild) would carry past --search-budget-s, and a search stopped from
+    outside (a time limit) destroys the engine it holds before the stop goes on.
     """
+    holding = [run]  # the engine the search holds now (None between a destroy and the next build): the only reference
+    del run  # (one held in this frame would keep a destroyed engine's weights on the GPU for the rest of the search)
+    try:
+        return _search(args, holding, rebuild, hf_config, device, peak_flops, first, on_attempt)
+    except BaseException:
+        destroy_ours(holding[0])
+        holding.clear()
+        raise
+
+
+def _search(args, holding: list, rebuild, hf_config, device, peak_flops, first, on_attempt) -> tuple:
     from tqdm import tqdm
 
     from hbp_train.batches.collate import collate_pack
@@ -49,6 +62,7 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     from hbp_train.perf.shape import parse_model_shape
     from hbp_train.observe.telemetry import is_oom, peak_memory_gib, reset_peak_memory
 
+    run = holding[0]
     num_layers = run.model.config.num_hidden_layers
     levels = ckpt_levels(args.ckpt_levels, num_layers)
     level_index = 0
@@ -59,13 +73,15 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
     lengths = [n for n in search_lengths(args.pack_len, args.max_pack_search)
                if not (first and first["ok"] and n == first["pack_len"])]
     start, skipped, longest = time.perf_counter(), [], (first if first and first["ok"] else None)
+    last_cost = 0.0  # seconds the last attempt took, its rebuild included: the next one takes at least as long
     bar = tqdm(total=len(lengths), desc="pack search", unit="len", file=sys.stderr, leave=False)
     for length in lengths:
         batch = collate_pack(pack_row(make_packs(length, 1, hf_config["vocab_size"], args.seed + length,
                                                  args.prompt_frac, args.search_docs)[0]), check_counts=False)
         fitted = False
         while level_index < len(levels):
-            if time.perf_counter() - start > args.search_budget_s:
+            began = time.perf_counter()
+            if began - start + last_cost > args.search_budget_s:
                 skipped.append({"pack_len": length, "ckpt_layers": levels[level_index], "why": "search budget"})
                 break
             ckpt = levels[level_index]
@@ -91,14 +107,16 @@ def pack_search(args, run, rebuild, hf_config, device, peak_flops, first: dict |
             if attempt["ok"]:
                 fitted, longest = True, attempt
             on_attempt(finish_search(attempts, skipped, longest, args, levels))
+            last_cost = time.perf_counter() - began
             if fitted:
                 break
             destroy_ours(run)
-            run = None
+            run = holding[0] = None
             release(device)
             level_index += 1
             if level_index < len(levels):
-                run = rebuild()
+                run = holding[0] = rebuild()
+            last_cost = time.perf_counter() - began
         bar.update(1)
         if not fitted:
             break

@@ -117,17 +117,17 @@ def check_logit_head(model, head: LogitHead, where: str) -> None:
     if not isinstance(lm_head, torch.nn.Linear):
         raise UserError(f"{where}: its LM head ({type(lm_head).__name__}) is not a linear layer, which the packed "
                         "LM-head loss applies itself; use a model whose output embeddings are a linear layer")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # on the host, and every tensor here too, whatever the default device
     tokens, width, columns = 5, lm_head.in_features, 24
-    hidden = torch.randn(1, tokens, width, generator=gen)
+    hidden = torch.randn(1, tokens, width, generator=gen, device="cpu")
     # skip_init: no draw from the global random stream (the model's weights are drawn from it later)
     probe = torch.nn.utils.skip_init(torch.nn.Linear, width, columns, bias=lm_head.bias is not None, device="cpu",
                                      dtype=torch.float32)
     with torch.no_grad():
-        sizes = torch.logspace(-1, math.log10(300.0), columns)[:, None]  # each column's logits' size
-        probe.weight.copy_(torch.randn(columns, width, generator=gen) * sizes / math.sqrt(width))
+        sizes = torch.logspace(-1, math.log10(300.0), columns, device="cpu")[:, None]  # each column's logits' size
+        probe.weight.copy_(torch.randn(columns, width, generator=gen, device="cpu") * sizes / math.sqrt(width))
         if probe.bias is not None:
-            probe.bias.copy_(torch.randn(columns, generator=gen))
+            probe.bias.copy_(torch.randn(columns, generator=gen, device="cpu"))
         ours = head.apply_(probe(hidden).double()).float()
 
     decoder = model.base_model  # what forward_hidden runs (the model itself when base_model_prefix names nothing)
@@ -138,7 +138,7 @@ def check_logit_head(model, head: LogitHead, where: str) -> None:
     setattr(model, model.base_model_prefix, _GivenHidden(decoder, hidden))
     try:
         with torch.no_grad():
-            theirs = model(input_ids=torch.zeros(1, tokens, dtype=torch.long)).logits
+            theirs = model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="cpu")).logits
         same = theirs.shape == ours.shape and torch.allclose(theirs.float(), ours, rtol=1e-4, atol=1e-4)
         found = "" if same else (f"logits of shape {tuple(theirs.shape)} for {tuple(ours.shape)}"
                                  if theirs.shape != ours.shape else

@@ -272,7 +272,7 @@ def install_kernels(model, cfg: ModelConfig, zero3: bool = False) -> tuple[str, 
     device = training_device(model)
     backend = register_packed_attention(model, cfg.attention_backend, device)
     chosen = select_kernels(cfg.kernels, model.config.model_type, device, zero3)
-    kernels = apply_kernels(model, chosen, decoder_layers(model))
+    kernels = apply_kernels(model, chosen, decoder_layers(model), cfg.kernels)
     model._hbp_kernels = kernels  # for reports (bench/): what this model runs with
     if rank() == 0:
         print(f"[model] attention: {describe_backend(backend, device)}", flush=True)

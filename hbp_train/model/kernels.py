@@ -9,6 +9,9 @@ embeddings, the gated activation, casts, residual adds). Two ways to fuse them, 
            are used (MoE experts and DeepSeek's interleaved RoPE stay HF's). The family's apply function is
            resolved before Liger is chosen: a release without one for the family, or whose import fails on this
            transformers, leaves the eager modules with one warning line (model.kernels=liger: one error line).
+           Each kernel is then probed on the training device before the model uses it (model/liger_probe.py: a
+           one-layer copy, forward and backward against HF's modules): one that fails stays eager, named in one
+           warning line (model.kernels=liger: one error line), the others are used.
            Qwen3's per-head q/k norms, which Liger's apply function leaves eager, are patched too.
   compile  `torch.compile` of each decoder layer with a dynamic token count. The packed attention function is
            registered behind `torch.compiler.disable` (attention_setup.use_attention), so each layer compiles into the
@@ -46,6 +49,8 @@ import sys
 import torch
 
 from hbp_train.common.errors import UserError
+from hbp_train.model import liger_probe
+from hbp_train.model.attention_setup import training_device
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ EAGER_FAMILIES: dict[str, str] = {
     "cohere": "Cohere's bias-free LayerNorm and parallel attention/MLP block have no Liger apply function",
 }
 _LIGER_OFF = {"cross_entropy": False, "fused_linear_cross_entropy": False}
+_NAMES = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "SwiGLU", "geglu": "GeGLU"}
 # Families whose attention normalises q and k per head with the family's RMSNorm, which Liger's apply function
 # leaves eager (it patches the decoder's norms only): patched here too (_patch_attention_norms).
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
@@ -148,11 +154,12 @@ def _liger_apply_function(liger, model_type: str):
     return fn, None
 
 
-def apply_kernels(model, chosen: str, layers) -> str:
+def apply_kernels(model, chosen: str, layers, requested: str = "auto") -> str:
     """Apply the resolved choice (select_kernels) to ``model``, whose decoder blocks are ``layers``; returns the
-    phrase the start-of-run log names it with."""
+    phrase the start-of-run log names it with. ``requested``: model.kernels as the user set it (liger: a kernel
+    that fails its probe is an error rather than left eager)."""
     if chosen == "liger":
-        return apply_liger(model)
+        return apply_liger(model, requested)
     if chosen == "compile":
         restore_hf_modules(type(model).__module__)  # HF's code is what is compiled (see "none" below)
         for layer in layers:
@@ -166,18 +173,35 @@ def apply_kernels(model, chosen: str, layers) -> str:
     return "none (eager HF modules)"
 
 
-def apply_liger(model) -> str:
-    """Liger's RMSNorm/RoPE/SwiGLU (as LIGER_KERNELS says for the family) on this model instance."""
+def apply_liger(model, requested: str = "auto") -> str:
+    """Liger's RMSNorm/RoPE/SwiGLU (as LIGER_KERNELS says for the family) on this model instance, each kernel first
+    probed on the training device (model/liger_probe.py): one that fails stays eager with one warning line, or with
+    ``requested`` "liger" is a one-line UserError."""
     model_type = model.config.model_type
     apply, why_not = _liger_apply_function(liger_module(), model_type)
     if apply is None:  # select_kernels resolved it already; a direct call gets the same one line
         raise UserError(f"model.kernels=liger: {why_not}")
-    chosen = LIGER_KERNELS[model_type]
     modeling = importlib.import_module(type(model).__module__)  # e.g. transformers.models.llama.modeling_llama
+    restore_hf_modules(modeling.__name__)  # the probe's reference, and what Liger patches, are HF's own modules
+
+    def patch(target, parts: dict) -> None:
+        apply(model=target, **parts, **_LIGER_OFF)
+        if parts.get("rms_norm") and model_type in QK_NORM_FAMILIES:
+            _patch_attention_norms(target, apply)
+
+    device = training_device(model)
+    rejected = liger_probe.probe_liger(model.config, patch, LIGER_KERNELS[model_type], device, model.dtype)
+    if rejected:
+        failed = "; ".join(f"{_NAMES[k]}: {why}" for k, why in rejected.items())
+        if requested == "liger":
+            raise UserError(f"model.kernels=liger: Liger's kernels failed their check on {device} ({failed}); use "
+                            "model.kernels=auto (leaves those eager) or none")
+        log.warning("Liger's kernels failed their check on %s (%s); those stay eager (HF's modules)", device, failed)
+    chosen = {k: bool(on) and k not in rejected for k, on in LIGER_KERNELS[model_type].items()}
+    if not any(chosen.values()):
+        return "none (eager HF modules: Liger's kernels failed their check here)"
     before = dict(vars(modeling))
-    apply(model=model, **chosen, **_LIGER_OFF)
-    if chosen.get("rms_norm") and model_type in QK_NORM_FAMILIES:
-        _patch_attention_norms(model, apply)
+    patch(model, chosen)
     changed = {name: old for name, old in before.items() if vars(modeling).get(name) is not old}
     originals = _replaced.setdefault(modeling.__name__, {})
     for name, old in changed.items():
@@ -186,8 +210,8 @@ def apply_liger(model) -> str:
             setattr(modeling, name, old)
     used = [k for k in ("rms_norm", "rope", "swiglu") if chosen.get(k)]
     model._hbp_fused_kernels = tuple(used)  # what the memory model counts (perf/memory.py, JobSettings)
-    names = {"rms_norm": "RMSNorm", "rope": "RoPE", "swiglu": "SwiGLU"}
-    return f"liger (liger-kernel {_version('liger-kernel')}: {', '.join(names[k] for k in used)})"
+    eager = f"; {', '.join(_NAMES[k] for k in rejected)} eager: failed their check" if rejected else ""
+    return f"liger (liger-kernel {_version('liger-kernel')}: {', '.join(_NAMES[k] for k in used)}{eager})"
 
 
 def _patch_attention_norms(model, apply) -> None:

@@ -197,8 +197,11 @@ class SequenceParallel:
         local = split_for_sp(batch, self.active_sp, self.pstate.sp_rank(self.active_sp))
         self._pack_bounds = None
         if self.active_sp > 1 and "cu_seqlens" in batch:
+            # max_seqlen bounds every sample the kernel sees, the padding's too: a flash kernel skips the rows of a
+            # sample longer than it (left uninitialised: NaN x 0 in the weight gradient), and tiny samples at sp >= 4
+            # can be shorter than the padding
             self._pack_bounds = [padded_cu_seqlens(batch["cu_seqlens"], local["num_pad_tokens"]),
-                                 int(batch["max_seqlen"]), None]
+                                 max(int(batch["max_seqlen"]), local["num_pad_tokens"]), None]
         return local
 
     def begin_micro_batch(self, num_tokens: int) -> None:

@@ -3,8 +3,10 @@
 One small interface, `MeasureBackend.measure(pack_len, sp, ckpt_layers, iters) -> Measurement`; an OOM is a
 result (Measurement(oom=True)), never an exception.
 
-  GpuBackend       the real model (hbp_train.model.hf_model) on this machine's GPU: fwd+bwd with the chunked loss on a
-                   synthetic pack; torch peak-allocated and NVML used memory (on the CPU, device=cpu: the bytes
+  GpuBackend       the real model (hbp_train.model.hf_model) on this machine's GPU: fwd+bwd of a synthetic pack through
+                   the program training runs (the trainer's PackedCausalLM: the attention backend and decoder kernels
+                   the model was built with, the pack's boundaries handed over, the LM-head loss training resolves,
+                   fused on a GPU, its trained rows counted on the host); torch peak-allocated and NVML used memory (on the CPU, device=cpu: the bytes
                    autograd saves). In one process every sp > 1 is *estimated* from the per-rank slice (pack_len/sp
                    on one GPU) plus the cost model's attention and all-to-all terms (docs/profiler.md states the
                    model); in a measuring torchrun (profiler/worker.py, `use_sequence_parallel`) each rank runs its
@@ -169,9 +171,12 @@ class GpuBackend:
     measuring torchrun (`use_sequence_parallel`): then its degree is run for real, each rank its slice of the pack
     through the Ulysses attention, and the group's reading is the slowest rank's time and the largest rank's memory.
 
-    Each measurement: build a synthetic pack (random token ids, position_ids restarting per document, labels on
-    every token), set the checkpointed layers, run `warmup_iters` + `iters` fwd+bwd with the chunked LM-head loss,
-    time each with CUDA events (median), read torch's peak allocated memory and NVML used memory. Model states:
+    Each measurement: build a synthetic pack on the host (random token ids, position_ids restarting per document,
+    labels on every token but each document's last; at sp > 1 this rank's slice, cut as the trainer cuts it), count
+    its trained tokens there, set the checkpointed layers, run `warmup_iters` + `iters` fwd+bwd of the trainer's
+    forward (build.PackedCausalLM: sample boundaries passed at sp=1, the loss of ``loss_impl`` as training resolves
+    it: fused on a GPU, chunked on the CPU, with the trained rows' count so that neither reads it back from the
+    device), time each with CUDA events (median), read torch's peak allocated memory and NVML used memory. Model states:
     the GPU holds the bf16 params and grads in full; the training job holds its ZeRO shards plus fp32 optimizer
     states, so `model_state_bytes(...) - 4 x params` is added to both memory readings (no optimizer is built:
     its step costs the same per token for every configuration).
@@ -183,11 +188,13 @@ class GpuBackend:
     """
 
     def __init__(self, model_cfg, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings,
-                 vocab_size: Optional[int] = None, device=None):
+                 vocab_size: Optional[int] = None, device=None, loss_impl: str = "auto"):
         import torch
 
+        from hbp_train.build import PackedCausalLM
         from hbp_train.model.hf_model import build_model, decoder_layers
         from hbp_train.model.hf_model import num_params as model_num_params
+        from hbp_train.model.loss import LossConfig
 
         self.torch = torch
         self.cfg, self.cost_model, self.loss_chunk = cfg, cost_model, job.loss_chunk_tokens
@@ -205,6 +212,9 @@ class GpuBackend:
         self.nvml_offset_bytes = 0
         self.measured_sp = 1  # the SP degree this process runs for real (with its peers); others are estimated
         self.model.train()
+        # what training runs on the model: its forward and LM-head loss (loss.impl resolved for this device)
+        self.fused_loss = LossConfig(chunk_size=self.loss_chunk, impl=loss_impl).fused_on(self.device)
+        self.program = PackedCausalLM(self.model, self.loss_chunk, fused_loss=self.fused_loss)
         self.num_layers = len(decoder_layers(self.model))
         self.params = model_num_params(self.model)
         elem = next(self.model.parameters()).element_size()
@@ -219,12 +229,13 @@ class GpuBackend:
 
     def hardware(self) -> dict:
         torch = self.torch
+        loss = "fused" if self.fused_loss else "chunked"
         if not self.on_gpu:
-            return {"backend": "cpu", "device": str(self.device), "threads": torch.get_num_threads(),
+            return {"backend": "cpu", "device": str(self.device), "threads": torch.get_num_threads(), "loss": loss,
                     "note": "CPU run: this CPU's times and autograd-saved activation memory, not a GPU's"}
         props = torch.cuda.get_device_properties(self.device)
         info = {"backend": "gpu", "gpu_name": props.name, "device_memory_bytes": int(props.total_memory),
-                "gpus_measured": 1, "torch": torch.__version__, "cuda": torch.version.cuda}
+                "gpus_measured": 1, "torch": torch.__version__, "cuda": torch.version.cuda, "loss": loss}
         info["nvml"] = nvml_hardware()
         return info
 
@@ -292,28 +303,13 @@ class GpuBackend:
         and the readings agreed over the group (slowest time, largest memory); an OOM raises RankOutOfMemory,
         since this rank cannot tell its peers that are waiting in an all-to-all."""
         torch = self.torch
-        from hbp_train.model.loss import chunked_token_losses
-        from hbp_train.model.hf_model import forward_hidden, set_checkpointed_layers
+        from hbp_train.model.hf_model import set_checkpointed_layers
 
         if not self._on_device:
             self.model.to(self.device)
             self._on_device = True
-        tokens = sum(docs)
-        gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
-        input_ids = torch.randint(0, self.vocab, (1, tokens), generator=gen).to(self.device)
-        position_ids = torch.cat([torch.arange(d) for d in docs])[None].to(self.device)
-        # Labels shifted within each document: the last token of a document has no target.
-        labels = torch.roll(input_ids, -1, dims=1)
-        ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
-        labels[0, ends] = IGNORE_INDEX
-        if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
-            cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
-            local = self.sequence_parallel.split({"input_ids": input_ids, "position_ids": position_ids,
-                                                  "shift_labels": labels, "cu_seqlens": cu_seqlens,
-                                                  "max_seqlen": max(docs)})
-            input_ids, position_ids, labels = local["input_ids"], local["position_ids"], local["shift_labels"]
+        batch = self._pack(docs, sp)
         set_checkpointed_layers(self.model, ckpt)
-        weight = self.model.get_output_embeddings().weight
         times, oom = [], False
         self.model.zero_grad(set_to_none=True)
         if self.on_gpu:
@@ -324,13 +320,12 @@ class GpuBackend:
             for i in range(self.cfg.warmup_iters + iters):
                 timer = _Timer(torch, self.on_gpu)
                 with saved if (saved is not None and i == 0) else nullcontext():
-                    hidden = forward_hidden(self.model, input_ids, position_ids)
-                    loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
+                    loss, _ = self.program(**batch)  # the trainer's forward and loss (its weighted sum)
                     if sp > 1:  # every rank back-propagates its group's loss, as in training
                         loss = self.sequence_parallel.reduce_loss(loss)
                 loss.backward()
                 timer.stop()
-                del hidden, loss
+                del loss
                 if i >= self.cfg.warmup_iters:
                     times.append(timer)
             if self.on_gpu:
@@ -343,7 +338,7 @@ class GpuBackend:
             if sp > 1:
                 raise RankOutOfMemory(sum(docs), sp, ckpt) from None
             oom = True
-        hidden = loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
+        loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
         # Outside the except block, so the exception's frames (holding activations) are gone before freeing.
         if oom:
             result = (None, None, None)
@@ -364,6 +359,31 @@ class GpuBackend:
             torch.cuda.empty_cache()
         return result
 
+
+    def _pack(self, docs: list[int], sp: int) -> dict:
+        """The keyword arguments of the trainer's forward (build.PackedCausalLM) for a synthetic pack of ``docs``,
+        made and cut on the host as the trainer's collate step does, then moved to the device: sample boundaries at
+        sp=1 (under SP the Ulysses attention has the pack's own, from ``split``), the trained tokens counted on the
+        host, a weight of 1 / tokens on each (a mean over the pack)."""
+        torch = self.torch
+        tokens = sum(docs)
+        gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
+        input_ids = torch.randint(0, self.vocab, (1, tokens), generator=gen)
+        position_ids = torch.cat([torch.arange(d) for d in docs])[None]
+        # Labels shifted within each document: the last token of a document has no target.
+        labels = torch.roll(input_ids, -1, dims=1)
+        labels[0, torch.tensor(np.cumsum(docs) - 1)] = IGNORE_INDEX
+        cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
+        pack = {"input_ids": input_ids, "position_ids": position_ids, "shift_labels": labels,
+                "cu_seqlens": cu_seqlens, "max_seqlen": max(docs)}
+        if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
+            pack = self.sequence_parallel.split(pack)
+        trained = pack["shift_labels"] != IGNORE_INDEX
+        to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        return {"input_ids": to(pack["input_ids"]), "position_ids": to(pack["position_ids"]),
+                "shift_labels": to(pack["shift_labels"]),
+                "cu_seqlens": to(cu_seqlens) if sp == 1 else None, "max_seqlen": max(docs) if sp == 1 else None,
+                "loss_weights": to(trained.to(torch.float32) / tokens), "num_loss_tokens": int(trained.sum())}
 
     def _agree(self, result, sp: int):
         """One reading for the SP group: every rank gets the slowest rank's time and the largest rank's memory."""

@@ -120,14 +120,16 @@ def default_min_len_override(overrides: list) -> Optional[str]:
     return f"profile.min_len={max_len}"
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, on_measurement=None) -> int:
+    """The command; ``on_measurement(Measurement)`` is called after each measurement (bench/gpu/checks.py keeps them
+    for a run stopped from outside)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         print(HELP, end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        return profile(argv)
+        return profile(argv, on_measurement)
     except UserError as e:
         print(f"profile: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -135,7 +137,7 @@ def main(argv: Optional[list] = None) -> int:
         return interrupted("profile", "profile.output was left as it was")
 
 
-def profile(argv: list) -> int:
+def profile(argv: list, on_measurement=None) -> int:
     """The CLI's work: config, model shape, back-end, the search, the report and profile.json."""
     t0 = time.monotonic()
     from hbp_train import config as run_config
@@ -173,7 +175,7 @@ def profile(argv: list) -> int:
     else:
         try:
             backend = GpuBackend(run.model, pcfg, cost_model, job, vocab_size=vocab,
-                                 device="cpu" if pcfg.device == "cpu" else None)
+                                 device="cpu" if pcfg.device == "cpu" else None, loss_impl=run.loss.impl)
         except OSError as e:  # the weights under model.name_or_path are missing or unreadable
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"model.name_or_path: cannot load the model ({reason}); a GPU profile needs the "
@@ -191,7 +193,7 @@ def profile(argv: list) -> int:
         log.info("measuring sp=%s on this node's devices (one torchrun each; logs in %s)",
                  ",".join(map(str, launcher.degrees)), launcher.run_dir)
     setup_s = time.monotonic() - t0
-    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher)
+    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher, on_measurement=on_measurement)
     out = profiler.run()  # ProfileError (a UserError) when nothing fits
     out["hardware"] = backend.hardware()
     out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     job_settings = JobSettings.of_run(run)
     shape = model_shape_of(run.model, job["vocab_size"])
     cost_model = CostModel.from_calibration(pcfg.calibration or None, model_shape=shape)
-    backend = GpuBackend(run.model, pcfg, cost_model, job_settings, vocab_size=job["vocab_size"], device=device)
+    backend = GpuBackend(run.model, pcfg, cost_model, job_settings, vocab_size=job["vocab_size"], device=device,
+                         loss_impl=run.loss.impl)
     backend.device_memory_bytes = int(job["device_memory_bytes"])  # the parent's budget: the same decisions
     if job.get("device_excess_bytes") and not on_cpu:  # GPU 0 also holds the parent profiler's context
         backend.nvml_offset_bytes = int(job["device_excess_bytes"][device.index])

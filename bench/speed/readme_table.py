@@ -71,7 +71,8 @@ def render(results: dict) -> str:
         + (f", {slot:,.0f} tokens" if slot else "") + ") from the target τ = tokens / steps. At one long pack per "
         "rank a slot is as large as τ, so a step may hold from 0 to 2τ: each strategy's worst step is in the table. "
         f"Speed: raw wall-clock tokens/s of the timed steps ({' and '.join(str(timed[k]) for k in budgets)} a run: all "
-        f"but the first, the warm-up), each round over isf's in the same round: median [min–max] of {rounds} rounds. "
+        f"but the first, the warm-up), each round over isf's in the same round: median [min–max] of {rounds} "
+        f"round{'s' if rounds != 1 else ''}. "
         "Time to quality runs on the same clock (the warm-up step counts zero seconds). **Bold** only where a "
         "strategy is ahead of every other beyond the runs' noise: paired by round, its tokens/s over each other's "
         "above 1 in every round; paired by seed, a 95% t-interval of the per-seed differences that excludes 0. "
@@ -112,6 +113,8 @@ def _data(kind: str) -> str:
 
 
 def _speed_words(v: dict) -> str:
+    if not v["judged"]:
+        return "one round: no spread, not judged"
     if v["best"]:
         low = min(v["against"].items(), key=lambda kv: kv[1]["min"])
         return f"{v['best']} best: above every other in every round (lowest: over {low[0]} {_spread(low[1])})"

@@ -5,8 +5,8 @@ Speed, paired by round. In round r every strategy ran beside isf with the same s
 another's in the same round cancels the machine's drift. The row's leader is the strategy with the highest median
 paired speed-up over isf. It is **best** (bold) only when its paired ratio over every other strategy lies wholly
 above 1 in every round (min over rounds > 1); every strategy whose paired ratio with the leader reaches 1 or below
-in some round is at **parity** with it. Three rounds wholly above 1 is a sign test of 3 out of 3: no more than that is
-claimed.
+in some round is at **parity** with it. One round has no spread and is not judged. Three rounds wholly above 1 is a
+sign test of 3 out of 3: no more than that is claimed.
 
 Quality, paired by seed. Seed s gives every strategy the same initial weights (and its plan seed), so two strategies'
 figures of one seed are compared seed by seed: the per-seed differences (held-out loss: a - b; time to quality: the
@@ -72,8 +72,9 @@ def speed_verdict(runs: dict, timed, baseline: str = "isf") -> dict:
         ratios = paired_between(runs[leader], rs, timed)
         against[name] = {"ratios": ratios, "median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
     tied = [name for name, a in against.items() if a["min"] <= 1.0]
-    return {"leader": leader, "best": None if tied else leader, "parity": [leader, *tied] if tied else [],
-            "against": against}
+    judged = min((len(a["ratios"]) for a in against.values()), default=0) >= 2  # one round has no spread
+    return {"leader": leader, "best": leader if judged and not tied else None,
+            "parity": [leader, *tied] if tied else [], "against": against, "judged": judged}
 
 
 # ========================================================================================================== quality

@@ -22,14 +22,17 @@ README = REPO / "README.md"
 
 
 def provenance() -> dict:
-    """The commit this checkout is at, whether its tracked or new files differ from it, the machine and versions.
-    Taken when a bench starts, before it writes anything into the tree."""
+    """The commit this checkout is at, whether its tracked or new files differ from it (the benches' own outputs,
+    bench/results/ and README.md, left out), the machine and versions. Taken when a bench starts."""
     def git(*args):
         res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return res.stdout.strip() if res.returncode == 0 else None
+        return res.stdout.rstrip("\n") if res.returncode == 0 else None  # status lines start with a space
 
     status = git("status", "--porcelain")
-    changed = [line[3:] for line in (status or "").splitlines()]
+    # What the benches write themselves (results files, the README's blocks) is output, not the code measured: a
+    # second bench run after a first one has not changed what it measures.
+    changed = [line[3:] for line in (status or "").splitlines()
+               if not (line[3:].startswith("bench/results/") or line[3:] == "README.md")]
     versions = {}
     for name in ("torch", "transformers", "deepspeed", "datasets"):
         try:

@@ -19,8 +19,8 @@ LABELS = {"trl": "TRL, transformers' sdpa (its CPU path)",
           "trl_block": "TRL with our per-document attention (sdpa_block)",
           "ours": "ours (hbp_train)"}
 NOT_EQUALISED = [
-    "the packs and so each step's documents: TRL packs best-fit-decreasing per 1,000-sample chunk and takes one pack a "
-    "step; ours plans hbp (one group, world size 1) and cuts steps of equal real tokens (τ ± one pack); the step "
+    "the packs, and so each step's documents: TRL packs best-fit-decreasing per 1,000-sample chunk and takes one pack "
+    "a step, ours plans hbp (one group, world size 1) and cuts steps of equal real tokens (τ ± one pack); the step "
     "count and the total tokens are equal",
     "the data order: each side shuffles with the round's seed in its own way",
     "the loss's implementation (the formula is the same: the token mean over the step's trained targets): TRL's "
@@ -103,10 +103,12 @@ def render(results: dict) -> str:
         "`sdpa_block` runs one causal SDPA per document; "
         + (f"TRL with it trains the same losses (largest per-step difference {diff:.1e})" if diff < 1e-3 else
            f"TRL's per-step losses with it differ from its own by up to {diff:.1e}")
-        + f". The rest, {_x(rest)} (ours over TRL with our attention), is the step around it. On a GPU, with a "
-        "FlashAttention varlen kernel for TRL's padding-free batches, the attention's share would not arise: "
-        "compare with the second ratio there. Held-out loss, ours minus TRL: "
+        + f". The rest, {_x(rest)} (ours over TRL with our attention), is the step around it. On a GPU TRL's "
+        "padding-free batches go to a FlashAttention varlen kernel, per document like ours, so the attention's "
+        "share is this CPU's; the rest is this CPU's figure too, not a GPU one. Held-out loss, ours minus TRL: "
         + (f"{loss['mean']:+.3f}, {judged}." if loss["mean"] is not None else "n/a."),
-        "Not equalised: " + "; ".join(NOT_EQUALISED) + ".",
+        "",
+        "Not equalised:",
+        *(f"* {item};" if i < len(NOT_EQUALISED) - 1 else f"* {item}." for i, item in enumerate(NOT_EQUALISED)),
     ]
     return "\n".join(lines)

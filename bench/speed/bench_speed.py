@@ -2,8 +2,12 @@
 machine's CPU at equal optimisation, at two step budgets, paired round by round against isf; the simulator's
 absolute prediction for the same plans; held-out loss and time to quality per seed; and a replay of 8 and 32 ranks.
 
-    python bench/speed/bench_speed.py            # the full run: ~30-35 minutes on 2 idle cores (resumable: rerun it)
+    python bench/speed/bench_speed.py            # the full run: ~40 minutes on 2 idle cores (resumable: rerun it)
     python bench/speed/bench_speed.py --quick    # the same chain on a small set, 1 round (tests/test_bench_speed.py)
+
+The full run writes its results file into the repository, bench/results/bench_speed.json (with the commit it ran on
+and whether the tree had changes), and renders README.md's measured table from it (bench/speed/readme_table.py):
+commit both. ``--quick`` writes only under WORK.
 
 One command, the CPU: 2 processes (gloo, one torch thread each: 2 cores), the real trainer through
 ``hbp_train.launch`` with a real DeepSpeed engine (ZeRO-2, fp32). In order (bench/speed/chain.py; every stage prints
@@ -25,13 +29,16 @@ one line when it starts):
    veRL's workload, as veRL runs it) for every round, the plans checked for equal optimisation (the same step count
    and real tokens; every step within one slot of the target: the bench stops otherwise), then trained one epoch,
    round by round: in each round the other strategies in rotated order around isf in the middle, every run seeded
-   with the round (model weights and plan). The one-pack budget evaluates held-out loss (time to quality);
+   with the round (model weights and plan). The one-pack budget evaluates held-out loss (time to quality, on the
+   clock of the timed steps: the warm-up step counts zero seconds);
 6. replay (bench/speed/replay.py): at W = 8 and 32 the same pool planned by every strategy, a few drawn steps' every
    rank's packs timed through the real model, each step's slowest rank plus the modelled rest;
 7. report (bench/speed/report.py): per budget raw tokens/s, the paired speed-up over isf (median and spread over
    rounds), hbp over each baseline, the balance ratio, the simulator's predicted absolute tokens/s and step time
    and their errors, held-out loss and time to quality per seed; the replay beside the simulator; the issue's
-   targets, met or missed in numbers. WORK/results.json and a plot.
+   targets, met or missed in numbers. WORK/results.json and a plot; the full run also bench/results/bench_speed.json
+   and README.md's measured table (bench/speed/readme_table.py: bold only beyond the runs' noise,
+   bench/speed/verdicts.py).
 
 Resumable: every finished run and the replay's times are kept under WORK with the settings that made them; a rerun
 reuses them (``--fresh`` measures everything again). The model: a Llama of ``SETUPS[...].shape`` whose
@@ -55,8 +62,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench import results_file  # noqa: E402
 from bench.speed import chain  # noqa: E402
 from bench.speed import replay  # noqa: E402
+from bench.speed import readme_table  # noqa: E402
 from bench.speed import report  # noqa: E402
 
 STRATEGIES = ("isf", "sorted", "bfd", "kk", "hbp")
@@ -147,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated (default {','.join(STRATEGIES)}; those this checkout lacks are skipped)")
     p.add_argument("--recalibrate", action="store_true", help="measure the calibration anew even if WORK holds one")
+    p.add_argument("--no-readme", action="store_true",
+                   help="the full run: write bench/results/bench_speed.json but leave README.md's table as it is")
     p.add_argument("--fresh", action="store_true",
                    help="measure every run, the step costs and the replay anew (default: reuse what WORK holds "
                         "from an earlier bench with the same settings)")
@@ -166,6 +177,7 @@ def main(argv=None) -> int:
     work = Path(args.work) / name
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    origin = results_file.provenance()  # before the run writes anything into the tree
 
     def stage(text):
         print(f"[{time.time() - t0:6.0f}s] {text}", flush=True)
@@ -208,8 +220,9 @@ def main(argv=None) -> int:
     replay_figs = report.replay_figures(replayed)
     first = setup.budgets[0].packs_per_rank
     wall = time.time() - t0
-    results = {"setup": name, "describe": chain.describe(setup.shape, data), "strategies": strategies,
-               "skipped_strategies": missing, "calibration": str(costs_file), "validation": _validation(validation),
+    results = {"setup": name, "provenance": origin, "describe": chain.describe(setup.shape, data),
+               "strategies": strategies, "skipped_strategies": missing, "calibration": costs_file.name,
+               "validation": _validation(validation),
                "step_costs": json.loads(costs_file.read_text())["step_costs"], "profile_groups": profile["groups"],
                "equal_steps": steps, "budgets": budgets, "replay": replay_figs, "runs": runs,
                "targets": [list(t) for t in report.targets(budgets, replay_figs, steps, first)], "wall_s": wall}
@@ -218,6 +231,16 @@ def main(argv=None) -> int:
     print(summary(results, setup, model))
     print(f"\nwrote {work / 'results.json'} and {work / 'speed.png'}; bench wall time {wall:.0f}s (target "
           f"{setup.wall_limit_s}s: {'met' if wall <= setup.wall_limit_s else 'MISSED'})")
+    if name == "full":
+        kept = results_file.write_results(readme_table.NAME, results, {work: "WORK"})
+        print(f"wrote {kept.relative_to(REPO)} (commit {origin['commit']}"
+              + (", with uncommitted changes" if origin["dirty"] else "") + ")")
+        if not args.no_readme:
+            readme_table.main(["--write"])
+        if origin["dirty"] or (origin["machine"]["load_1min"] or 0) > 0.5:
+            print("note: the tree had uncommitted changes or the machine was busy when the run started "
+                  f"(load {origin['machine']['load_1min']}): the README will say so; figures are worth committing "
+                  "only from a clean tree on an idle machine")
     return 0
 
 
@@ -336,9 +359,11 @@ def summary(results: dict, setup: Setup, model) -> str:
     for key, figs in results["budgets"].items():
         steps = results["equal_steps"][key]
         one = next(iter(steps.values()))
-        lines += ["", f"{key} long pack(s) per rank per step: {one['steps']} optimizer steps of {one['target']:.0f} "
-                      f"real tokens for every strategy (each within one slot, {d['nproc'] * setup.max_len} tokens: "
-                      f"checked); {figs['isf']['rounds']} round(s)",
+        worst = ", ".join(f"{n} {s['worst_over_target']:.2f}" for n, s in steps.items())
+        lines += ["", f"{key} long pack(s) per rank per step: {one['steps']} optimizer steps, target {one['target']:.0f} "
+                      f"real tokens a step (checked: the same step count and total for every strategy, every step "
+                      f"within one slot, {d['nproc'] * setup.max_len} tokens, of the target; worst step's tokens over "
+                      f"the target: {worst}); {figs['isf']['rounds']} round(s)",
                   report.budget_table(figs, steps)]
         hbp = figs.get("hbp", {})
         over = [f"{b} {hbp[f'over_{b}']['median']:.3f}x [{hbp[f'over_{b}']['min']:.3f}-{hbp[f'over_{b}']['max']:.3f}]"

@@ -19,16 +19,19 @@ Definitions (the tables' columns), per budget (packs per rank per step):
   token, different waiting. It is NOT a throughput (the ratio the README published before #31, as "tokens/s");
 * equal optimisation: every strategy's plan has the same optimizer steps (count) and the same real tokens; each step
   holds the target tau = T / N +- one slot of the long group (W packs: the most the equal-steps rule allows any
-  strategy); the bench stops if not. The worst step of each strategy is shown in packs (hbp's target: one pack);
+  strategy); the bench stops if not. At one long pack per rank a slot is as large as tau, so the check lets a step
+  hold anywhere from 0 to 2 tau: the worst step of each strategy is published, in packs from the target and as its
+  real tokens over tau (hbp's target: within one pack);
 * predicted: the simulator (hbp_train/planning/simulator.py) on the same plan with this machine's calibration and
   its fitted step costs (per pack, per micro-batch, per step, data; fitted on a run of other samples) and ZeRO-2's
   collectives: absolute seconds, compared step by step with the measured ones (one epoch: global step s runs the
   plan's optimizer step s) and in total (tokens/s);
-* time to quality, per seed: the training wall time (cumulative step time) at which a strategy's held-out loss first
-  reaches isf's final held-out loss of the same seed (the same initial weights), interpolated linearly between its
-  evaluations, over the time isf took to reach it (the same function on isf's own curve: isf's row is computed);
-  the median over the seeds that reached it, always shown with how many did (k/n): a seed that never reaches it is
-  stated as such, never folded into the median;
+* time to quality, per seed: the training time at which a strategy's held-out loss first reaches isf's final
+  held-out loss of the same seed (the same initial weights), interpolated linearly between its evaluations, over
+  the time isf took to reach it (the same function on isf's own curve: isf's row is computed); the median over the
+  seeds that reached it, always shown with how many did (k/n): a seed that never reaches it is stated as such, never
+  folded into the median. Its clock is the speed figures' clock: the summed step times of the timed steps, the
+  warm-up steps counted as zero seconds (``quality_evals``), so neither figure pays the one-time costs;
 * held-out loss: mean and sample standard deviation (n - 1) over seeds;
 * replay (bench/speed/replay.py): measured compute, modelled waiting at W ranks the machine does not have.
 """
@@ -102,7 +105,8 @@ def check_equal_steps(step_tokens_of: dict, world: int, pack_len: int) -> dict:
             raise SystemExit(f"bench_speed: a {name} step holds {tokens[np.argmax(np.abs(tokens - target))]:.0f} "
                              f"real tokens, more than one slot ({slot}) from the target {target:.0f}")
         out[name] = {"steps": num_steps, "target": target, "worst_tokens": worst, "worst_packs": worst / pack_len,
-                     "min": float(tokens.min()), "max": float(tokens.max())}
+                     "worst_over_target": float(tokens[np.argmax(np.abs(tokens - target))] / target),
+                     "min": float(tokens.min()), "max": float(tokens.max()), "slot_tokens": slot}
     return out
 
 
@@ -153,10 +157,21 @@ def time_to_loss(evals: list, target: float) -> float | None:
     return None
 
 
+def quality_evals(run: dict) -> list:
+    """A run's evaluations [(seconds, step, loss), ...] on the speed figures' clock: the summed times of its timed
+    steps up to the evaluation, the first ``warmup_steps`` steps counted as zero seconds (the evaluation after
+    global step k follows k steps). A run recorded without per-step tokens keeps its own clock."""
+    if "step_tokens" not in run:
+        return [tuple(e) for e in run["evals"]]
+    skip = run.get("warmup_steps", 0)
+    clock = np.concatenate([[0.0], np.cumsum(run["measured_step_s"])])
+    return [(float(clock[step] - clock[min(skip, step)]), step, loss) for _seconds, step, loss in run["evals"]]
+
+
 def time_to_quality(runs: dict, baseline: str = "isf") -> dict:
     """Per strategy, seed by seed: the time its held-out loss reaches ``baseline``'s final loss of the same seed,
-    over the time ``baseline`` took to reach it (time_to_loss on both curves). {"ratios" (None: never), "median"
-    (over the seeds that reached it; None when none did), "reached", "seeds"}."""
+    over the time ``baseline`` took to reach it (time_to_loss on both curves, quality_evals' clock). {"ratios"
+    (None: never), "median" (over the seeds that reached it; None when none did), "reached", "seeds"}."""
     base = {r["seed"]: r for r in runs[baseline] if r["evals"]}
     out = {}
     for name, seeds in runs.items():
@@ -166,7 +181,7 @@ def time_to_quality(runs: dict, baseline: str = "isf") -> dict:
                 continue
             ref = base[r["seed"]]
             target = ref["evals"][-1][2]
-            t, t_ref = time_to_loss(r["evals"], target), time_to_loss(ref["evals"], target)
+            t, t_ref = time_to_loss(quality_evals(r), target), time_to_loss(quality_evals(ref), target)
             ratios.append(None if t is None else t / t_ref)
         reached = [x for x in ratios if x is not None]
         out[name] = {"ratios": ratios, "median": float(np.median(reached)) if reached else None,
@@ -383,9 +398,9 @@ def plot(budgets: dict, runs: dict, replay: dict | None, path) -> None:
     for i, (n, rounds) in enumerate(first.items()):
         for j, r in enumerate(rounds):
             if r["evals"]:
-                t, _, loss = zip(*r["evals"])
+                t, _, loss = zip(*quality_evals(r))
                 axes[2].plot(t, loss, color=f"C{i}", lw=1, alpha=0.8, label=n if j == 0 else None)
-    axes[2].set_xlabel("training wall time (s, evaluation excluded)")
+    axes[2].set_xlabel("training time (s, timed steps: warm-up and evaluation excluded)")
     axes[2].set_ylabel("held-out loss")
     axes[2].set_title("held-out loss over time (every seed)")
     axes[2].legend(fontsize=8)

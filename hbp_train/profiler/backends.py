@@ -294,6 +294,7 @@ class GpuBackend:
         torch = self.torch
         from hbp_train.model.loss import chunked_token_losses
         from hbp_train.model.hf_model import forward_hidden, set_checkpointed_layers
+        from hbp_train.model.rope import PackSlice
 
         if not self._on_device:
             self.model.to(self.device)
@@ -306,12 +307,14 @@ class GpuBackend:
         labels = torch.roll(input_ids, -1, dims=1)
         ends = torch.tensor(np.cumsum(docs) - 1, device=self.device)
         labels[0, ends] = IGNORE_INDEX
+        cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
+        pack_slice = PackSlice.whole(cu_seqlens)  # per-sample RoPE where the model's depends on the length
         if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
-            cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32)
             local = self.sequence_parallel.split({"input_ids": input_ids, "position_ids": position_ids,
                                                   "shift_labels": labels, "cu_seqlens": cu_seqlens,
                                                   "max_seqlen": max(docs)})
             input_ids, position_ids, labels = local["input_ids"], local["position_ids"], local["shift_labels"]
+            pack_slice = local["pack_slice"]
         set_checkpointed_layers(self.model, ckpt)
         weight = self.model.get_output_embeddings().weight
         times, oom = [], False
@@ -324,7 +327,7 @@ class GpuBackend:
             for i in range(self.cfg.warmup_iters + iters):
                 timer = _Timer(torch, self.on_gpu)
                 with saved if (saved is not None and i == 0) else nullcontext():
-                    hidden = forward_hidden(self.model, input_ids, position_ids)
+                    hidden = forward_hidden(self.model, input_ids, position_ids, pack_slice=pack_slice)
                     loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
                     if sp > 1:  # every rank back-propagates its group's loss, as in training
                         loss = self.sequence_parallel.reduce_loss(loss)

@@ -28,7 +28,8 @@ from hbp_train.model.rope import PackSlice, install_per_sample_rope, per_sample
 from hbp_train.model.ulysses import split_for_sp
 from tests.test_families import VOCAB, hf_reference, hf_losses, make_samples, pack_of, per_sample_means
 
-ORIGINAL = 64  # the positions each RoPE was made for (original_max_position_embeddings; dynamic: max_position_embeddings)
+# the positions each RoPE was made for (original_max_position_embeddings; dynamic: max_position_embeddings)
+ORIGINAL = 64
 # Short and long samples (long: beyond ORIGINAL, of distinct lengths, so dynamic's base differs between them);
 # ORIGINAL and ORIGINAL + 1 sit on longrope's threshold.
 UNIT_LENGTHS = (20, 150, 9, 100, ORIGINAL, ORIGINAL + 1, 33)

@@ -16,8 +16,10 @@ the rank holds only the sample's start) and drops its output. ``dynamic`` keeps 
 grown frequencies); the state is reset to the module's fresh one before each call, so the reference is a fresh
 forward on the sample alone. The rotary embedding runs once per forward, before the decoder layers (a
 checkpointed layer's recompute reuses its cos/sin): the grouping is host arithmetic on the pack's sample
-boundaries (`PackSlice`, made by the SP split on the host), a few slices and one concatenation on the device, no
-host sync.
+boundaries (`PackSlice`, made by the SP split on the host), a few slices and one concatenation on the device: no
+host sync of ours (HF's dynamic forward compares its length with its cache on the host, once per call, as it
+does alone). Each regime costs one rotary call over its tokens; types whose cos/sin do not depend on the length
+are left as they are (no wrapper).
 
 Outside `per_sample` (a forward that gives no `PackSlice`) the modules run HF's forward unchanged. Liger's RoPE
 kernel (model/kernels.py) replaces ``apply_rotary_pos_emb``, which consumes the cos/sin made here: the two compose.

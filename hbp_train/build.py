@@ -29,6 +29,7 @@ from hbp_train.model.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.common.errors import UserError
 from hbp_train.model.lora import zero3_external_parameters
 from hbp_train.model.loss import chunked_token_losses, fused_token_losses
+from hbp_train.model.rope import PackSlice, has_per_sample_rope
 from hbp_train.model.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
 from hbp_train.batches.vocab import vocab_to_build
 
@@ -179,10 +180,17 @@ class PackedCausalLM(torch.nn.Module):
         self.keep_choices = router_choices
         self.router_choices = None
         """With router_choices (DeepSeek's router loss): the experts the routers chose (one [T, k] per MoE layer)."""
+        self.per_sample_rope = has_per_sample_rope(model)
+        """Whether the model's RoPE depends on the sample's length (its forward then needs a pack slice, rope.py)."""
 
     def forward(self, input_ids, position_ids, shift_labels, cu_seqlens=None, max_seqlen=None, loss_weights=None,
-                num_loss_tokens=None):
-        """``num_loss_tokens``: the labels that are not IGNORE_INDEX, when the caller knows it (no host sync)."""
+                num_loss_tokens=None, pack_slice=None):
+        """``num_loss_tokens``: the labels that are not IGNORE_INDEX, when the caller knows it (no host sync).
+        ``pack_slice``: where the tokens lie in their pack (rope.PackSlice, the SP split's ``batch["pack_slice"]``),
+        for a RoPE that depends on the sample's length (rope.py); without it the input is taken for a whole pack
+        and its samples are found in position_ids (a host sync)."""
+        if pack_slice is None and self.per_sample_rope:
+            pack_slice = PackSlice.from_position_ids(position_ids)
         kwargs = {}
         if cu_seqlens is not None:
             kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_seqlen,
@@ -190,7 +198,7 @@ class PackedCausalLM(torch.nn.Module):
         self.router_logits = [] if self.router_aux else None
         self.router_choices = [] if self.keep_choices else None
         hidden = modeling.forward_hidden(self.model, input_ids, position_ids, router_logits=self.router_logits,
-                                         router_choices=self.router_choices, **kwargs)
+                                         router_choices=self.router_choices, pack_slice=pack_slice, **kwargs)
         head = self.model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         if loss_weights is not None and self.fused_loss:

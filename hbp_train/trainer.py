@@ -386,7 +386,8 @@ def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dic
         weights_T = _loss_weights(run, batch, step_batch, sp)
         objective, loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
                                    batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None,
-                                   loss_weights=weights_T, num_loss_tokens=num_local_loss)
+                                   loss_weights=weights_T, num_loss_tokens=num_local_loss,
+                                   pack_slice=batch.get("pack_slice"))  # each sample's own RoPE (model/rope.py)
         loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
         if run.router_aux is not None:  # MoE: the pack's (or each sample's) router loss, given to its loss tokens
             aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]

@@ -162,6 +162,28 @@ def test_samples_longer_than_the_models_positions_are_refused_unless_rope_scalin
         check_positions(_config("gemma3_text", max_position_embeddings=1024), 4000)
 
 
+def test_the_start_of_run_line_says_rope_is_applied_per_sample():
+    """Where a RoPE reads the sequence length (dynamic's base, longrope's factors), the line says that each sample's
+    own length sets it (hbp_train/model/rope.py); a Phi-3 longrope's samples past its original positions get the line
+    even within max_position_embeddings."""
+    from hbp_train.model.compat import check_positions
+
+    dynamic = _config("llama", max_position_embeddings=1024,
+                      rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    assert check_positions(dynamic, 3000) == (
+        "[train] the plan's samples reach 3000 tokens, beyond max_position_embeddings 1024 of llama: RoPE scaling "
+        "provides 4096 positions (dynamic, factor 4 x 1024; model.config.rope_scaling); RoPE is applied per sample "
+        "(each sample gets the cos/sin the model gives it alone: a sample's own length sets the base)")
+    longrope = _config("phi3", max_position_embeddings=2048, original_max_position_embeddings=256,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                        "long_factor": [2.0] * 8})
+    assert check_positions(longrope, 256) is None
+    assert check_positions(longrope, 1000) == (
+        "[train] the plan's samples reach 1000 tokens, past the 256 original positions of phi3's longrope RoPE: RoPE "
+        "is applied per sample (each sample gets the cos/sin the model gives it alone: a sample's own length picks "
+        "the long or the short factors, in a pack and under SP alike)")
+
+
 def test_the_build_refuses_samples_beyond_the_positions_before_any_weight_loads(tmp_path, tokenizer_dir, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -41,7 +41,8 @@ def _token_loss(input_ids, shift_labels):
 
 
 class _Engine:
-    """Per-token loss 0.01 * id + 1 on labelled tokens; checks that sp > 1 slices get no whole-pack cu_seqlens."""
+    """Per-token loss 0.01 * id + 1 on labelled tokens; checks that sp > 1 slices get no whole-pack cu_seqlens, and
+    that every forward gets its slice's place in the pack (per-sample RoPE, model/rope.py)."""
 
     def eval(self):
         pass
@@ -49,7 +50,8 @@ class _Engine:
     def train(self):
         pass
 
-    def __call__(self, input_ids, position_ids, shift_labels, cu_seqlens, max_seqlen):
+    def __call__(self, input_ids, position_ids, shift_labels, cu_seqlens, max_seqlen, pack_slice):
+        assert pack_slice.end - pack_slice.start == input_ids.shape[1]
         if cu_seqlens is not None:
             assert int(cu_seqlens[-1]) == input_ids.shape[1]
         return _token_loss(input_ids, shift_labels)[0].float()

@@ -52,6 +52,7 @@ def check_backends(ctx) -> dict:
     from hbp_train.model.kernels import restore_hf_modules
     from hbp_train.model.loss import chunked_token_losses
     from hbp_train.model.hf_model import ModelConfig, build_model, forward_hidden
+    from hbp_train.model.rope import PackSlice
     from hbp_train.common.labels import IGNORE_INDEX
 
     device, dtype = ctx.device, ctx.dtype
@@ -72,7 +73,8 @@ def check_backends(ctx) -> dict:
         weight = model.get_output_embeddings().weight
         if packed:
             hidden = forward_hidden(model, ids[None].to(dev), position_ids[None].to(dev), cu_seq_lens_q=cu.to(dev),
-                                    cu_seq_lens_k=cu.to(dev), max_length_q=max(lengths), max_length_k=max(lengths))
+                                    cu_seq_lens_k=cu.to(dev), max_length_q=max(lengths), max_length_k=max(lengths),
+                                    pack_slice=PackSlice.whole(cu))  # each document's own RoPE, as the trainer's
         else:  # the reference: each document alone, HF's own causal mask
             hidden = torch.cat([forward_hidden(model, ids[None, s:s + n].to(dev), torch.arange(n)[None].to(dev))
                                 for s, n in zip(cu[:-1].tolist(), lengths)], dim=1)

@@ -223,6 +223,7 @@ def _worker(spec_path: str, out_path: str) -> None:
     from hbp_train.common.labels import IGNORE_INDEX
     from hbp_train.model.loss import chunked_token_losses
     from hbp_train.model.hf_model import forward_hidden
+    from hbp_train.model.rope import PackSlice
     from hbp_train.perf.calibrate.timing import VALIDATE_LOSS_CHUNK, cu_seqlens_for, llama_config
     from hbp_train.perf.shape import parse_model_shape
 
@@ -242,7 +243,7 @@ def _worker(spec_path: str, out_path: str) -> None:
         shift = torch.cat([input_ids[0, 1:], input_ids[0, :1]])
         shift[cu[1:].long() - 1] = IGNORE_INDEX  # no sample predicts the next one
         hidden = forward_hidden(net, input_ids, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                                max_length_k=max(lengths))
+                                max_length_k=max(lengths), pack_slice=PackSlice.whole(cu))  # as the trainer's RoPE
         chunked_token_losses(hidden, net.get_output_embeddings().weight, shift, VALIDATE_LOSS_CHUNK).sum().backward()
         net.zero_grad(set_to_none=True)
 

@@ -4,8 +4,9 @@ hf_model.py the model config and build (weights, per-layer checkpointing) · att
 attention backends · attention_setup.py which backend runs (probe, selection) and installing it on a model ·
 kernels.py fused or compiled decoder kernels (Liger, torch.compile) · loss.py the LM-head cross-entropy and its
 normalisers · ulysses.py DeepSpeed-Ulysses sequence parallelism around the attention (split, loss across the SP
-group) · moe.py the MoE router loss · lora.py LoRA/DoRA through peft · families.py the tested families ·
-compat.py what the packed path refuses up front.
+group) · rope.py per-sample RoPE (a length-dependent RoPE from each sample's own length) · moe.py the MoE
+router loss · lora.py LoRA/DoRA through peft · families.py the tested families · compat.py what the packed path
+refuses up front.
 
 May import: distributed (process groups), planning and perf's cost models (shapes), common. Never the loop, the
 batches, the run folder or observation: a model is built and run the same way by the trainer, the profiler, the

@@ -20,7 +20,8 @@ memory), so the rule is about features, never about family names:
 * an SP degree Ulysses cannot split the heads by (perf.shape.sp_heads_problem).
 
 `check_positions` refuses samples longer than the model's positions (positions restart at 0 in every sample of a
-pack, so the longest sample counts, not the pack), unless RoPE scaling in the config extends them: then it says so.
+pack, so the longest sample counts, not the pack), unless RoPE scaling in the config extends them: then it says so,
+and that RoPE is applied per sample (model/rope.py), as it does when samples pass a longrope's original positions.
 
 hf_packed_attention refuses the same features at run time (a safety net for a model this check did not see).
 """
@@ -192,21 +193,31 @@ def _set_submodule(model, old, new) -> None:
 
 # RoPE scalings that stretch the trained positions by their factor (transformers' rope_type names).
 STRETCHING_ROPE = ("linear", "dynamic", "yarn", "longrope", "llama3")
+# How the packed path applies any of them (model/rope.py): what the start-of-run line says.
+PER_SAMPLE_ROPE = "RoPE is applied per sample (each sample gets the cos/sin the model gives it alone"
 
 
 def check_positions(hf_config, longest_sample: int) -> Optional[str]:
     """UserError (one line) when the plan's samples are longer than the model's positions; a line to print when
-    RoPE scaling in the config provides the positions beyond max_position_embeddings; None otherwise."""
+    RoPE scaling in the config provides the positions beyond max_position_embeddings, or when the samples pass a
+    longrope's original positions (each sample's own length then picks its factors); None otherwise."""
     max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if not max_positions or longest_sample <= max_positions:
-        return None
     family = getattr(hf_config, "model_type", "this model")
+    if not max_positions or longest_sample <= max_positions:
+        original = _longrope_original_positions(hf_config)
+        if original is None or longest_sample <= original:
+            return None
+        return (f"[train] the plan's samples reach {longest_sample} tokens, past the {original} original positions "
+                f"of {family}'s longrope RoPE: {PER_SAMPLE_ROPE}: a sample's own length picks the long or the short "
+                "factors, in a pack and under SP alike)")
     scaled = _rope_scaled_positions(hf_config)
     if scaled is not None and longest_sample <= scaled[0]:
         positions, rope_type, factor, original = scaled
+        own = {"dynamic": ": a sample's own length sets the base", "longrope": ": a sample's own length picks the "
+               "long or the short factors"}.get(rope_type, "")
         return (f"[train] the plan's samples reach {longest_sample} tokens, beyond max_position_embeddings "
                 f"{max_positions} of {family}: RoPE scaling provides {positions} positions ({rope_type}, factor "
-                f"{factor:g} x {original}; model.config.rope_scaling)")
+                f"{factor:g} x {original}; model.config.rope_scaling); {PER_SAMPLE_ROPE}{own})")
     have = f"{max_positions} positions (max_position_embeddings" + (
         f"; RoPE scaling {scaled[1]} gives {scaled[0]})" if scaled else ")")
     factor = math.ceil(longest_sample / max_positions)
@@ -236,6 +247,15 @@ def _rope_scaled_positions(hf_config) -> Optional[tuple]:
             positions = max(int(hf_config.max_position_embeddings), int(original * float(p["factor"])))
             found.append((positions, rope_type, float(p["factor"]), original))
     return min(found) if found and len(found) == len(sets) else None
+
+
+def _longrope_original_positions(hf_config) -> Optional[int]:
+    """The original positions of a longrope RoPE in the config (the smallest, per layer type), or None."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    sets = [p for p in params.values() if isinstance(p, dict)] or [params]
+    found = [int(p.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings", 0)
+                 or 0) for p in sets if p.get("rope_type", p.get("type")) == "longrope"]
+    return min(found) if found and min(found) > 0 else None
 
 
 def _meta_model(hf_config):

@@ -24,6 +24,7 @@ from hbp_train.distributed.groups import rank
 from hbp_train.common.errors import UserError
 from hbp_train.model.kernels import KERNELS, apply_kernels, select_kernels
 from hbp_train.model.lora import LoraSettings, apply_lora
+from hbp_train.model.rope import install_per_sample_rope, per_sample
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "data_tools" / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -261,6 +262,7 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
     # from_pretrained returns the model in eval mode, and HF decoder layers only checkpoint activations when
     # training: without this, per-group checkpointing would silently do nothing for a pretrained model.
     model.train()
+    install_per_sample_rope(model)  # a length-dependent RoPE (longrope, dynamic): each sample's own (model/rope.py)
     install_kernels(model, cfg, zero3=zero3_config is not None)
     return model
 
@@ -400,16 +402,18 @@ def set_checkpointed_layers(model, num_layers: int) -> None:
 
 
 def forward_hidden(model, input_ids, position_ids, router_logits: list | None = None,
-                   router_choices: list | None = None, **attn_kwargs) -> torch.Tensor:
+                   router_choices: list | None = None, pack_slice=None, **attn_kwargs) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (the model without its LM head).
 
     attn_kwargs go to the attention function (e.g. cu_seq_lens_q / max_length_q); position_ids restart per sample.
     router_logits (a list) receives an MoE model's router logits, one [T, E] tensor per MoE layer (moe.py);
     router_choices the experts its router chose, one [T, k] tensor per MoE layer (DeepSeek's router loss).
+    pack_slice (rope.PackSlice: where these tokens lie in their pack) gives each sample its own RoPE where the
+    model's depends on the sequence length (rope.py); None: HF's RoPE of the whole input.
     """
     if router_logits is not None:
         attn_kwargs["output_router_logits"] = True
-    with _chosen_experts(model, router_choices):
+    with _chosen_experts(model, router_choices), per_sample(pack_slice):
         out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
     if router_logits is not None:
         router_logits.extend(out.router_logits)

@@ -48,6 +48,7 @@ from hbp_train.model.attention import hf_packed_attention
 from hbp_train.model.attention_setup import use_attention
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
+from hbp_train.model.rope import PackSlice
 from hbp_train.perf.shape import parse_model_shape, sp_heads_problem
 
 ATTN_IMPLEMENTATION = "hbp_ulysses"
@@ -297,8 +298,9 @@ def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
     get shift_label IGNORE_INDEX (no loss) and position_ids 0, 1, …, so they form their own dummy sample and never
     join a real one. Labels must already be shifted per sample (shift_labels), because the shift crosses slice
     borders. Everything else (cu_seqlens of the real samples, max_seqlen, counts) is kept as is: it describes the
-    whole pack. Adds ``num_pad_tokens`` (padding in the whole pack) and ``num_local_tokens`` (real tokens in this
-    slice). sp == 1 returns the batch unchanged apart from those two keys.
+    whole pack. Adds ``num_pad_tokens`` (padding in the whole pack), ``num_local_tokens`` (real tokens in this
+    slice) and, when the batch has its cu_seqlens, ``pack_slice`` (rope.PackSlice: the pack's samples, its padding
+    and this slice's place, for per-sample RoPE). sp == 1 returns the batch unchanged apart from those keys.
     """
     if sp < 1 or not 0 <= sp_rank < sp:
         raise ValueError(f"split_for_sp: need sp >= 1 and 0 <= sp_rank < sp, got sp={sp}, sp_rank={sp_rank}")
@@ -307,7 +309,7 @@ def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
         if key not in batch:
             raise ValueError(f"split_for_sp needs {key} ({what}) in the batch")
     if sp == 1:
-        return {**batch, "num_pad_tokens": 0, "num_local_tokens": num_tokens}
+        return {**batch, "num_pad_tokens": 0, "num_local_tokens": num_tokens, **_pack_slice(batch, 0, 0, num_tokens)}
     num_pad = -num_tokens % sp
     local = (num_tokens + num_pad) // sp
     start, end = sp_rank * local, (sp_rank + 1) * local
@@ -326,4 +328,13 @@ def split_for_sp(batch: dict, sp: int, sp_rank: int) -> dict:
         out[key] = value
     out["num_pad_tokens"] = num_pad
     out["num_local_tokens"] = max(0, min(end, num_tokens) - start)
+    out.update(_pack_slice(batch, num_pad, start, end))
     return out
+
+
+def _pack_slice(batch: dict, num_pad: int, start: int, end: int) -> dict:
+    """{"pack_slice": where the slice lies in its pack (rope.PackSlice: per-sample RoPE reads each token's whole
+    sample length from it)} when the batch has its cu_seqlens (on the host), else {}."""
+    if "cu_seqlens" not in batch:
+        return {}
+    return {"pack_slice": PackSlice(PackSlice.whole(batch["cu_seqlens"]).bounds, num_pad, start, end)}

@@ -47,7 +47,8 @@ def evaluate(run, data: PackedData) -> dict:
                 run.sp.set_active(sp)
                 batch = to_device(run.sp.split(micro_batch), run.device)
                 loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
-                                batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None)
+                                batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None,
+                                pack_slice=batch.get("pack_slice"))  # each sample's own RoPE, as in training
                 sums[0] += loss_T.double().sum()
                 sums[1] += float((batch["shift_labels"] != IGNORE_INDEX).sum())
     finally:

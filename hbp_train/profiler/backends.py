@@ -365,6 +365,8 @@ class GpuBackend:
         made and cut on the host as the trainer's collate step does, then moved to the device: sample boundaries at
         sp=1 (under SP the Ulysses attention has the pack's own, from ``split``), the trained tokens counted on the
         host, a weight of 1 / tokens on each (a mean over the pack)."""
+        from hbp_train.model.rope import PackSlice
+
         torch = self.torch
         tokens = sum(docs)
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.seed)
@@ -378,12 +380,15 @@ class GpuBackend:
                 "cu_seqlens": cu_seqlens, "max_seqlen": max(docs)}
         if sp > 1:  # this rank's slice, exactly as the trainer cuts it (and the pack's boundaries for every layer)
             pack = self.sequence_parallel.split(pack)
+        # each sample's own RoPE where the model's depends on the length, as in training
+        pack_slice = pack["pack_slice"] if sp > 1 else PackSlice.whole(cu_seqlens)
         trained = pack["shift_labels"] != IGNORE_INDEX
         to = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
         return {"input_ids": to(pack["input_ids"]), "position_ids": to(pack["position_ids"]),
                 "shift_labels": to(pack["shift_labels"]),
                 "cu_seqlens": to(cu_seqlens) if sp == 1 else None, "max_seqlen": max(docs) if sp == 1 else None,
-                "loss_weights": to(trained.to(torch.float32) / tokens), "num_loss_tokens": int(trained.sum())}
+                "loss_weights": to(trained.to(torch.float32) / tokens), "num_loss_tokens": int(trained.sum()),
+                "pack_slice": pack_slice}
 
     def _agree(self, result, sp: int):
         """One reading for the SP group: every rank gets the slowest rank's time and the largest rank's memory."""

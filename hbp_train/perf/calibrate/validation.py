@@ -70,6 +70,7 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
     from hbp_train.model import kernels
     from hbp_train.model.attention_setup import register_packed_attention
     from hbp_train.model.hf_model import decoder_layers, forward_hidden
+    from hbp_train.model.rope import PackSlice
 
     timed = timing.timer(device)
     torch.manual_seed(args.seed)
@@ -91,6 +92,7 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
         ids = torch.randint(0, shape.vocab, (1, args.tokens), device=device)
         pos = torch.cat([torch.arange(l, device=device) for l in lengths])[None]
         cu = timing.cu_seqlens_for(lengths, device)
+        pack_slice = PackSlice.whole(np.concatenate([[0], np.cumsum(lengths)]))  # per-sample RoPE, as the trainer's
 
         # The trainer's program: decoder, then its LM-head loss; labels are the next token within a sample.
         shift = torch.cat([ids[0, 1:], ids[0, :1]]).masked_fill(torch.isin(
@@ -98,7 +100,7 @@ def validate(shape: ModelShape, model: CostModel, args, device, dtype) -> dict:
 
         def step():
             hidden = forward_hidden(net, ids, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                    max_length_q=max(lengths), max_length_k=max(lengths))
+                                    max_length_q=max(lengths), max_length_k=max(lengths), pack_slice=pack_slice)
             timing.head_loss(hidden, net.get_output_embeddings().weight, shift, fused).backward()
 
         measured = timed(step, args.iters, args.warmup) / 1e3

@@ -290,6 +290,7 @@ def test_liger_rope_function_receives_the_per_sample_cos_sin(monkeypatch):
     ids, positions, labels, cu, max_len, _ = pack_of(samples)
     try:
         assert "RoPE" in kernels.apply_kernels(model, "liger", model.model.layers)
+        seen.clear()  # what Liger's probe (model/liger_probe.py) ran on its one-layer copy
         loss_T = PackedCausalLM(model, chunk_size=64)(ids, positions, labels, cu, max_len,
                                                       pack_slice=PackSlice.whole(cu))
     finally:

@@ -284,8 +284,6 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
                 save(step)
         if ended != "finished" or cfg.train.save_final:
             save(step)
-        if ended != "finished" and diverged is None:
-            metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
     except BaseException as exc:
         status.end(*ended_by(exc, rank()))
         raise
@@ -297,9 +295,15 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
     if diverged is not None:  # after the checkpoint: train.py turns it into one line and exit 1
         status.end(*ended_by(FloatingPointError(diverged), rank()))
         raise FloatingPointError(diverged)
-    status.end("finished" if ended == "finished" else "preempted")
+    # The run's last line, in status.json too (hbp_train.launch prints it; train.py without our launcher).
+    saved = os.path.join(ckpt_root, checkpoint.tag_for(step)) if saved_at == step else None
+    message = (f"{ended}: steps {start_step}..{step} of {run.total_steps}, {num_skipped} skipped; "
+               + (f"checkpoint {saved} saved" if saved else "no final checkpoint (train.save_final=false)")
+               + ("" if ended == "finished" else ": resume with train.resume=auto")
+               + f"; outputs in {cfg.train.out_dir}")
+    status.end("finished" if ended == "finished" else "preempted", message)
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
-            "skipped": num_skipped, "run": run}
+            "skipped": num_skipped, "run": run, "message": message}
 
 
 def skip_limit(max_skipped: Optional[int], total_steps: int) -> int:

@@ -233,8 +233,8 @@ def test_a_frozen_node_ends_the_job_naming_it(tmp_path):
     assert code == 1 and 8 <= waited < 30  # HBP_PG_TIMEOUT=10 s
     # said while node 0 still waits: after 3 missed beats and a second (7 s), at the next beat
     assert re.fullmatch(rf"\[launch\] node 1 \({socket.gethostname()}, rank 1\) has given no sign of life for [78] s "
-                        r"\(frozen, dead or cut off\?\); the others stop when a collective times out "
-                        r"\(HBP_PG_TIMEOUT\)", lines[0]), lines
+                        r"\(its launcher frozen, dead or cut off\?\); if its workers stopped too, the others stop "
+                        r"when a collective times out \(HBP_PG_TIMEOUT\)", lines[0]), lines
     assert lines[-1].startswith(f"[launch] {NAME} stopped: node 1 ({socket.gethostname()}, rank 1) "
                                 "stopped answering ") and "(killed, frozen or cut off from the network)" in lines[-1]
     assert len(lines) == 2, lines

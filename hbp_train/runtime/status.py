@@ -11,9 +11,9 @@
 the failure was another rank's). ``message`` is the run's last line for every ending (``finished: steps 0..12 of 12,
 ...``). ``launch_id`` names the launcher that started the workers (hbp_train.launch, HBP_LAUNCH_ID): once every
 worker has stopped it rewrites the ending with what only it knows (a silent node, a signal, a save its shutdown
-timeout cut short) and prints the same line (``conclude``; runtime/run_end.py). ``step`` counts the steps done; ``eta_s`` is the mean step time of this invocation
-over the steps left (as the log line's ETA). A ``running`` file whose ``updated_at`` stops moving belongs to a run
-that died without a word (kill -9, a lost node).
+timeout cut short) and prints the same line (``conclude``; runtime/run_end.py). ``step`` counts the steps done;
+``eta_s`` is the mean step time of this invocation over the steps left (as the log line's ETA). A ``running`` file
+whose ``updated_at`` stops moving belongs to a run that died without a word (kill -9, a lost node).
 
 Rank 0 rewrites it after every step with an atomic replace (a temporary file renamed over it: a reader sees the
 previous or the new file, never half of one; a few hundred bytes, not fsynced, so cheap at every step). It is
@@ -62,7 +62,8 @@ class RunStatus:
         self.rank = rank
         self.record = {"state": "running", "step": 0, "total": None, "elapsed_s": 0.0, "eta_s": None, "eta_at": None,
                        "last_checkpoint": None, "last_checkpoint_step": None, "message": None, "run_id": run_id,
-                       "launch_id": os.environ.get("HBP_LAUNCH_ID") or None, "host": socket.gethostname(), "pid": os.getpid(), "started_at": _now(), "updated_at": None}
+                       "launch_id": os.environ.get("HBP_LAUNCH_ID") or None, "host": socket.gethostname(),
+                       "pid": os.getpid(), "started_at": _now(), "updated_at": None}
         self.started = False
 
     def start(self, step: int, total: Optional[int], last_checkpoint: Optional[str] = None) -> None:

@@ -25,7 +25,15 @@ Takes exactly torchrun's arguments (``--help`` lists them) and runs them through
   failed by itself, so the line names the node or rank where it began, not the first local rank that noticed.
   (Collective timeouts are hbp_train/distributed/groups.py's: HBP_PG_TIMEOUT.)
 - **Signals.** torchrun's "Received 15 death signal" log becomes one line saying what happens next, and the last
-  line says whether the workers saved a checkpoint (a SIGHUP, say, stops them without one).
+  line says whether the workers saved a checkpoint (a SIGHUP, say, stops them without one) or whether the shutdown
+  timeout cut their save short. SIGTERM, SIGINT and SIGHUP are heard at every stage: during the roll call, the
+  training, the failure report and the exit barrier.
+- **Every ending said once.** For ``-m hbp_train.train`` the last line is the run's ending, finished (rank 0's own
+  line, which the worker leaves to the launcher), preempted with its checkpoint, or failed naming the rank or node,
+  and the same state and line are written into the run's status.json (runtime/run_end.py), so a scheduler and an
+  operator are told the same. torchrun's exit barrier (after this node's workers finished, up to 300 s for every
+  other launcher, in one blocking call deaf to signals) is replaced by one that a signal ends and that does not wait
+  for a launcher that stopped answering (distributed/node_watch.py).
 
 ``./launch.sh train``, the demo and the profiler use it; the deepspeed launcher (HOSTFILE) is left as it is.
 HBP_DEBUG=1 keeps torchrun's own log lines and tracebacks.

@@ -144,12 +144,14 @@ def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
     header = _plan_header(cfg.data.shards)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg, world_size))
-        if not cfg.train.resume and world_size and header.get("world_size") not in (None, world_size):
-            planned = header["world_size"]
-            raise UserError(f"data.shards={cfg.data.shards}: planned for world size {planned}, but this run has "
-                            f"{world_size} rank{'s' if world_size > 1 else ''}: launch {planned} processes "
-                            f"(NPROC={planned} ./launch.sh train ...), or re-plan with data_tools.pack --world-size "
-                            f"{world_size}")
+        fresh = resume_config.checkpoint_to_resume(cfg) is None  # (a resume may re-plan for this world size)
+        for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+            planned = (header if path == cfg.data.shards else _plan_header(path)).get("world_size")
+            if fresh and world_size and planned not in (None, world_size):
+                raise UserError(f"{field_name}={path}: planned for world size {planned}, but this run has "
+                                f"{world_size} rank{'s' if world_size > 1 else ''}: launch {planned} processes "
+                                f"(NPROC={planned} ./launch.sh train ...), or re-plan with data_tools.pack "
+                                f"--world-size {world_size}")
         resume_config.precheck(cfg, world_size, header.get("groups"))
     except UserError as e:
         raise ConfigError(str(e)) from None

@@ -98,6 +98,7 @@ def test_unchanged_applied_and_refused_settings(shards, tmp_path):
 def test_the_config_check_refuses_with_no_worker(shards, tmp_path, capsys, monkeypatch):
     """python -m hbp_train.config, which ./launch.sh train runs before any worker: a changed model; the world size
     it is told (WORLD_SIZE) against a fresh run's plan, and against a resumed plan's SP degrees."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # not told: not checked
     out = tmp_path / "run"
     _checkpoint(config.load(_overrides(shards, out)), str(out))
     assert config.main(_overrides(shards, out, "train.resume=auto", "train.lr=1e-3")) == 0
@@ -108,10 +109,12 @@ def test_the_config_check_refuses_with_no_worker(shards, tmp_path, capsys, monke
                                                    "cannot resume with model.config.num_hidden_layers=3 (saved with 2")
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert config.main(_overrides(shards, tmp_path / "fresh")) == 2
-    assert capsys.readouterr().err == (f"config error: data.shards={shards}: planned for world size 1, but this run "
-                                       "has 2 ranks: launch 1 processes (NPROC=1 ./launch.sh train ...), or re-plan "
-                                       "with data_tools.pack --world-size 2\n")
+    # train.resume=auto with nothing to resume yet (as the SLURM script always adds it) is a fresh run
+    for fresh in (_overrides(shards, tmp_path / "fresh"), _overrides(shards, tmp_path / "fresh", "train.resume=auto")):
+        assert config.main(fresh) == 2
+        assert capsys.readouterr().err == (f"config error: data.shards={shards}: planned for world size 1, but this "
+                                           "run has 2 ranks: launch 1 processes (NPROC=1 ./launch.sh train ...), or "
+                                           "re-plan with data_tools.pack --world-size 2\n")
 
     # A 2-rank plan with a group at SP degree 2, its checkpoint saved by 2 ranks, resumed on 1.
     sp2 = write_packed(str(tmp_path / "sp2"), synthetic_samples(14, VOCAB, seed=2), TWO_RANK_STEPS, world_size=2,

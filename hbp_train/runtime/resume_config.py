@@ -204,7 +204,7 @@ def precheck(cfg, world_size: Optional[int], planned_groups: Optional[list]) -> 
     degrees cannot run on ``world_size`` ranks (None: not known; ``planned_groups``: data.shards' groups, dicts with
     pack_len and sp). Cheap: reads the checkpoint's small files, never its weights; a checkpoint it cannot judge
     (damaged, unfinished) is left to the workers, which fall back or say why."""
-    tag_dir = _checkpoint_to_resume(cfg)
+    tag_dir = checkpoint_to_resume(cfg)
     if tag_dir is None:
         return
     prefix = f"train.resume={cfg.train.resume}"
@@ -224,7 +224,7 @@ def precheck(cfg, world_size: Optional[int], planned_groups: Optional[list]) -> 
                             f"{tag_dir} (saved by {saved_world}): {problem}")
 
 
-def _checkpoint_to_resume(cfg) -> Optional[str]:
+def checkpoint_to_resume(cfg) -> Optional[str]:
     """The tag folder a resume would start from, found without reading any checkpoint's contents: the one
     train.resume names, or for 'auto' the one ``latest`` names (else the newest) with a manifest; None when there is
     none, or when it is not whole enough to judge here."""

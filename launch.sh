@@ -123,8 +123,12 @@ train() {
   # MASTER_PORT (torchrun rendezvous) or HOSTFILE (deepspeed launcher).
   local nproc=${NPROC:-}
   if [ -z "$nproc" ]; then if have_cuda; then nproc=$(nvidia-smi -L | wc -l); else nproc=1; fi; fi
-  # Check the config once before starting N workers: a bad value is then one line (exit 2), not N tracebacks.
-  "$PY" -m hbp_train.config "$@" >/dev/null || exit $?
+  # Check the config once before starting N workers: a bad value is then one line (exit 2), not N tracebacks. Told
+  # the world size (not known here for the deepspeed launcher's hosts), it also refuses what the workers would: a
+  # plan of another world size, a resume whose SP degrees cannot run on it (docs/reliability.md).
+  local world=$(( nproc * ${NNODES:-1} ))
+  if [ -n "${HOSTFILE:-}" ]; then world=; fi
+  WORLD_SIZE=$world "$PY" -m hbp_train.config "$@" >/dev/null || exit $?
   if [ -n "${HOSTFILE:-}" ]; then
     exec "$VENV/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --module hbp_train.train "$@"
   fi

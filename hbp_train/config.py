@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
+import os
 import sys
 import textwrap
 from dataclasses import dataclass, field, fields
@@ -32,8 +33,7 @@ from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.model.loss import LossConfig
 from hbp_train.model.hf_model import ModelConfig, check_tokenizer_dir
 from hbp_train.perf.profile_config import ProfileConfig
-from hbp_train.perf.shape import model_shape_of
-from hbp_train.runtime import preflight
+from hbp_train.runtime import preflight, resume_config
 from hbp_train.observe.telemetry import LoggingConfig
 from hbp_train.trainer import TrainConfig
 
@@ -117,13 +117,19 @@ def load(overrides: list | None = None) -> HBPConfig:
     return to_dataclass(cfg)
 
 
-def check_paths(cfg: HBPConfig) -> None:
-    """ConfigError naming the field for a path of a training run that is not what it must be: data.shards
+def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
+    """ConfigError naming the field for what a training run would refuse later with no worker needed: data.shards
     and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder;
-    the SP degrees of the shards' groups against the model's heads (``check_sp_degrees``); and train.out_dir a
-    writable folder with room for one checkpoint that holds no other run's checkpoints (runtime/preflight.py).
-    model.name_or_path is checked with the model section itself. Not part of ``load``: the profiler reads no data
-    and writes no run folder."""
+    the SP degrees of the shards' groups against the model's heads (``check_sp_degrees``); train.out_dir a writable
+    folder with room for one checkpoint that holds no other run's checkpoints (runtime/preflight.py); and a resume's
+    checkpoint against this run: its plan, its model and the settings a resume cannot change, and the plan's SP
+    degrees at this world size (runtime/resume_config.precheck). ``world_size``: the ranks the run will have
+    (default: the WORLD_SIZE environment variable, which torchrun sets and ./launch.sh gives the config check;
+    unset: not checked here, the workers do it); a fresh run's plan must be planned for it. model.name_or_path is
+    checked with the model section itself. Not part of ``load``: the profiler reads no data and writes no run
+    folder."""
+    if world_size is None and os.environ.get("WORLD_SIZE", "").strip().isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
         problem = shards_dir_problem(path) if path is not None else None
         if problem:
@@ -135,21 +141,36 @@ def check_paths(cfg: HBPConfig) -> None:
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
     check_sp_degrees(cfg)
+    header = _plan_header(cfg.data.shards)
     try:
-        preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg))
+        preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg, world_size))
+        fresh = resume_config.checkpoint_to_resume(cfg) is None  # (a resume may re-plan for this world size)
+        for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
+            planned = (header if path == cfg.data.shards else _plan_header(path)).get("world_size")
+            if fresh and world_size and planned not in (None, world_size):
+                raise UserError(f"{field_name}={path}: planned for world size {planned}, but this run has "
+                                f"{world_size} rank{'s' if world_size > 1 else ''}: launch {planned} processes "
+                                f"(NPROC={planned} ./launch.sh train ...), or re-plan with data_tools.pack "
+                                f"--world-size {world_size}")
+        resume_config.precheck(cfg, world_size, header.get("groups"))
     except UserError as e:
         raise ConfigError(str(e)) from None
 
 
-def _checkpoint_bytes(cfg: HBPConfig) -> int:
-    """About how large one checkpoint of this run is (preflight.checkpoint_bytes); 0 (no space check) when the
-    model's shape cannot be read from its config, which the build then reports."""
+def _checkpoint_bytes(cfg: HBPConfig, world_size: int | None = None) -> int:
+    """About how large one checkpoint of this run is (preflight.checkpoint_bytes: the model this run builds, its
+    vocabulary the tokenizer's, its trained parameters, its ZeRO stage); 0 (no space check) when the model's shape
+    cannot be read from its config, which the build then reports."""
     try:
-        num_params = model_shape_of(cfg.model).num_params
+        shape = resume_config.built_shape(cfg.model)
     except UserError:
         return 0
-    return preflight.checkpoint_bytes(num_params, cfg.deepspeed.zero_stage, cfg.model.torch_dtype().itemsize,
-                                      lora=cfg.model.lora.r > 0)
+    lora = cfg.model.lora
+    adapters = preflight.lora_params(shape, lora.r, lora.target_modules, lora.dora) if lora.r > 0 else 0
+    return preflight.checkpoint_bytes(shape.num_params + adapters, cfg.deepspeed.zero_stage,
+                                      cfg.model.torch_dtype().itemsize, world_size or 1,
+                                      trained_params=adapters if lora.r > 0 else None,
+                                      other_bytes=preflight.tokenizer_bytes(cfg.model.tokenizer))
 
 
 def check_sp_degrees(cfg: HBPConfig) -> None:
@@ -173,30 +194,48 @@ def check_sp_degrees(cfg: HBPConfig) -> None:
 
 
 def _planned_sp_degrees(shards: str) -> list | None:
-    """The SP degrees of a packed-shards folder's groups, without reading its steps: plan.npz's JSON header, or the
-    "groups" entry near the top of plan.json (written before the steps; the whole file only when it is not there).
-    None when there is no readable plan: the loader names that problem when the run opens the shards."""
+    """The SP degrees of a packed-shards folder's groups (``_plan_header``), or None without a readable plan: the
+    loader names that problem when the run opens the shards."""
+    groups = _plan_header(shards).get("groups")
+    try:
+        return sorted({int(g.get("sp", 1)) for g in groups}) if groups else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _plan_header(shards: str | None) -> dict:
+    """The "world_size" and "groups" of a packed-shards folder's plan, without reading its steps: plan.npz's JSON
+    header, or the entries near the top of plan.json (written before the steps; the whole file only when they are
+    not there). {} when there is no readable plan."""
     import json
 
+    if shards is None:
+        return {}
     folder = Path(shards)
     try:
         if (folder / "plan.npz").is_file():
             from hbp_train.planning.plan_npz import open_npz
 
-            groups = open_npz(folder / "plan.npz", mmap=True)[0].get("groups")
-        else:
-            with open(folder / "plan.json") as f:
-                head = f.read(1 << 16)
-            at = head.find('"groups":')
+            header = open_npz(folder / "plan.npz", mmap=True)[0]
+            return {k: header.get(k) for k in ("world_size", "groups")}
+        with open(folder / "plan.json") as f:
+            head = f.read(1 << 16)
+        out = {}
+        for key in ("world_size", "groups"):
+            at = head.find(f'"{key}":')
+            value_at = at + len(key) + 3
+            while value_at < len(head) and head[value_at] == " ":
+                value_at += 1
             try:
-                groups = json.JSONDecoder().raw_decode(head, at + len('"groups":'))[0] if at >= 0 else None
+                out[key] = json.JSONDecoder().raw_decode(head, value_at)[0] if at >= 0 else None
             except ValueError:  # cut off by the 64 KB read
-                groups = None
-            if groups is None:
-                groups = json.loads((folder / "plan.json").read_text()).get("groups")
-        return sorted({int(g.get("sp", 1)) for g in groups})
+                out[key] = None
+        if None in out.values():
+            whole = json.loads((folder / "plan.json").read_text())
+            out = {k: whole.get(k) for k in out}
+        return out
     except (OSError, ValueError, TypeError, AttributeError, UserError):
-        return None
+        return {}
 
 
 def _section_fields() -> dict:

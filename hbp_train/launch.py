@@ -25,7 +25,15 @@ Takes exactly torchrun's arguments (``--help`` lists them) and runs them through
   failed by itself, so the line names the node or rank where it began, not the first local rank that noticed.
   (Collective timeouts are hbp_train/distributed/groups.py's: HBP_PG_TIMEOUT.)
 - **Signals.** torchrun's "Received 15 death signal" log becomes one line saying what happens next, and the last
-  line says whether the workers saved a checkpoint (a SIGHUP, say, stops them without one).
+  line says whether the workers saved a checkpoint (a SIGHUP, say, stops them without one) or whether the shutdown
+  timeout cut their save short. SIGTERM, SIGINT and SIGHUP are heard at every stage: during the roll call, the
+  training, the failure report and the exit barrier.
+- **Every ending said once.** For ``-m hbp_train.train`` the last line is the run's ending, finished (rank 0's own
+  line, which the worker leaves to the launcher), preempted with its checkpoint, or failed naming the rank or node,
+  and the same state and line are written into the run's status.json (runtime/run_end.py), so a scheduler and an
+  operator are told the same. torchrun's exit barrier (after this node's workers finished, up to 300 s for every
+  other launcher, in one blocking call deaf to signals) is replaced by one that a signal ends and that does not wait
+  for a launcher that stopped answering (distributed/node_watch.py).
 
 ``./launch.sh train``, the demo and the profiler use it; the deepspeed launcher (HOSTFILE) is left as it is.
 HBP_DEBUG=1 keeps torchrun's own log lines and tracebacks.
@@ -36,14 +44,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
 from hbp_train.common.cli import ArgumentParser, float_range, int_range, nonneg_int, output_dir
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.distributed.node_watch import HEARTBEAT, NodeWatch, blame, failure_record
+from hbp_train.runtime import run_end
+from hbp_train.runtime.run_end import checkpoint_state  # noqa: F401  (the launcher's hint, tests read it here)
 
 # Defaults of the HBP_* environment variables above (seconds).
 SHUTDOWN_TIMEOUT = 300
@@ -155,28 +167,6 @@ def run_dir(args) -> Optional[str]:
         return None
 
 
-def checkpoint_state(out_dir: Optional[str], since: float) -> str:
-    """What a failed or stopped run leaves to resume from, as the end of the launcher's line: the checkpoint
-    ``latest`` names if its save finished (it has a manifest.json, hbp_train/runtime/manifest.py), saved by this launch
-    (after ``since``, a time.time()) or before it."""
-    if not out_dir:
-        return ""
-    root = os.path.join(out_dir, "checkpoints")
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            tag = f.read().strip()
-        manifest = os.path.join(root, tag, "manifest.json")
-        saved_at = os.path.getmtime(manifest) if tag else None
-    except (OSError, UnicodeDecodeError):
-        saved_at = None
-    if saved_at is None:
-        return f"no checkpoint in {root}, so a rerun starts from the beginning"
-    where = os.path.join(root, tag)
-    if saved_at >= since:
-        return f"checkpoint {where} was saved: resume with train.resume=auto"
-    return f"no checkpoint was saved by this run; resume with train.resume=auto from the earlier {where}"
-
-
 # --- Signals ----------------------------------------------------------------------------------------------------
 
 
@@ -184,12 +174,17 @@ class _SignalNote(logging.Filter):
     """Replaces torchrun's "Received 15 death signal, shutting down workers" (a WARNING that reads like a crash)
     with one line of ours saying what happens next."""
 
-    def __init__(self, timeout: int, say: Callable[[str], None]):
+    def __init__(self, timeout: int, say: Callable[[str], None], quiet: bool = True):
         super().__init__()
-        self.timeout, self.say = timeout, say
+        self.timeout, self.say, self.quiet = timeout, say, quiet
+        self.at: Optional[float] = None
+        """When torchrun passed the signal on (time.time()): a save finished after it was the signal's."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith("Received %s death signal"):
+            return True
+        self.at = self.at or time.time()
+        if not self.quiet:
             return True
         try:
             name = signal.Signals(int(record.args[0])).name
@@ -235,6 +230,20 @@ def _node_watch(args, say) -> Optional[NodeWatch]:
                      heartbeat=env_seconds("HBP_HEARTBEAT", HEARTBEAT, low=0.1))
 
 
+def _raise_signal(signum, frame):
+    """Until torchrun installs its own handler (the roll call), and after the workers stopped (the failure report):
+    a SIGTERM, SIGINT or SIGHUP ends the launcher with its line, as torchrun's own handler does."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def _launch_id(watch: Optional[NodeWatch]) -> str:
+    """The id of this launch, the same on every node (node 0's, shared by the roll call): the workers write it into
+    status.json, so that the launcher rewrites the ending of its own run only."""
+    return watch.launch_id if watch is not None else secrets.token_hex(8)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _quiet_torch_logs()
@@ -256,23 +265,33 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _raise_signal)
     started = time.time()
-    os.environ["HBP_LAUNCHER"] = "1"  # workers leave their one-line error to us (train._fail)
-    if not os.environ.get("HBP_DEBUG"):
+    os.environ["HBP_LAUNCHER"] = "1"  # workers leave their one-line error and their last line to us (train.py)
+    quiet = not os.environ.get("HBP_DEBUG")
+    if quiet:
         # torchrun logs "failed (exitcode: 2) ..." and "Sending process ... closing signal" before our one line,
         # which says the same; HBP_DEBUG=1 keeps them.
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-        logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
-            _SignalNote(args.shutdown_timeout, _say))
+    note = _SignalNote(args.shutdown_timeout, _say, quiet)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(note)
     watch = None
+    launch_id = None
+    # Where rank 0 says which run folder it writes (runtime/status.py): the run's status.json, read at the end.
+    os.environ["HBP_LAUNCH_RECORD"] = record_file = os.path.join(tempfile.gettempdir(),
+                                                                 f"hbp-launch-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         watch = _node_watch(args, _say)
         if watch is not None:
             watch.join(rdzv_timeout, rdzv_report)
             watch.start()
+            watch.replace_exit_barrier()  # a frozen peer launcher no longer holds this one after its run ended
             if "timeout=" not in (args.rdzv_conf or ""):  # torchrun's own wait after the roll call: the same limit
                 args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"timeout={int(rdzv_timeout)}"]))
+        launch_id = os.environ["HBP_LAUNCH_ID"] = _launch_id(watch)
         run(args)
+        outcome = None
     except DistNetworkError as e:  # the rendezvous port: in use (another job on this host) or not reachable
         _say(port_failure_line(args, e))
         return 1
@@ -284,49 +303,88 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"[launch] rendezvous at {args.master_addr}:{args.master_port} failed after every node had answered "
              f"({first}); a node stopped in between: see its log")
         return 1
-    except ChildFailedError as e:
-        return _report_failure(e, args, watch, started)
-    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: torchrun passed it on to the workers, which
-        # finished their step and saved (train.py says where); any other signal stopped them. The line says which.
-        name = signal.Signals(int(e.sigval)).name
-        state = checkpoint_state(run_dir(args), started)
-        _say(f"[launch] stopped by {name}" + (f"; {state}" if state else ""))
-        return 128 + int(e.sigval)
+    except (ChildFailedError, SignalException) as e:
+        outcome = e
     except KeyboardInterrupt:
         _say("[launch] interrupted")
         return 130
+    try:  # the workers have stopped: one record of how the run ended, its line last and in status.json
+        out_dir = _run_dir(args, record_file)
+        if isinstance(outcome, ChildFailedError):
+            ending, code = _failure(outcome, out_dir, watch, started)
+        elif isinstance(outcome, SignalException):  # Ctrl-C or a scheduler's SIGTERM: torchrun passed it on to the
+            # workers, which finish their step and save; any other signal stopped them. The line says which.
+            ending = run_end.stopped(signal.Signals(int(outcome.sigval)).name, out_dir, launch_id, started, note.at,
+                                     args.shutdown_timeout, time.time() - (note.at or time.time()))
+            code = 0 if ending.state == "finished" else 128 + int(outcome.sigval)
+        else:
+            ending, code = run_end.finished(_job_name(args), out_dir, launch_id), 0
+        if ending is not None:
+            run_end.record(out_dir, launch_id, ending)
+            _say(f"[launch] {ending.line}")
+        return code
+    except SignalException as e:  # a second signal while the end is told: it ends the launcher at once
+        _say(f"[launch] stopped by {signal.Signals(int(e.sigval)).name} while reporting the end of the run")
+        return 128 + int(e.sigval)
     finally:
         if watch is not None:
             watch.stop()
-    return 0
+        _remove(record_file)
 
 
-def _report_failure(e, args, watch: Optional[NodeWatch], started: float) -> int:
-    """The one line for a ChildFailedError (see ``blame``), and the exit code: the culprit rank's, 1 for a signal or
-    a silent node."""
+def _run_dir(args, record_file: str) -> Optional[str]:
+    """The run folder: as rank 0 reported it into ``record_file`` (when it runs on this node), else read from the
+    overrides (``run_dir``: composes the config, seconds)."""
+    try:
+        with open(record_file) as f:
+            return f.read().strip() or None
+    except OSError:
+        return run_dir(args)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _job_name(args) -> str:
+    """torchrun's name of the job: the module or the script."""
+    return args.training_script if args.module else os.path.basename(args.training_script)
+
+
+def _failure(e, out_dir: Optional[str], watch: Optional[NodeWatch], started: float) -> tuple:
+    """(the Ending of a ChildFailedError, the exit code): the one line naming the culprit (see ``blame``) and the
+    exit code, the culprit rank's, 1 for a signal or a silent node. A signal while the other nodes are asked stops
+    the asking: the line then says what is known."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     local = {rank: failure_record(f) for rank, f in e.failures.items()}
     notes, silent = {}, []
     if watch is not None:
-        watch.post_failures(local)
-        notes, silent = watch.survey()
-        watch.linger()
+        try:
+            watch.post_failures(local)
+            notes, silent = watch.survey()
+            watch.linger()
+        except SignalException:
+            pass
     kind, detail = blame(local, notes, silent)
     if kind == "silent":
         who = "; ".join(f"{node} stopped answering {seconds:.0f} s ago" for node, seconds in detail)
-        line = f"[launch] {e.name} stopped: {who} (killed, frozen or cut off from the network)"
+        line = f"{e.name} stopped: {who} (killed, frozen or cut off from the network)"
         code = 1
     else:
         rank, rec, node = detail if detail else (e.get_first_failure()[0], failure_record(e.get_first_failure()[1]),
                                                  None)
         where = str(watch.nodes[node]).split(" (")[0] if watch is not None and node is not None else ""
-        line = failure_line(e.name, rank, rec["exitcode"], rec["message"], where)
+        line = failure_line(e.name, rank, rec["exitcode"], rec["message"], where)[len("[launch] "):]
         code = rec["exitcode"] if rec["exitcode"] > 0 else 1
     if code != EXIT_USER_ERROR:  # bad input: fix it and start again; anything else: where the run stands
-        state = checkpoint_state(run_dir(args), started)
+        state = run_end.checkpoint_state(out_dir, started)
         if state:
             line += f"; {state}"
-    _say(line)
-    return code
+    return run_end.failed(line, out_dir), code
 
 
 if __name__ == "__main__":

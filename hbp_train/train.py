@@ -138,9 +138,9 @@ def _task(dict_cfg) -> None:
         if not groups.is_collective_failure(e) or os.environ.get("HBP_DEBUG"):
             raise
         _fail(groups.collective_failure_line(e), 1)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[train] {summary['ended']}: steps {summary['start_step']}..{summary['end_step']}, "
-              f"{summary['skipped']} skipped; outputs in {cfg.train.out_dir}", flush=True)
+    # The run's last line; under hbp_train.launch the launcher says it, from status.json (runtime/run_end.py).
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("HBP_LAUNCHER"):
+        print(f"[train] {summary['message']}", flush=True)
 
 
 def main() -> None:

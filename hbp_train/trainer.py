@@ -47,7 +47,7 @@ from hbp_train.observe.telemetry import (MetricsLogger, StepLengthMix, all_gathe
                                          reset_peak_memory)
 from hbp_train.perf.flops import pack_flops
 from hbp_train.perf.shape import parse_model_shape
-from hbp_train.runtime import checkpoint, elastic
+from hbp_train.runtime import checkpoint, elastic, resume_config
 from hbp_train.runtime.ledger import SampleLedger
 from hbp_train.runtime.status import RunStatus, ended_by
 
@@ -167,12 +167,15 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
     run folder's status.json writer (runtime/status.py; train.py makes it), started once the folder is known to be
     this run's, then rewritten after every step and save."""
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
-    source = None
-    try:  # before building anything: a wrong path, a checkpoint of another plan, is one line
+    config_yaml = config_yaml or resume_config.config_yaml(cfg)  # every checkpoint holds its run's config
+    source = changed = None
+    try:  # before building anything: a wrong path, a checkpoint of another plan or model, is one line
         resume = checkpoint.find_resume(cfg.train.resume, ckpt_root,
                                         warn=lambda line: print(line, flush=True) if rank() == 0 else None)
         if resume is not None:
             saved = checkpoint.check_resumable(*resume, world_size(), cfg.data.shards)
+            # Settings changed since the save: refused (the model, the data order, ZeRO-3) or named and applied.
+            changed = resume_config.check(cfg, os.path.join(*resume))
             # Another world size: the untrained samples re-planned, the checkpoint made universal (elastic.py).
             source = elastic.prepare(cfg, *resume, saved, world_size())
     except UserError as e:
@@ -202,6 +205,8 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
         why = "data.epochs / train.max_steps changed" + (", or the re-plan has other steps" if source.data else "")
         metrics.message(f"[train] warning: this run has {run.total_steps} steps but the checkpoint was saved by a run "
                         f"of {resumed.total_steps} ({why}): the LR schedule changes")
+    if changed:
+        metrics.message(changed)
     if resume is not None:
         where = f" on {world_size()} rank{'s' if world_size() > 1 else ''} (saved by {source.saved_world_size})"
         metrics.message(f"[train] resumed from {os.path.join(*resume)} at step {start_step}"
@@ -279,8 +284,6 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
                 save(step)
         if ended != "finished" or cfg.train.save_final:
             save(step)
-        if ended != "finished" and diverged is None:
-            metrics.message(f"[train] {ended} at step {step}/{run.total_steps}; resume with train.resume=auto")
     except BaseException as exc:
         status.end(*ended_by(exc, rank()))
         raise
@@ -292,9 +295,15 @@ def train(cfg, config_yaml: str = "", status=None) -> dict:
     if diverged is not None:  # after the checkpoint: train.py turns it into one line and exit 1
         status.end(*ended_by(FloatingPointError(diverged), rank()))
         raise FloatingPointError(diverged)
-    status.end("finished" if ended == "finished" else "preempted")
+    # The run's last line, in status.json too (hbp_train.launch prints it; train.py without our launcher).
+    saved = os.path.join(ckpt_root, checkpoint.tag_for(step)) if saved_at == step else None
+    message = (f"{ended}: steps {start_step}..{step} of {run.total_steps}, {num_skipped} skipped; "
+               + (f"checkpoint {saved} saved" if saved else "no final checkpoint (train.save_final=false)")
+               + ("" if ended == "finished" else ": resume with train.resume=auto")
+               + f"; outputs in {cfg.train.out_dir}")
+    status.end("finished" if ended == "finished" else "preempted", message)
     return {"start_step": start_step, "end_step": step, "losses": history, "ended": ended,
-            "skipped": num_skipped, "run": run}
+            "skipped": num_skipped, "run": run, "message": message}
 
 
 def skip_limit(max_skipped: Optional[int], total_steps: int) -> int:

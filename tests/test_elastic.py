@@ -158,11 +158,13 @@ def _overrides(shards, out, stage, *extra) -> list:
 
 
 def _optimizer_view(engine) -> dict:
-    """One parameter's Adam exp_avg and fp32 weight, gathered whole (collective), and the schedule's position."""
+    """One parameter's Adam moments (exp_avg, exp_avg_sq) and fp32 weight, gathered whole (collective), and the
+    schedule's position."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     param = dict(engine.module.named_parameters())["model.model.layers.0.mlp.up_proj.weight"]
     return {"exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
             "weight": safe_get_full_fp32_param(param).clone(), "lr": engine.get_lr()[0],
             "global_steps": engine.global_steps, "iteration": engine.lr_scheduler.last_batch_iteration}
 
@@ -227,7 +229,9 @@ def test_a_two_rank_run_resumes_on_one_and_four_ranks_with_its_optimizer_state(t
     on4 = run_distributed(_elastic_worker, 4, shards, out4, stage, ["train.resume=auto", f"data.eval_shards={shards}"])
     for result in on1 + on4:
         loaded = result["loaded"][0]
-        assert torch.equal(loaded["exp_avg"], saved["exp_avg"])  # the Adam moment, gathered, is the saved one
+        # both Adam moments, gathered, are the saved ones (and were trained: not the zeros of a fresh optimizer)
+        assert torch.equal(loaded["exp_avg"], saved["exp_avg"]) and saved["exp_avg"].abs().sum() > 0
+        assert torch.equal(loaded["exp_avg_sq"], saved["exp_avg_sq"]) and saved["exp_avg_sq"].abs().sum() > 0
         assert torch.equal(loaded["weight"], saved["weight"])
         assert loaded["lr"] == saved["lr"] and loaded["global_steps"] == loaded["iteration"] == 2
         assert result["start"] == 2

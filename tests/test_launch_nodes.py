@@ -5,6 +5,8 @@ gloo, a small worker (tests/peer_worker.py) whose collectives run through hbp_tr
     HBP_RDZV_TIMEOUT s with one line (torchrun: silence for 600 s, then a 40-line DistStoreError traceback);
   - node 1 before node 0 is up, or pointed at a port another program holds: it says so, then one line;
   - node 1 frozen with SIGSTOP: node 0's collective times out (HBP_PG_TIMEOUT) and its launcher names node 1;
+  - node 1's launcher alone frozen, its worker alive: the run finishes and node 0 exits 0 as soon as node 1 has
+    been silent for a few beats (torchrun's exit barrier held it for 300 s, deaf to SIGTERM);
   - node 1 killed with -9: node 0 names node 1, not its own rank 0 that noticed first;
   - one worker of node 1 killed (the OOM killer), or ending with bad input: both nodes name that rank (full tier);
   - the preemption save: a SIGTERM'd worker that needs longer than the shutdown timeout to save is killed at it,
@@ -233,11 +235,31 @@ def test_a_frozen_node_ends_the_job_naming_it(tmp_path):
     assert code == 1 and 8 <= waited < 30  # HBP_PG_TIMEOUT=10 s
     # said while node 0 still waits: after 3 missed beats and a second (7 s), at the next beat
     assert re.fullmatch(rf"\[launch\] node 1 \({socket.gethostname()}, rank 1\) has given no sign of life for [78] s "
-                        r"\(frozen, dead or cut off\?\); the others stop when a collective times out "
-                        r"\(HBP_PG_TIMEOUT\)", lines[0]), lines
+                        r"\(its launcher frozen, dead or cut off\?\); if its workers stopped too, the others stop "
+                        r"when a collective times out \(HBP_PG_TIMEOUT\)", lines[0]), lines
     assert lines[-1].startswith(f"[launch] {NAME} stopped: node 1 ({socket.gethostname()}, rank 1) "
                                 "stopped answering ") and "(killed, frozen or cut off from the network)" in lines[-1]
     assert len(lines) == 2, lines
+
+
+@pytest.mark.slow
+def test_a_frozen_launcher_whose_worker_finished_does_not_hold_node_0(tmp_path):
+    port = _free_port()
+    node0 = _node(0, port, tmp_path, seconds=6, HBP_PG_TIMEOUT=120)  # no collective waits for the frozen launcher
+    node1 = _node(1, port, tmp_path, seconds=6, HBP_PG_TIMEOUT=120)
+    try:
+        _wait_for(tmp_path / "ready_1")
+        os.kill(node1.pid, signal.SIGSTOP)  # the launcher only: its worker trains on and finishes
+        start = time.monotonic()
+        code, lines = _lines(node0, timeout=120)
+        waited = time.monotonic() - start
+    finally:
+        os.kill(node1.pid, signal.SIGCONT)
+        _kill(node1.pid)
+        node1.communicate()
+    assert code == 0 and waited < 40, (waited, lines)
+    assert re.fullmatch(rf"\[launch\] node 1 \({socket.gethostname()}, rank 1\) gave no sign of life for \d+ s: not "
+                        r"waiting for it \(this node's workers have finished\)", lines[-1]), lines
 
 
 @pytest.mark.slow

@@ -306,7 +306,7 @@ def test_own_tokenizer_own_model_four_formats_run_quietly_and_report_one_loss(fa
     run("config check", "-m", "hbp_train.config", *given)
     log = run("train", "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "2", "-m", "hbp_train.train",
               *given)
-    assert "[train] finished" in log and "sp=2" in log  # both groups trained, the SP=2 one on both ranks
+    assert "[launch] finished: " in log and "sp=2" in log  # both groups trained, the SP=2 one on both ranks
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == plan["metrics"]["num_steps"]
 

@@ -70,11 +70,16 @@ def test_a_folder_holding_another_runs_checkpoints_is_refused_before_the_workers
 def test_no_room_for_one_checkpoint_is_refused_before_the_workers_start(shards, tmp_path, capsys, monkeypatch):
     cfg = config.load(_overrides(shards, tmp_path / "run"))
     need = config._checkpoint_bytes(cfg)
-    # ZeRO-2, fp32 weights: 12 B of optimizer state and 4 B of weights per parameter (a real checkpoint's size is
-    # compared with it in tests/test_save_faults.py).
-    from hbp_train.perf.shape import model_shape_of
+    # ZeRO-2, fp32 weights: 12 B of optimizer state and 4 B of weights per parameter of the model the run builds
+    # (its vocabulary the tokenizer's), an RNG file and the tokenizer's files (a real checkpoint's size is compared
+    # with it in tests/test_save_faults.py).
+    from transformers import AutoTokenizer
 
-    assert need == 16 * model_shape_of(cfg.model).num_params
+    from hbp_train.runtime.resume_config import built_shape
+
+    shape = built_shape(cfg.model)
+    assert shape.vocab == len(AutoTokenizer.from_pretrained(cfg.model.tokenizer))
+    assert need == 16 * shape.num_params + preflight.RNG_FILE_BYTES + preflight.tokenizer_bytes(cfg.model.tokenizer)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * need, 9 * need, need - 1))
     code, err = _check(_overrides(shards, tmp_path / "run"), capsys)

@@ -33,12 +33,14 @@ exit $rc
 """
 # A Python that records what it was asked to run, per node.
 FAKE_PY = r"""#!/bin/bash
-{ printf '%s\n' "$@"; for v in PET_NODE_RANK OMP_NUM_THREADS HBP_SHUTDOWN_TIMEOUT PYTHONPATH; do echo "$v=${!v}"; done
-} > "$FAKE_LOG/python_$SLURM_NODEID"
+{ printf '%s\n' "$@"; for v in PET_NODE_RANK OMP_NUM_THREADS HBP_SHUTDOWN_TIMEOUT PYTHONPATH DS_ACCELERATOR WORLD_SIZE
+  do echo "$v=${!v}"; done
+} > "$FAKE_LOG/python_${SLURM_NODEID:-batch}"
 """
 
 
-def _fake_slurm(tmp_path: Path, command: str = str(SCRIPT)) -> dict:
+def _fake_slurm(tmp_path: Path, command: str = str(SCRIPT), gpus: int = 0) -> dict:
+    """A fake SLURM on PATH; ``gpus``: how many GPUs a fake nvidia-smi lists (0: it fails, as on a CPU node)."""
     bin_dir = tmp_path / "bin"
     log = tmp_path / "log"
     bin_dir.mkdir(parents=True)
@@ -50,11 +52,14 @@ def _fake_slurm(tmp_path: Path, command: str = str(SCRIPT)) -> dict:
         f"  'show job') printf 'JobId=%s JobName=hbp-train\\n   Command={command}\\n   WorkDir=/x\\n' \"$3\" ;;\n"
         "esac\n")
     (bin_dir / "srun").write_text(FAKE_SRUN)
+    listed = "".join(f"GPU {i}: NVIDIA H100 (UUID: GPU-{i})\\n" for i in range(gpus))
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/bash\nprintf '{listed}'\n" if gpus else "#!/bin/bash\nexit 9\n")
     (bin_dir / "python-fake").write_text(FAKE_PY)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "GPUS_PER_NODE", "RDZV_", "PY", "HBP_", "OMP_NUM_THREADS"))}
+           if not k.startswith(("SLURM_", "GPUS_PER_NODE", "RDZV_", "PY", "HBP_", "OMP_NUM_THREADS", "DS_ACCELERATOR",
+                                 "WORLD_SIZE"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log))
     return env
 
@@ -85,7 +90,7 @@ def test_script_is_valid_bash():
 
 
 def test_each_node_gets_its_rank_and_the_allocation_s_gpus_cpus_and_port_from_any_folder(tmp_path):
-    env = _allocation(_fake_slurm(tmp_path), SLURM_GPUS_ON_NODE=4, SLURM_CPUS_PER_TASK=32,
+    env = _allocation(_fake_slurm(tmp_path, gpus=4), SLURM_GPUS_ON_NODE=4, SLURM_CPUS_PER_TASK=32,
                       PY=tmp_path / "bin" / "python-fake")
     proc = _submit(tmp_path, env, "data.shards=packed/", "train.out_dir=runs/x y")
     assert proc.returncode == 0, proc.stderr
@@ -101,7 +106,13 @@ def test_each_node_gets_its_rank_and_the_allocation_s_gpus_cpus_and_port_from_an
         assert lines == ["-m", "hbp_train.launch", "--nnodes", "2", "--nproc_per_node", "4", "--master_addr",
                          "localhost", "--master_port", str(port), "-m", "hbp_train.train", "train.resume=auto",
                          "data.shards=packed/", "train.out_dir=runs/x y", f"PET_NODE_RANK={node}",
-                         "OMP_NUM_THREADS=8", "HBP_SHUTDOWN_TIMEOUT=300", f"PYTHONPATH={REPO}"]
+                         "OMP_NUM_THREADS=8", "HBP_SHUTDOWN_TIMEOUT=300", f"PYTHONPATH={REPO}", "DS_ACCELERATOR=",
+                         "WORLD_SIZE="]
+    # Before srun, once: the config check, told the job's world size (a resume it would refuse is one line here).
+    assert (log / "python_batch").read_text().splitlines() == [
+        "-m", "hbp_train.config", "train.resume=auto", "data.shards=packed/", "train.out_dir=runs/x y",
+        "PET_NODE_RANK=", "OMP_NUM_THREADS=8", "HBP_SHUTDOWN_TIMEOUT=300", f"PYTHONPATH={REPO}", "DS_ACCELERATOR=",
+        "WORLD_SIZE=8"]
 
 
 def test_the_shutdown_timeout_is_the_signal_lead_time_of_the_script(tmp_path):
@@ -117,6 +128,9 @@ def test_the_shutdown_timeout_is_the_signal_lead_time_of_the_script(tmp_path):
     assert "2 GPU(s), 16 CPUs each, rendezvous localhost:29999, up to 600 s to save after SIGTERM\n" in proc.stdout
     lines = (tmp_path / "log" / "python_1").read_text().splitlines()
     assert "HBP_SHUTDOWN_TIMEOUT=600" in lines and "OMP_NUM_THREADS=8" in lines
+    # No GPU on this "node" (its nvidia-smi fails): DeepSpeed is told the CPU, as launch.sh tells it, instead of
+    # every worker warning that it fell back to it.
+    assert "DS_ACCELERATOR=cpu" in lines
     assert lines[lines.index("hbp_train.train") + 1:lines.index("PET_NODE_RANK=1")] == ["data.shards=p/",
                                                                                          "train.resume=null"]
 
@@ -143,6 +157,7 @@ def test_outside_an_allocation_or_without_overrides_gpus_or_checkout_is_one_line
     no_args = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
     assert no_args.returncode == 2 and no_args.stderr.startswith("usage:")
     env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"  # no nvidia-smi, no GPUs asked for
+    (tmp_path / "bin" / "nvidia-smi").unlink()
     no_gpus = subprocess.run(["bash", str(SCRIPT), "data.shards=p/"], env=env, capture_output=True, text=True)
     assert no_gpus.returncode == 2 and no_gpus.stderr.count("\n") == 1
     assert "no GPUs in this allocation; ask for them (sbatch --gpus-per-node=8) or set GPUS_PER_NODE" in no_gpus.stderr

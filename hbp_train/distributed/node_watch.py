@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -49,8 +50,10 @@ class NodeWatch:
     (the store torchrun's static rendezvous then shares: TCPStore's multi_tenant).
 
     Keys: ``hbp/node/<k>`` (host and process count, the roll call), ``hbp/joined`` (how many answered),
-    ``hbp/beat/<k>`` (a counter each launcher adds to; a counter, not a time, so no clocks are compared),
-    ``hbp/failed/<k>`` (the failures a launcher saw on its node) and ``hbp/done/<k>`` (it has read the others')."""
+    ``hbp/launch`` (node 0's launch id, the same for every node: runtime/run_end.py), ``hbp/beat/<k>`` (a counter
+    each launcher adds to; a counter, not a time, so no clocks are compared), ``hbp/failed/<k>`` (the failures a
+    launcher saw on its node), ``hbp/done/<k>`` (it has read the others') and ``hbp/exit/<k>`` (its workers
+    finished: the exit barrier)."""
 
     def __init__(self, addr: str, port: int, index: int, count: int, nproc: int, say: Callable[[str], None],
                  heartbeat: float = HEARTBEAT):
@@ -58,6 +61,7 @@ class NodeWatch:
         self.say, self.heartbeat = say, heartbeat
         self.store = None
         self.nodes: list = []
+        self.launch_id = ""  # node 0's id of this launch (the roll call shares it)
         self._seen: dict = {}  # node -> (last counter value, time.monotonic() it changed)
         self._store_down = False  # the last read of the store failed: node 0 is gone or frozen
         self._warned: set = set()
@@ -80,6 +84,8 @@ class NodeWatch:
         else:
             self.store = self._connect(deadline, timeout, report_every)
         me = {"host": socket.gethostname(), "nproc": self.nproc}
+        if self.index == 0:
+            self.store.set("hbp/launch", secrets.token_hex(8))
         self.store.set(f"hbp/beat/{self.index}", "0")
         self.store.set(f"hbp/node/{self.index}", json.dumps(me))
         self.store.add("hbp/joined", 1)
@@ -101,6 +107,7 @@ class NodeWatch:
         if reported:
             self.say(f"[launch] rendezvous at {where}: all {self.count} nodes joined after "
                      f"{time.monotonic() - start:.0f} s")
+        self.launch_id = self.store.get("hbp/launch").decode()  # set by node 0 before it joined, as every node has
         first = 0
         for k in range(self.count):
             info = json.loads(self.store.get(f"hbp/node/{k}"))
@@ -213,9 +220,52 @@ class NodeWatch:
                 if k not in self._warned:
                     self._warned.add(k)
                     self.say(f"[launch] {self.nodes[k]} has given no sign of life for {self.silent_for(k):.0f} s "
-                             "(frozen, dead or cut off?); the others stop when a collective times out "
-                             "(HBP_PG_TIMEOUT)")
+                             "(its launcher frozen, dead or cut off?); if its workers stopped too, the others stop "
+                             "when a collective times out (HBP_PG_TIMEOUT)")
             self._warned &= set(silent)
+
+    # After this node's workers finished.
+    def replace_exit_barrier(self) -> None:
+        """Make torchrun's exit barrier this watch's (``exit_barrier``) in this process. torchrun's waits up to 300 s
+        for every launcher inside one blocking store call, which a signal cannot interrupt: a launcher frozen on
+        another node (its workers finished) held this one for minutes after its run had finished, deaf to SIGTERM."""
+        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+        watch = self
+        SimpleElasticAgent._exit_barrier = lambda agent: watch.exit_barrier(agent._exit_barrier_timeout)
+
+    def exit_barrier(self, timeout: float) -> None:
+        """Wait until every other launcher's workers have finished too (node 0 holds the store they use), at most
+        ``timeout`` s, in short steps that a signal interrupts; and not for a launcher that stopped answering
+        (``silence_limit``): this node's run has ended, so it says so and goes."""
+        from datetime import timedelta
+
+        self.store.set_timeout(timedelta(seconds=max(1.0, 2 * self.heartbeat)))  # node 0 frozen: a short wait
+        try:
+            self.store.set(f"hbp/exit/{self.index}", "1")
+        except Exception:  # noqa: BLE001 (node 0's store gone or frozen: nobody to wait for)
+            return
+        deadline = time.monotonic() + timeout
+        others = [k for k in range(self.count) if k != self.index]
+        while True:
+            try:
+                pending = [k for k in others if not self.store.check([f"hbp/exit/{k}"])]
+            except Exception:  # noqa: BLE001 (node 0 left after its own barrier, or froze)
+                return
+            if not pending:
+                return
+            silent = [k for k in pending if self.silent_for(k) >= self.silence_limit()]
+            late = time.monotonic() >= deadline
+            if late or len(silent) == len(pending):
+                with self._say_lock:
+                    self._reporting = True  # no warning after this line
+                names = ", ".join(str(self.nodes[k]) for k in pending)
+                why = (f"did not finish within {timeout:g} s of this node" if late else
+                       f"gave no sign of life for {max(self.silent_for(k) for k in pending):.0f} s")
+                self.say(f"[launch] {names} {why}: not waiting for {'it' if len(pending) == 1 else 'them'} "
+                         "(this node's workers have finished)")
+                return
+            time.sleep(0.25)
 
     # After a failure.
     def post_failures(self, failures: dict) -> None:

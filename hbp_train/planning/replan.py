@@ -26,6 +26,7 @@ Pure numpy, like the rest of planning/.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 
@@ -37,18 +38,30 @@ TRAINED = "trained_before_resume"
 _RUN_KEYS = ("planning_seconds", "wall_seconds", "cpu_seconds")
 
 
+def sp_world_problem(groups, world_size: int) -> Optional[str]:
+    """Why a plan's packing ``groups`` (GroupSpecs, or dicts with pack_len and sp) cannot run on ``world_size``
+    ranks, with the way forward, or None when every group's SP degree divides it (the config check asks this
+    before any worker starts, config_at when it re-plans)."""
+    def field(g, name):
+        return int(g[name] if isinstance(g, dict) else getattr(g, name))
+
+    bad = [g for g in groups if field(g, "sp") > world_size or world_size % field(g, "sp")]
+    if not bad:
+        return None
+    need = max(field(g, "sp") for g in groups)
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    return (f"the plan's group of pack_len {field(bad[0], 'pack_len')} runs at SP degree {field(bad[0], 'sp')}, "
+            f"which cannot run on {ranks} (an SP degree must divide the number of ranks): resume on a multiple of "
+            f"{need} ranks, or re-pack with smaller SP degrees (data_tools.pack --groups) and start a new run from "
+            "an export of this checkpoint")
+
+
 def config_at(plan: Plan, world_size: int) -> PlanConfig:
     """The plan's config at ``world_size`` ranks; UserError (one line, with the way forward) when a group's SP
     degree cannot run there."""
-    bad = [g for g in plan.config.groups if g.sp > world_size or world_size % g.sp]
-    if bad:
-        g = bad[0]
-        need = max(int(x.sp) for x in plan.config.groups)
-        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
-        raise UserError(f"the plan's group of pack_len {g.pack_len} runs at SP degree {g.sp}, which cannot run on "
-                        f"{ranks} (an SP degree must divide the number of ranks): resume on a multiple of {need} "
-                        "ranks, or re-pack with smaller SP degrees (data_tools.pack --groups) and start a new run "
-                        "from an export of this checkpoint")
+    problem = sp_world_problem(plan.config.groups, world_size)
+    if problem:
+        raise UserError(problem)
     return replace(plan.config, world_size=int(world_size), pack_cost=None, progress=False)
 
 

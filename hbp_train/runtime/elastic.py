@@ -36,7 +36,7 @@ from hbp_train.batches.loader import PackedData
 from hbp_train.batches.replanned import ReplannedData
 from hbp_train.common.errors import UserError
 from hbp_train.common.library_bars import datasets_bars_off
-from hbp_train.runtime import checkpoint
+from hbp_train.runtime import checkpoint, resume_config
 from hbp_train.runtime.ledger import SampleLedger
 
 ELASTIC_DIR = "elastic"
@@ -71,6 +71,8 @@ class ResumeSource:
         engine_state = (os.path.dirname(self.universal), os.path.basename(self.universal)) if self.universal else None
         resumed = checkpoint.load(run.engine, self.ckpt_root, self.tag, engine_state,
                                   self.saved_world_size if self.universal else None)
+        # This run's optimizer settings and LR schedule, not the saved ones (a changed train.lr applies: resume_config)
+        resume_config.apply(run.engine, run.cfg.train)
         if self.universal:  # every rank has it in memory now: the copy (12 bytes a parameter) goes
             _barrier()
             if _rank() == 0:

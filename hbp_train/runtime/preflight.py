@@ -9,7 +9,8 @@ naming ``train.out_dir`` and the fix (exit 2). Two moments:
   runs before starting any worker and every worker runs before Hydra creates the folder): the folder, or the
   nearest folder above it that exists, takes a new file (a probe file is created and removed: permission bits say
   nothing about a read-only mount or a root-squashed share); its file system has room for one checkpoint
-  (``checkpoint_bytes``, estimated from the model's parameter count and the ZeRO/optimizer state); and a run that
+  (``checkpoint_bytes``: the files DeepSpeed writes for the model's weights and optimizer state at its ZeRO stage,
+  from the model's config and its tokenizer, no weights read); and a run that
   does not resume from the checkpoints already there is refused (they would mix with its own).
 - **Right after torch.distributed starts** (``check_shared_run_dir``, collective): rank 0 writes a token file in
   the folder and every rank reads it back and writes a probe file of its own, which rank 0 must see. A rank on
@@ -31,21 +32,57 @@ from hbp_train.runtime import checkpoint
 TOKEN_PREFIX = ".rank0-token-"
 """Rank 0's token file in the run folder (removed when the check ends)."""
 
-ADAM_STATE_BYTES = 12
-"""Optimizer bytes per trained parameter in a checkpoint: the fp32 master weight and Adam's two fp32 moments (all
-ranks' shards together)."""
+OPTIMIZER_BYTES = 12
+"""Optimizer bytes per trained parameter in a checkpoint: the fp32 master weight and Adam's two fp32 moments, in the
+optimizer files of all ranks together."""
+RNG_FILE_BYTES = 16 << 10
+"""One rank's rng_rank<r>.pt (python, numpy and torch generator states)."""
+LORA_MODULES = {"q_proj": ("hidden", "attn_width"), "k_proj": ("hidden", "k_width"), "v_proj": ("hidden", "v_width"),
+                "o_proj": ("out_width", "hidden"), "gate_proj": ("hidden", "ffn"), "up_proj": ("hidden", "ffn"),
+                "down_proj": ("ffn", "hidden")}
+"""A decoder layer's linear modules LoRA adapts by default, as (input width, output width) of perf.shape.ModelShape."""
 
 
-def checkpoint_bytes(num_params: int, zero_stage: int, weight_bytes: int, lora: bool = False) -> int:
-    """About how many bytes one checkpoint of a model of ``num_params`` parameters takes on disk.
+def checkpoint_bytes(num_params: int, zero_stage: int, weight_bytes: int, world_size: int = 1,
+                     trained_params: Optional[int] = None, other_bytes: int = 0) -> int:
+    """About how many bytes one checkpoint takes on disk, file by file as DeepSpeed and checkpoint.save write them:
 
-    The optimizer shards hold 12 B per trained parameter (ADAM_STATE_BYTES). Below ZeRO-3 ``mp_rank_00_model_states.pt``
-    also holds the module's weights in their own dtype (``weight_bytes``: 2 for bf16, 4 for fp32); at ZeRO-3 the
-    model-state files hold only shapes (the weights are the optimizer's fp32 partitions). With LoRA the trained
-    adapters are small and the frozen base weights are what is written."""
-    if lora:
-        return weight_bytes * num_params
-    return ADAM_STATE_BYTES * num_params + (0 if zero_stage == 3 else weight_bytes * num_params)
+    - the model states: below ZeRO-3 rank 0's ``mp_rank_00_model_states.pt`` holds every weight in its own dtype
+      (``weight_bytes``: 2 for bf16, 4 for fp32), frozen ones included; at ZeRO-3 each rank's
+      ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` holds shapes and its share of the frozen weights only;
+    - the optimizer states: each rank's ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds its partition of the
+      trained parameters (``trained_params``, default all): OPTIMIZER_BYTES each, all ranks together, at every stage;
+    - an RNG file per rank, and ``other_bytes`` (the tokenizer and model config in hf/; config and ledger are small).
+
+    tests/test_save_faults.py compares it with the bytes real checkpoints take."""
+    trained = num_params if trained_params is None else trained_params
+    weights = num_params if zero_stage < 3 else num_params - trained
+    return weight_bytes * weights + OPTIMIZER_BYTES * trained + RNG_FILE_BYTES * world_size + other_bytes
+
+
+def lora_params(shape, r: int, target_modules: Optional[list] = None, dora: bool = False) -> int:
+    """About how many parameters LoRA adapters of rank ``r`` add to a model of ``shape`` (perf.shape.ModelShape):
+    r x (input + output width) per adapted linear module of every layer (DoRA: + its output width), over the
+    modules of LORA_MODULES that ``target_modules`` names (None: all)."""
+    widths = {"hidden": shape.hidden, "attn_width": shape.attn_width, "out_width": shape.out_width,
+              "k_width": shape.num_kv_heads * shape.head_dim, "v_width": shape.num_kv_heads * shape.v_head_dim,
+              "ffn": shape.ffn}
+    per_layer = 0
+    for name, (fan_in, fan_out) in LORA_MODULES.items():
+        if target_modules is None or name in target_modules:
+            per_layer += r * (widths[fan_in] + widths[fan_out]) + (widths[fan_out] if dora else 0)
+    return per_layer * shape.num_layers
+
+
+def tokenizer_bytes(folder: Optional[str]) -> int:
+    """The bytes of a tokenizer folder's files that a checkpoint's hf/ copies (everything but weights)."""
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx")
+    try:
+        names = os.listdir(folder) if folder else []
+    except OSError:
+        return 0
+    paths = [os.path.join(folder, n) for n in names if not n.endswith(weights)]
+    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
 
 
 def _existing_folder(path: str) -> str:

@@ -190,6 +190,22 @@ def test_the_refusals_are_one_line_before_the_model_is_trained():
     check_plan_levers(config, tiled, [0], "none", "data.shards=x")  # mixtral's MoE block tiles
 
 
+def test_the_run_config_check_refuses_offload_without_checkpointed_layers_before_any_worker(tmp_path):
+    """config.check_paths (run by ./launch.sh train before the workers): the shards' group asks for offload and the
+    run checkpoints no layer of it (the plan's null, train.ckpt_layers' 0): one line naming data.shards."""
+    from hbp_train import config
+    from tests.assets.packed_fixture import ONE_RANK_STEPS, TINY_LLAMA, synthetic_samples, write_packed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(12, 512, seed=1), ONE_RANK_STEPS, world_size=1,
+                          groups={1: {"offload_activations": True, "tiled_mlp": True}})
+    model = "model.config={" + ",".join(f"{k}:{v}" for k, v in TINY_LLAMA.items()) + "}"
+    base = ["experiment=cpu_demo", f"data.shards={shards}", model]
+    with pytest.raises(config.ConfigError, match="data.shards=.* group 1 .* 0 checkpointed layers") as info:
+        config.check_levers(config.load([*base, "train.ckpt_layers=[2,0]"]))
+    assert "\n" not in str(info.value)
+    config.check_levers(config.load([*base, "train.ckpt_layers=[0,1]"]))  # group 1 checkpoints a layer: fine
+
+
 # ------------------------------------------------------------------------------------------- full tier: SP 2
 def _sp2_worker(rank, world_size, families):
     """Each family at sp=2 with each lever (none, tiled MLP, offload forced through host buffers, both) on the same
@@ -249,15 +265,18 @@ def _sp2_worker(rank, world_size, families):
     return out if rank == 0 else None
 
 
+SP2_FAMILIES = (*FAMILIES, "deepseek_v3")  # + MLA with DeepSeek's per-sample router loss (the chosen experts joined)
+
+
 @pytest.mark.slow
 @pytest.mark.full
 def test_levers_at_sp2_equal_the_single_process_reference():
-    """2 gloo processes, a dense and an MoE family at SP 2 with each lever: the untiled single-process losses,
+    """2 gloo processes, a dense and two MoE families at SP 2 with each lever: the untiled single-process losses,
     router loss and gradients."""
     from tests.distributed import run_distributed
 
-    result = run_distributed(_sp2_worker, 2, FAMILIES, timeout=600)[0]
-    for family in FAMILIES:
+    result = run_distributed(_sp2_worker, 2, SP2_FAMILIES, timeout=900)[0]
+    for family in SP2_FAMILIES:
         model = tiny_model(family, num_hidden_layers=3, **router_loss_keys(family))
         ref_loss, ref_grads = losses_and_grads(model, [tuple(_pack_batch(seed=1).values())], with_aux=True)
         for name in ("tiled", "offload", "both"):

@@ -142,6 +142,7 @@ def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
                                     "or set model.tokenizer=DIR" if implied else "")) from None
     check_sp_degrees(cfg)
     header = _plan_header(cfg.data.shards)
+    check_levers(cfg)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg, world_size))
         fresh = resume_config.checkpoint_to_resume(cfg) is None  # (a resume may re-plan for this world size)
@@ -193,14 +194,38 @@ def check_sp_degrees(cfg: HBPConfig) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_levers(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when data.shards' groups ask for a memory lever this run cannot honour exactly: offload
+    without checkpointed layers, or a tiled MLP this model cannot run (model/levers.py); from the plan's groups and
+    the model's config (no weights), before any worker starts (build_run checks it again)."""
+    from hbp_train.build import ckpt_layers_for
+    from hbp_train.model.hf_model import hf_config_for
+    from hbp_train.model.levers import check_plan_levers
+
+    groups = _planned_groups(cfg.data.shards) if cfg.data.shards is not None else None
+    if not groups:
+        return
+    ckpt = [ckpt_layers_for(cfg.train.ckpt_layers, g, group.get("ckpt_layers")) for g, group in enumerate(groups)]
+    try:
+        check_plan_levers(hf_config_for(cfg.model), groups, ckpt, cfg.model.kernels, f"data.shards={cfg.data.shards}")
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _planned_sp_degrees(shards: str) -> list | None:
-    """The SP degrees of a packed-shards folder's groups (``_plan_header``), or None without a readable plan: the
-    loader names that problem when the run opens the shards."""
-    groups = _plan_header(shards).get("groups")
+    """The SP degrees of a packed-shards folder's groups (``_planned_groups``), or None."""
+    groups = _planned_groups(shards)
     try:
         return sorted({int(g.get("sp", 1)) for g in groups}) if groups else None
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError):
         return None
+
+
+def _planned_groups(shards: str) -> list | None:
+    """The groups of a packed-shards folder's plan (its dicts, ``_plan_header``), or None without a readable plan:
+    the loader names that problem when the run opens the shards."""
+    groups = _plan_header(shards).get("groups")
+    return groups if isinstance(groups, list) and all(isinstance(g, dict) for g in groups) else None
 
 
 def _plan_header(shards: str | None) -> dict:

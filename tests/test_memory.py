@@ -56,8 +56,9 @@ def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offl
 def test_the_step_peak_counts_only_when_it_exceeds_backward():
     """analytic_memory_bytes is the larger of backward (states + activations) and the optimizer step (states with
     the fp32 gradient partition, no activations): a long pack is backward's, a 1-token pack the step's when
-    step() builds a new fp32 partition (bf16 accumulation); with fp32 accumulation the partition already exists."""
-    shape = parse_model_shape("llama3.2-1b")
+    step() builds a new fp32 partition (bf16 accumulation) larger than the 1-token forward's LM-head gradient
+    buffer (vocab x hidden); with fp32 accumulation the partition already exists."""
+    shape = parse_model_shape("llama3-8b")
     job = JobSettings(zero_stage=2, grad_accum_fp32=False)
     step = model_state_bytes(shape.num_params, 8, job, in_step=True)
     assert step > model_state_bytes(shape.num_params, 8, job)
@@ -67,18 +68,26 @@ def test_the_step_peak_counts_only_when_it_exceeds_backward():
     assert model_state_bytes(shape.num_params, 8, fp32, in_step=True) == model_state_bytes(shape.num_params, 8, fp32)
 
 
-def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():
-    """Checkpointing the first layer swaps its full activations for its input (2h B/token) but adds the one layer
-    rebuilt in backward (full activations); each further checkpointed layer only saves full - 2h."""
+def test_checkpointing_moves_each_moment_by_what_a_layer_keeps():
+    """Each checkpointed layer swaps its full activations for its input (2h B/token) at the end of the forward and at
+    the first plain layer's backward; the first checkpointed layer's backward holds every checkpointed input plus
+    one layer rebuilt in full, so it grows by 2h per checkpointed layer (and exists only with checkpointing)."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, memory_breakdown
+
     shape = parse_model_shape("llama3-8b")
     job, tokens = JobSettings(zero_stage=2), 8192
     kv = shape.num_kv_heads * shape.head_dim
     full = (2 * (4 * shape.hidden + 2 * shape.num_heads * shape.head_dim + 2 * kv + 4 * shape.ffn)  # the docstring's
             + 8 * shape.hidden + 4 * shape.num_heads + 8)                                           # list (varlen)
+    assert full == activation_bytes_per_token_layer(shape)
     kept = 2 * shape.hidden
-    mem = [analytic_memory_bytes(shape, tokens, 1, c, 8, job) for c in range(4)]
-    assert mem[1] - mem[0] == tokens * kept
-    assert mem[2] - mem[1] == mem[3] - mem[2] == tokens * (kept - full)
+    m = [memory_breakdown(shape, tokens, 1, c, 8, job) for c in range(4)]
+    assert m[0].backward_ckpt == 0 and m[1].backward_ckpt > 0
+    for a, b in zip(m, m[1:]):
+        assert a.loss - b.loss == a.backward_plain - b.backward_plain == tokens * (full - kept)
+    assert m[3].backward_ckpt - m[2].backward_ckpt == m[2].backward_ckpt - m[1].backward_ckpt == tokens * kept
+    every = memory_breakdown(shape, tokens, 1, shape.num_layers, 8, job)
+    assert every.backward_plain == 0 and every.moment in ("loss", "backward_ckpt")
 
 
 def test_memory_preflight_names_the_groups_that_will_not_fit():

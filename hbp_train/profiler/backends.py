@@ -32,6 +32,7 @@ from hbp_train.perf.memory import JobSettings, analytic_memory_bytes, model_stat
 from hbp_train.perf.shape import ModelShape
 from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.nvml import nvml_hardware, nvml_used_bytes
+from hbp_train.profiler.zero_choice import pcie_gbps
 
 
 # =============================================================================================== measurements
@@ -66,6 +67,10 @@ class Measurement:
     """Seconds the measurement itself took (profiler cost, not the configuration's speed)."""
     note: str = ""
     """Anything worth knowing (e.g. how an estimate was made)."""
+    tiled_mlp: bool = False
+    """Memory lever: the MLPs ran tiled over the sequence (hbp_train/model/levers.py)."""
+    offload_activations: bool = False
+    """Memory lever: the checkpointed layers' inputs waited in host memory."""
 
     def memory_bytes(self, metric: str = "torch") -> Optional[int]:
         """The memory compared with the budget: NVML used when asked and present, else torch's peak."""
@@ -93,8 +98,10 @@ class MeasureBackend(Protocol):
     num_gpus: int
     """GPUs that can be measured together; larger SP degrees are estimated."""
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
-        """Run (or model) the configuration; an OOM is returned as Measurement(oom=True), never raised."""
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
+        """Run (or model) the configuration with the given memory levers (only asked of a backend whose
+        ``supports_levers`` is true); an OOM is returned as Measurement(oom=True), never raised."""
         ...
 
     def hardware(self) -> dict:
@@ -137,9 +144,10 @@ class CurveBackend:
 
 class AnalyticBackend:
     """--dry-run: time from hbp_train.perf.cost_model (calibrated and scaled, or analytic), memory from
-    `analytic_memory_bytes`. Nothing runs; every number is labelled "analytic"."""
+    `analytic_memory_bytes`, the memory levers included. Nothing runs; every number is labelled "analytic"."""
 
     name = "analytic"
+    supports_levers = True
 
     def __init__(self, shape: ModelShape, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings):
         self.shape, self.cfg, self.cost_model, self.job = shape, cfg, cost_model, job
@@ -148,14 +156,24 @@ class AnalyticBackend:
         self.num_gpus = cfg.world_size  # nothing is measured, so nothing is "estimated" beyond being analytic
         self.pool = load_doc_lengths(cfg.docs)
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
         cfg = self.cfg
-        mem = analytic_memory_bytes(self.shape, pack_len, sp, ckpt_layers, cfg.world_size, self.job)
-        oom = mem > self.device_memory_bytes
+        mem = analytic_memory_bytes(self.shape, pack_len, sp, ckpt_layers, cfg.world_size, self.job, tiled_mlp,
+                                    offload_activations)
+        oom = mem > self.device_memory_bytes  # under the job's own settings; another ZeRO setup: memory_for
         docs = synthetic_docs(pack_len, self.pool, cfg.seed)
-        t = None if oom else self.cost_model.pack_time(docs, sp, ckpt_layers, gpus_per_node=cfg.gpus_per_node)
+        t = self.cost_model.pack_time(docs, sp, ckpt_layers, gpus_per_node=cfg.gpus_per_node,
+                                                       tiled_mlp=tiled_mlp, offload_activations=offload_activations,
+                                                       pcie_gbps=pcie_gbps(cfg))
         return Measurement(pack_len, sp, ckpt_layers, t, mem, None, oom=oom, source="analytic",
-                           note=f"cost model: {self.cost_model.source}")
+                           note=f"cost model: {self.cost_model.source}", tiled_mlp=tiled_mlp,
+                           offload_activations=offload_activations)
+
+    def memory_for(self, m: Measurement, job: JobSettings) -> int:
+        """The modelled memory of a configuration under other job settings (another ZeRO setup)."""
+        return analytic_memory_bytes(self.shape, m.pack_len, m.sp, m.ckpt_layers, self.cfg.world_size, job,
+                                     m.tiled_mlp, m.offload_activations)
 
     def hardware(self) -> dict:
         return {"backend": "analytic", "device_memory_bytes": self.device_memory_bytes,

@@ -25,6 +25,7 @@ from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.launcher import SpLauncher, launched_degrees, measuring_devices
 from hbp_train.profiler.report import format_table
 from hbp_train.profiler.search import Profiler
+from hbp_train.profiler.zero_choice import ZeroChoice, candidate_setups
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,13 @@ profile.* options (defaults in brackets):
   measure_devices [null]    devices that measure SP > 1 together, one torchrun per degree (null = the CUDA
                             devices present; device=cpu: 1); larger degrees are estimated
   worker_timeout_s [600]    a measuring torchrun is stopped this long after the time budget; its rest estimated
+  levers [true]             search the memory levers per length: tiled MLP, activation offload (with checkpointing)
+  zero_stages [[1,2,3]]     ZeRO stages to choose the run's among (longest packs first, then fastest); [] = the
+                            job's deepspeed.zero_stage only; the plan names the chosen stage
+  zero_offload [false]      also consider optimizer offload (and ZeRO-3 with parameter offload)
+  global_tokens [4194304]   tokens per optimizer step: ZeRO's per-step costs are spread over its micro-batches
+  comm_overlap [0]          share of ZeRO's per-micro-batch collectives hidden behind compute
+  pcie_gbps [null]          host <-> GPU GB/s per GPU for the offloads (null: 25)
   output [profile.json]     where to write the profile
   progress [true]           tqdm progress bar
 
@@ -191,12 +199,16 @@ def profile(argv: list) -> int:
         log.info("measuring sp=%s on this node's devices (one torchrun each; logs in %s)",
                  ",".join(map(str, launcher.degrees)), launcher.run_dir)
     setup_s = time.monotonic() - t0
-    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher)
+    zero = ZeroChoice(candidate_setups(pcfg, job), job, shape, pcfg)
+    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher, zero=zero)
     out = profiler.run()  # ProfileError (a UserError) when nothing fits
     out["hardware"] = backend.hardware()
     out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}
     out["hardware"]["measure_devices"] = devices
     out["job"] = {"world_size": pcfg.world_size, **asdict(job)}
+    if "zero" in out:  # the settings the groups were chosen for: the job's, at the chosen ZeRO setup
+        chosen = next(z for z in zero.setups if z.as_dict().items() <= out["zero"].items())
+        out["job"].update(asdict(chosen.job(job)))
     out["config"] = asdict(pcfg)
     out["profiler"]["setup_s"] = round(setup_s, 3)
     out["profiler"]["total_s"] = round(time.monotonic() - t0, 3)

@@ -95,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: "
                    "--model's shape, else the calibration's own)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
-                   "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
+                   help="the ZeRO stage the plan will be trained with, recorded in the plan (zero_stage: training "
+                   "refuses another deepspeed.zero_stage); bytescale is refused for stages 2/3 (they reduce gradients "
+                   "every micro-batch, docs/simulator.md). With --groups auto the profile's chosen stage is recorded "
+                   "and --zero-stage must agree with it (default: the profile's, else none recorded)")
     p.add_argument("--global-tokens", type=positive_int, default=None,
                    help="tokens per optimizer step G: real tokens with --step-tokens real (every strategy then makes "
                    "round(T / G) optimizer steps for T tokens), pack capacity with --step-tokens capacity "
@@ -258,6 +260,19 @@ def parse_groups(text: str, profile: str | None, world_size: int):
     return groups
 
 
+def planned_zero_stage(args) -> int | None:
+    """The ZeRO stage the plan records: the profile's chosen one with --groups auto (a profile that names none: the
+    job it was made for, if any), else --zero-stage; CliError when both are given and differ."""
+    stage = None
+    if args.groups == "auto" and args.profile:
+        data = json.loads(Path(args.profile).read_text())  # parse_groups read it already: valid JSON
+        stage = data.get("zero_stage")
+    if stage is not None and args.zero_stage is not None and int(stage) != args.zero_stage:
+        raise CliError(f"--zero-stage {args.zero_stage}: --profile {args.profile} chose its groups for ZeRO-{stage}; "
+                       f"drop --zero-stage, or profile again with profile.zero_stages=[{args.zero_stage}]")
+    return int(stage) if stage is not None else args.zero_stage
+
+
 def check_profile_world_size(profile_data: dict, profile: str, world_size: int) -> None:
     """CliError when the profile was made for another world size: its SP degrees and checkpoint counts were chosen
     for the memory ZeRO leaves on that many ranks, so they do not carry over. Profiles that do not record a world
@@ -344,6 +359,7 @@ def run(argv=None) -> int:
                            f"{groups[-1].pack_len}")
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
                        f"with pack_len >= {args.max_len} or lower --max-len")
+    zero_stage = planned_zero_stage(args)
     if args.strategy == "bytescale" and args.zero_stage is not None:
         from hbp_train.planning.baselines.bytescale import check_zero_stage
 
@@ -399,6 +415,8 @@ def run(argv=None) -> int:
             plan.extra["tokenizer"] = record
     if model_record is not None:  # the model the plan is for (hbp-simulate costs its shape)
         plan.extra["model"] = model_record
+    if zero_stage is not None:  # the stage its groups were chosen for (hbp_train.config refuses another)
+        plan.extra["zero_stage"] = zero_stage
     if args.out:
         t0, c0 = time.perf_counter(), time.process_time()
         try:

@@ -36,13 +36,15 @@ def test_analytic_memory_model_orders():
 @pytest.mark.parametrize("offload", [False, True])
 def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offload):
     """Per GPU, bf16 params: params 2 B (sharded from stage 3), gradients 2 B or 4 B with fp32 accumulation
-    (sharded from stage 2), fp32 master + Adam m, v 12 B (from stage 1; none on the GPU with optimizer offload).
-    The fp32 gradient partition DeepSpeed builds inside step() counts only there (tests below measure all of it)."""
+    (sharded from stage 2), fp32 master + Adam m, v 12 B (from stage 1). With optimizer offload the optimizer state
+    and the gradient partitions are on the CPU (DeepSpeed 0.19 copies each bucket's reduced gradients there): only
+    the parameters stay. The fp32 gradient partition DeepSpeed builds inside step() counts only there (tests below
+    measure all of it); the reduction buckets are counted when the job says how large they are."""
     params, world = 1_000_000, 8
     shard = {k: (world if stage >= k else 1) for k in (1, 2, 3)}
     job = JobSettings(zero_stage=stage, offload_optimizer=offload, grad_accum_fp32=fp32_accum)
     grads = (4 if fp32_accum else 2) * params / shard[2]
-    want = 2 * params / shard[3] + grads + (0 if offload else 12 * params / shard[1])
+    want = 2 * params / shard[3] + (0 if offload else grads + 12 * params / shard[1])
     assert model_state_bytes(params, world, job) == int(want)
     in_step = model_state_bytes(params, world, job, in_step=True)
     if offload or (fp32_accum and stage < 3):  # nothing new in step(): the accumulated gradient is already fp32
@@ -51,6 +53,24 @@ def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offl
         assert in_step == int(want + 4 * params / world)
     else:  # the bf16 gradients are replaced by this rank's partition in fp32
         assert in_step == int(2 * params + 16 * params / shard[1])
+    bucket = JobSettings(zero_stage=stage, offload_optimizer=offload, grad_accum_fp32=fp32_accum,
+                         grad_bucket_bytes=1000)
+    assert model_state_bytes(params, world, bucket) == int(want) + 1000
+
+
+def test_zero3_parameter_offload_and_gathered_parameters():
+    """ZeRO-3 with parameter offload keeps no parameter partition on the GPU; it holds what it gathers for the module
+    that runs (a decoder layer's widest matrix plus the prefetch bucket; the LM head and its gradient in the loss)."""
+    from hbp_train.perf.memory import ZERO3_PREFETCH_ELEMENTS, zero3_working_bytes
+
+    shape = MODEL_SHAPES["llama3-8b"]
+    z3, off = JobSettings(zero_stage=3, grad_accum_fp32=False), JobSettings(zero_stage=3, grad_accum_fp32=False,
+                                                                          offload_param=True)
+    assert model_state_bytes(shape.num_params, 8, z3) - model_state_bytes(shape.num_params, 8, off) == \
+        2 * shape.num_params // 8
+    assert zero3_working_bytes(shape, z3) == 2 * (shape.hidden * shape.ffn + ZERO3_PREFETCH_ELEMENTS)
+    assert zero3_working_bytes(shape, z3, loss=True) == 4 * shape.vocab * shape.hidden
+    assert zero3_working_bytes(shape, JobSettings(zero_stage=2)) == 0
 
 
 def test_the_step_peak_counts_only_when_it_exceeds_backward():

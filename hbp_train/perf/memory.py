@@ -70,6 +70,9 @@ class JobSettings:
     """The attention kernel's backward sums the query gradient in an fp32 buffer of the query's width (FlashAttention
     2/3's dq_accum, behind the varlen kernels): 4 B x heads x head_dim per token while a layer's attention runs
     backward. False for the CPU's SDPA (sdpa_block)."""
+    grad_bucket_bytes: int = 0
+    """DeepSpeed's gradient reduction buckets on the GPU (deepspeed.reduce_bucket_size elements in bf16, two of them
+    with overlap_comm at stage 1/2, one at stage 3), held from the first backward on; 0 = not counted."""
 
     @classmethod
     def of_run(cls, cfg, max_micro_batches=None, fused_kernels=()) -> "JobSettings":
@@ -79,17 +82,26 @@ class JobSettings:
         which keep more (an estimate on the safe side)."""
         backend = getattr(getattr(cfg, "model", None), "attention_backend", "auto")
         varlen = backend in ("auto", *VARLEN_BACKENDS)
-        return cls(zero_stage=cfg.deepspeed.zero_stage, offload_optimizer=cfg.deepspeed.offload_optimizer,
+        ds = cfg.deepspeed
+        return cls(zero_stage=ds.zero_stage, offload_optimizer=ds.offload_optimizer,
+                   grad_bucket_bytes=grad_bucket_bytes(getattr(ds, "reduce_bucket_size", 0), ds.zero_stage,
+                                                       getattr(ds, "overlap_comm", False)),
                    loss_chunk_tokens=cfg.loss.chunk_size,
                    grad_accum_fp32=cfg.deepspeed.grad_accum_fp32(max_micro_batches),
                    attention_out_shared=varlen, attention_fp32_dq=varlen,
                    fused_rms_norm="rms_norm" in fused_kernels, fused_swiglu="swiglu" in fused_kernels,
-                   offload_param=bool(getattr(cfg.deepspeed, "offload_param", False)))
+                   offload_param=bool(getattr(ds, "offload_param", False)))
 
     def describe(self) -> str:
         """The ZeRO stage and what it offloads, for tables: "ZeRO-3 + optimizer & parameter offload"."""
         parts = [name for name, on in (("optimizer", self.offload_optimizer), ("parameter", self.offload_param)) if on]
         return f"ZeRO-{self.zero_stage}" + (f" + {' & '.join(parts)} offload" if parts else "")
+
+
+def grad_bucket_bytes(reduce_bucket_size: int, zero_stage: int, overlap_comm: bool) -> int:
+    """Bytes of DeepSpeed 0.19's gradient reduction buckets on a GPU: ``reduce_bucket_size`` bf16 elements, doubled
+    with overlap_comm at stage 1/2 (stage_1_and_2.py's ipg buffers), one at stage 3."""
+    return 2 * int(reduce_bucket_size) * (2 if overlap_comm and zero_stage < 3 else 1)
 
 
 def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: bool = False) -> int:
@@ -102,14 +114,16 @@ def model_state_bytes(params: int, world_size: int, job: JobSettings, in_step: b
     activations gone): the optimizer needs this rank's gradient partition in fp32 (4 B). With fp32 accumulation at
     stage 1/2 that is the accumulated gradient itself; with bf16 accumulation step() converts the bf16 partition to
     a new fp32 one and frees the bf16 gradients; stage 3 copies its gradient partition (kept) into a new fp32 one
-    either way. Optimizer offload keeps the optimizer state and the fp32 gradients on the CPU. The parameters ZeRO-3
+    either way. Optimizer offload keeps the optimizer state and the gradient partitions on the CPU: the GPU keeps
+    only the reduction buckets (``JobSettings.grad_bucket_bytes``, counted at every stage). The parameters ZeRO-3
     gathers for the module that runs are ``zero3_working_bytes``."""
     w, stage = world_size, job.zero_stage
     shard = {k: (w if stage >= k else 1) for k in (1, 2, 3)}
     weights = 0 if (job.offload_param and stage == 3) else 2 * params / shard[3]
     grads = (4 if job.grad_accum_fp32 else 2) * params / shard[2]
     if job.offload_optimizer:
-        return int(weights + grads)
+        return int(weights + job.grad_bucket_bytes)
+    weights += job.grad_bucket_bytes
     optimizer = 12 * params / shard[1]
     if not in_step:
         return int(weights + grads + optimizer)
@@ -181,26 +195,28 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, job: JobSettings, tiled
                          dtype_bytes: int = 2) -> int:
     """Bytes a decoder layer's backward allocates beyond the activations it kept, at its worst moment, for a rank's
     ``tokens``: the gradient arriving from the layer above and the one it sums for its input (2 x h per token)
-    plus the larger of its two phases (each counted as the eager modules and the kernels allocate them, and
-    measured with the torch profiler on the CPU in bench/bench_memory_levers.py):
+    plus the largest of its phases (each counted as the eager modules and the kernels allocate them, and measured
+    with the torch profiler on the CPU in bench/bench_memory_levers.py):
 
-    * the MLP: an untiled MLP's product gradient and the two gradients of act(gate) and up it gives (the product
-      itself freed by then: 2 x ffn per token over what it kept; Liger's SwiGLU writes them over gate and up: 1);
-      a tiled MLP's input gradient (h per token, made whole up front) plus one tile's recomputed intermediates and
+    * the MLP, first: an untiled MLP's product gradient and the two gradients of act(gate) and up it gives (the
+      product itself freed by then: 2 x ffn per token over what it kept; Liger's SwiGLU writes them over gate and
+      up: 1); a tiled MLP's input gradient (h per token, made whole) plus one tile's recomputed intermediates and
       their gradients (``mlp_tiles``: about hidden tokens a tile);
-    * the attention, once the MLP's activations are freed: the output gradient, dq, dk, dv, and with a varlen
-      kernel FlashAttention's fp32 dq accumulator (``JobSettings.attention_fp32_dq``)."""
+    * then, the MLP's activations freed, each RMSNorm's backward (HF's computes in fp32: four fp32 buffers of the
+      hidden width, 16h per token; Liger's only its input gradient) and the attention's: the output gradient, dq,
+      dk, dv, and with a varlen kernel FlashAttention's fp32 dq accumulator (``JobSettings.attention_fp32_dq``)."""
     b, h, ffn = dtype_bytes, shape.hidden, shape.active_ffn
     grads = 1 if job.fused_swiglu else 2
     residual = 2 * b * h * tokens
     attention = tokens * (b * (shape.out_width + shape.attn_width + 2 * shape.kv_width)
                           + (4 * shape.attn_width if job.attention_fp32_dq else 0))
+    norm = tokens * (b * h if job.fused_rms_norm else 16 * h)
     if tiled_mlp:
         tile = min(tokens, _tile_tokens(shape, tokens))
         mlp = b * h * tokens + tile * (mlp_bytes_per_token(shape, b, job.fused_swiglu) + grads * b * ffn)
-        return residual + max(mlp, attention)
+        return residual + max(mlp, attention, norm)
     mlp_kept = mlp_bytes_per_token(shape, b, job.fused_swiglu) * tokens
-    return residual + max(grads * b * ffn * tokens, attention - mlp_kept)
+    return residual + max(grads * b * ffn * tokens, max(attention, norm) - mlp_kept)
 
 
 def _tile_tokens(shape: ModelShape, tokens: int) -> int:
@@ -229,6 +245,8 @@ class MemoryBreakdown:
     inputs, that layer rebuilt, its backward buffers; 0 without checkpointing."""
     host: int
     """Bytes the activation offload holds in host memory at the end of the forward (not on the GPU)."""
+    terms: dict = None
+    """Each moment's terms by name, in bytes (``{"loss": {"plain layers": ..., ...}, ...}``): what fills it."""
 
     @property
     def activations(self) -> int:
@@ -281,17 +299,32 @@ def memory_breakdown(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int
     loss_chunk = chunk * shape.vocab * (4 + 4 + 2) + head_grad + 2 * b * shape.hidden * tokens
     work = zero3_working_bytes(shape, job)
     backward = layer_backward_bytes(shape, tokens, job, tiled_mlp, b)
-    loss = (tokens * (plain * kept + on_device * ckpt_input + outside) + loss_chunk
-            + zero3_working_bytes(shape, job, loss=True))
-    backward_plain = tokens * (plain * kept + on_device * ckpt_input + through_backward) + backward + work \
-        if plain else 0
     restored = c if (not offload_activations or OFFLOAD_RESTORED_CACHED) else min(c, OFFLOAD_INPUTS_ON_DEVICE) + 1
-    backward_ckpt = tokens * (restored * ckpt_input + kept + through_backward) + backward + work if c else 0
+    terms = {
+        "loss": {"plain layers' activations": tokens * plain * kept,
+                 "checkpointed layers' inputs": tokens * on_device * ckpt_input,
+                 "outside the layers": tokens * outside, "LM-head loss working set": loss_chunk,
+                 "ZeRO-3 gathered LM head": zero3_working_bytes(shape, job, loss=True)},
+        "backward_plain": {"plain layers' activations": tokens * plain * kept,
+                           "checkpointed layers' inputs": tokens * on_device * ckpt_input,
+                           "RoPE tables and ids": tokens * through_backward, "a layer's backward buffers": backward,
+                           "ZeRO-3 gathered parameters": work} if plain else {},
+        "backward_ckpt": {"checkpointed layers' inputs" + (" (restored, kept by the offload)" if offload_activations
+                                                            else ""): tokens * restored * ckpt_input,
+                          "the rebuilt layer": tokens * kept, "RoPE tables and ids": tokens * through_backward,
+                          "a layer's backward buffers": backward, "ZeRO-3 gathered parameters": work} if c else {},
+    }
+    states = model_state_bytes(shape.num_params, world_size, job)
+    for moment in terms.values():
+        if moment:
+            moment["model states"] = states
     return MemoryBreakdown(
-        states=model_state_bytes(shape.num_params, world_size, job),
-        step=model_state_bytes(shape.num_params, world_size, job, in_step=True),
-        loss=int(loss), backward_plain=int(backward_plain), backward_ckpt=int(backward_ckpt),
-        host=int(tokens * (c - on_device) * ckpt_input) if offload_activations else 0)
+        states=states, step=model_state_bytes(shape.num_params, world_size, job, in_step=True),
+        loss=int(sum(terms["loss"].values()) - states), backward_plain=int(sum(terms["backward_plain"].values())
+                                                                           - (states if plain else 0)),
+        backward_ckpt=int(sum(terms["backward_ckpt"].values()) - (states if c else 0)),
+        host=int(tokens * (c - on_device) * ckpt_input) if offload_activations else 0,
+        terms={k: {name: int(v) for name, v in moment.items()} for k, moment in terms.items()})
 
 
 def analytic_memory_bytes(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int, world_size: int,

@@ -30,6 +30,7 @@ from hbp_train.profiler.zero_choice import ZeroChoice, candidate_setups
 log = logging.getLogger(__name__)
 
 HELP = """usage: python -m hbp_train.profiler [OVERRIDES...]
+       python -m hbp_train.profiler --max-context --model MODEL --gpus N [--gpu-memory-gb 80] ...  (--max-context -h)
 
 Auto group selection (HBP Alg. 1/3/4): profile (SP degree, checkpointed layers) for each candidate pack length and
 write the packing groups to profile.json for `python -m data_tools.pack --groups auto --profile profile.json`.
@@ -74,6 +75,9 @@ exit code 2; so does a profile where nothing fits. A dry run needs only the mode
 (model.name_or_path=DIR holding it; without a tokenizer the config's vocab_size is used), or a preset with a
 published shape (model=qwen3_8b, ...: docs/models.md), and no data.shards, e.g.
   python -m hbp_train.profiler experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
+--max-context answers "how long can I go?": the longest sample N GPUs train, each memory lever added in turn
+(baseline, + SP over all GPUs, + checkpointing, + tiled loss, + tiled MLP, + offload), the ZeRO stage named, with
+the predicted step time; modelled, nothing runs (hbp-profile --max-context --help).
 See docs/profiler.md.
 """
 
@@ -130,6 +134,10 @@ def default_min_len_override(overrides: list) -> Optional[str]:
 
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--max-context" in argv:  # "how long can I go?": its own flags (max_context.py)
+        from hbp_train.profiler.max_context import main as max_context
+
+        return max_context([a for a in argv if a != "--max-context"])
     if any(a in ("-h", "--help") for a in argv):
         print(HELP, end="")
         return 0

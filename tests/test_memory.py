@@ -449,3 +449,61 @@ def test_model_states_match_what_deepspeed_holds_through_backward_and_in_step(tm
         if not fp32_accum:
             # the fp32 partition (4 B/param over 2 ranks) appears in step(), where the bf16 one (2 B) goes
             assert got["after_backward"] < in_step - 0.5 * params, (stage, got["after_backward"] / params)
+
+
+def test_tiled_mlp_keeps_no_mlp_intermediate_and_backward_holds_one_tile():
+    """The tiled MLP: every plain layer keeps 4 x ffn per token less (gate, up, act, product) at the end of the
+    forward; in backward a layer holds its input gradient and one tile's recompute instead of the whole slice's MLP
+    gradients."""
+    from hbp_train.perf.memory import layer_backward_bytes, memory_breakdown, mlp_bytes_per_token
+
+    shape = parse_model_shape("llama3-8b")
+    job, tokens = JobSettings(zero_stage=2), 16384
+    plain, tiled = (memory_breakdown(shape, tokens, 1, 0, 8, job, tiled_mlp=t) for t in (False, True))
+    mlp = mlp_bytes_per_token(shape)
+    assert mlp == 2 * 4 * shape.ffn
+    assert plain.loss - tiled.loss == tokens * shape.num_layers * mlp
+    untiled_bwd, tiled_bwd = (layer_backward_bytes(shape, tokens, job, t) for t in (False, True))
+    assert untiled_bwd == 2 * 2 * shape.hidden * tokens + 2 * 2 * shape.ffn * tokens  # residual + 2 MLP gradients
+    # tiled: HF's fp32 RMSNorm backward (16h per token) is now the layer's largest phase; with Liger's norm, the
+    # attention's (dout, dq, dk, dv, FlashAttention's fp32 dq)
+    assert tiled_bwd == 2 * 2 * shape.hidden * tokens + 16 * shape.hidden * tokens
+    attention = tokens * (2 * (2 * shape.attn_width + 2 * shape.kv_width) + 4 * shape.attn_width)
+    liger = JobSettings(zero_stage=2, fused_rms_norm=True, fused_swiglu=True)
+    assert layer_backward_bytes(shape, tokens, liger, True) == 2 * 2 * shape.hidden * tokens + attention
+    assert plain.backward_plain - tiled.backward_plain == tokens * shape.num_layers * mlp + untiled_bwd - tiled_bwd
+
+
+def test_offload_leaves_two_inputs_on_the_gpu_and_deepspeed_brings_them_all_back():
+    """Activation offload with every layer checkpointed: at the end of the forward only the newest input and the one
+    being copied stay on the GPU (the rest is in host memory); DeepSpeed 0.19.8 keeps every input it restores until
+    the backward ends, so the first checkpointed layer's backward holds them all again."""
+    import hbp_train.perf.memory as memory
+
+    shape = parse_model_shape("llama3-8b")
+    job, tokens, layers = JobSettings(zero_stage=3), 16384, shape.num_layers
+    kept, offloaded = (memory.memory_breakdown(shape, tokens, 1, layers, 8, job, offload_activations=o)
+                       for o in (False, True))
+    moved = tokens * (layers - memory.OFFLOAD_INPUTS_ON_DEVICE) * 2 * shape.hidden
+    assert kept.loss - offloaded.loss == moved == offloaded.host and kept.host == 0
+    assert offloaded.backward_ckpt == kept.backward_ckpt  # OFFLOAD_RESTORED_CACHED
+    assert memory.OFFLOAD_RESTORED_CACHED
+    # A restore that freed each input after its layer's backward would hold three (two kept, one restored).
+    memory.OFFLOAD_RESTORED_CACHED = False
+    try:
+        freed = memory.memory_breakdown(shape, tokens, 1, layers, 8, job, offload_activations=True)
+    finally:
+        memory.OFFLOAD_RESTORED_CACHED = True
+    assert kept.backward_ckpt - freed.backward_ckpt == tokens * (layers - 3) * 2 * shape.hidden
+
+
+def test_the_peak_moment_and_its_terms():
+    """The breakdown names what fills each moment: the terms of the moment that sets the peak sum to the peak."""
+    from hbp_train.perf.memory import memory_breakdown
+
+    shape = parse_model_shape("llama3-8b")
+    br = memory_breakdown(shape, 131072, 8, 32, 8, JobSettings(zero_stage=3, loss_chunk_tokens=8192))
+    assert br.moment == "loss" and sum(br.terms["loss"].values()) == br.peak
+    assert max(br.terms["loss"], key=br.terms["loss"].get) == "model states"
+    br = memory_breakdown(shape, 1 << 20, 8, 32, 8, JobSettings(zero_stage=3, loss_chunk_tokens=8192), True, True)
+    assert br.moment == "backward_ckpt" and sum(br.terms["backward_ckpt"].values()) == br.peak

@@ -264,8 +264,16 @@ class GpuBackend:
             self._on_device = False
             self.torch.cuda.empty_cache()
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+    @property
+    def supports_levers(self) -> bool:
+        """The memory levers are measured on a GPU, as training installs them (hbp_train/model/levers.py); on the CPU
+        activation offload moves nothing (DeepSpeed has no device to free there), so a CPU profile tries none."""
+        return self.on_gpu
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
         docs = synthetic_docs(pack_len, self.pool, self.cfg.seed)
+        self._set_levers(pack_len, sp, tiled_mlp, offload_activations)
         if sp > self.num_gpus:
             return self._estimate(pack_len, docs, sp, ckpt_layers, iters)
         if sp != self.measured_sp:
@@ -274,15 +282,35 @@ class GpuBackend:
         note = f"measured on {sp} ranks (one torchrun)" if sp > 1 else ""
         return self._measurement(pack_len, sp, ckpt_layers, t, peak, used, estimated=False, note=note)
 
+    def _set_levers(self, pack_len: int, sp: int, tiled_mlp: bool, offload: bool) -> None:
+        """The levers the next runs use: the tiled MLP's tile count of the group (perf.shape.mlp_tiles: the same on a
+        rank's slice as in the SP group), and offload. Installed on the model at first use."""
+        self._lever_flags = (tiled_mlp, offload)
+        if not (tiled_mlp or offload or getattr(self, "_levers", None)):
+            return
+        from hbp_train.model.levers import Levers, install_levers
+        from hbp_train.perf.shape import mlp_tiles
+
+        self._levers = install_levers(self.model)
+        hidden = self.model.config.hidden_size
+        self._levers.set(Levers(mlp_tiles=mlp_tiles(hidden, pack_len, sp) if tiled_mlp else 1, offload=offload))
+
+    def _micro_batch(self):
+        """The context each iteration's forward and backward run in: the levers' (offload's hooks), or none."""
+        levers = getattr(self, "_levers", None)
+        return levers.micro_batch() if levers is not None else nullcontext()
+
     def _measurement(self, pack_len, sp, ckpt, t, peak, used, estimated, note="") -> Measurement:
         ranks = sp if sp > 1 and not estimated else 1
+        tiled, offload = getattr(self, "_lever_flags", (False, False))
         if t is None:
             return Measurement(pack_len, sp, ckpt, None, None, None, oom=True, estimated=estimated,
-                               source=self.name, ranks=ranks, note=note)
+                               source=self.name, ranks=ranks, note=note, tiled_mlp=tiled,
+                               offload_activations=offload)
         fix = self.state_correction
         return Measurement(pack_len, sp, ckpt, t, None if peak is None else peak + fix,
                            None if used is None else used + fix, estimated=estimated, source=self.name,
-                           ranks=ranks, note=note)
+                           ranks=ranks, note=note, tiled_mlp=tiled, offload_activations=offload)
 
     def _estimate(self, pack_len, docs, sp, ckpt, iters) -> Measurement:
         """One rank of an SP group runs pack_len/sp tokens through the linear layers and LM head, and attention of
@@ -341,12 +369,13 @@ class GpuBackend:
         try:
             for i in range(self.cfg.warmup_iters + iters):
                 timer = _Timer(torch, self.on_gpu)
-                with saved if (saved is not None and i == 0) else nullcontext():
-                    hidden = forward_hidden(self.model, input_ids, position_ids)
-                    loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
-                    if sp > 1:  # every rank back-propagates its group's loss, as in training
-                        loss = self.sequence_parallel.reduce_loss(loss)
-                loss.backward()
+                with self._micro_batch():  # the levers' context spans forward and backward (offload restores)
+                    with saved if (saved is not None and i == 0) else nullcontext():
+                        hidden = forward_hidden(self.model, input_ids, position_ids)
+                        loss = chunked_token_losses(hidden, weight, labels, self.loss_chunk).sum() / tokens
+                        if sp > 1:  # every rank back-propagates its group's loss, as in training
+                            loss = self.sequence_parallel.reduce_loss(loss)
+                    loss.backward()
                 timer.stop()
                 del hidden, loss
                 if i >= self.cfg.warmup_iters:
@@ -359,7 +388,7 @@ class GpuBackend:
             if not is_oom(exc):
                 raise
             if sp > 1:
-                raise RankOutOfMemory(sum(docs), sp, ckpt) from None
+                raise RankOutOfMemory(sum(docs), sp, ckpt, *getattr(self, "_lever_flags", (False, False))) from None
             oom = True
         hidden = loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
         # Outside the except block, so the exception's frames (holding activations) are gone before freeing.
@@ -400,9 +429,13 @@ class RankOutOfMemory(RuntimeError):
     a collective it will never join, so the worker records the configuration and ends the torchrun (worker.py);
     the parent relaunches it for the rest."""
 
-    def __init__(self, pack_len: int, sp: int, ckpt_layers: int):
-        super().__init__(f"out of memory at pack_len={pack_len} sp={sp} ckpt_layers={ckpt_layers}")
+    def __init__(self, pack_len: int, sp: int, ckpt_layers: int, tiled_mlp: bool = False,
+                 offload_activations: bool = False):
+        super().__init__(f"out of memory at pack_len={pack_len} sp={sp} ckpt_layers={ckpt_layers}"
+                         + "".join(f" {n}" for n, on in (("tiled_mlp", tiled_mlp), ("offload", offload_activations))
+                                   if on))
         self.pack_len, self.sp, self.ckpt_layers = pack_len, sp, ckpt_layers
+        self.tiled_mlp, self.offload_activations = tiled_mlp, offload_activations
 
 
 class _SavedBytes:

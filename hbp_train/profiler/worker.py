@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         profiler.measure_degree(sp, [int(l) for l in job["lengths"]])
     except RankOutOfMemory as oom:
         Path(f"{job['oom_marker']}{me}.json").write_text(json.dumps(
-            {"pack_len": oom.pack_len, "sp": oom.sp, "ckpt_layers": oom.ckpt_layers, "rank": me}))
+            {"pack_len": oom.pack_len, "sp": oom.sp, "ckpt_layers": oom.ckpt_layers, "rank": me,
+             "tiled_mlp": oom.tiled_mlp, "offload_activations": oom.offload_activations}))
         log.error("rank %d: %s; ending this torchrun (the profiler starts it again for the rest)", me, oom)
         _leave(EXIT_OOM)
     if me == 0:

@@ -465,12 +465,17 @@ def test_tiled_mlp_keeps_no_mlp_intermediate_and_backward_holds_one_tile():
     assert plain.loss - tiled.loss == tokens * shape.num_layers * mlp
     untiled_bwd, tiled_bwd = (layer_backward_bytes(shape, tokens, job, t) for t in (False, True))
     assert untiled_bwd == 2 * 2 * shape.hidden * tokens + 2 * 2 * shape.ffn * tokens  # residual + 2 MLP gradients
-    # tiled: HF's fp32 RMSNorm backward (16h per token) is now the layer's largest phase; with Liger's norm, the
-    # attention's (dout, dq, dk, dv, FlashAttention's fp32 dq)
-    assert tiled_bwd == 2 * 2 * shape.hidden * tokens + 16 * shape.hidden * tokens
+    # tiled (4 tiles of 4096 tokens): the input gradient, one tile's intermediates and their two gradients, and one
+    # bf16 copy of the MLP weights' gradients (summed over the tiles); now above the attention's and HF's fp32 norm
+    # backward (16h per token); with 16 tiles the norm's is the largest
+    residual = 2 * 2 * shape.hidden * tokens
+    tile_phase = 2 * shape.hidden * tokens + 4096 * 2 * 6 * shape.ffn + 2 * 3 * shape.hidden * shape.ffn
+    assert tiled_bwd == residual + tile_phase > residual + 16 * shape.hidden * tokens
+    assert layer_backward_bytes(shape, 4 * tokens, job, True) == 4 * residual + 4 * 16 * shape.hidden * tokens
     attention = tokens * (2 * (2 * shape.attn_width + 2 * shape.kv_width) + 4 * shape.attn_width)
     liger = JobSettings(zero_stage=2, fused_rms_norm=True, fused_swiglu=True)
-    assert layer_backward_bytes(shape, tokens, liger, True) == 2 * 2 * shape.hidden * tokens + attention
+    liger_tile = 2 * shape.hidden * tokens + 4096 * 2 * 4 * shape.ffn + 2 * 3 * shape.hidden * shape.ffn
+    assert layer_backward_bytes(shape, tokens, liger, True) == residual + max(liger_tile, attention)
     assert plain.backward_plain - tiled.backward_plain == tokens * shape.num_layers * mlp + untiled_bwd - tiled_bwd
 
 

@@ -201,7 +201,10 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, job: JobSettings, tiled
     * the MLP, first: an untiled MLP's product gradient and the two gradients of act(gate) and up it gives (the
       product itself freed by then: 2 x ffn per token over what it kept; Liger's SwiGLU writes them over gate and
       up: 1); a tiled MLP's input gradient (h per token, made whole) plus one tile's recomputed intermediates and
-      their gradients (``mlp_tiles``: about hidden tokens a tile);
+      their gradients (``mlp_tiles``: about hidden tokens a tile) and, with several tiles, the MLP weights'
+      gradients of the tiles done so far (model/levers.py runs each tile as a checkpoint, so autograd sums a
+      weight's gradient over the tiles before it reaches the parameter's: one bf16 copy of the layer's MLP
+      weights);
     * then, the MLP's activations freed, each RMSNorm's backward (HF's computes in fp32: four fp32 buffers of the
       hidden width, 16h per token; Liger's only its input gradient) and the attention's: the output gradient, dq,
       dk, dv, and with a varlen kernel FlashAttention's fp32 dq accumulator (``JobSettings.attention_fp32_dq``)."""
@@ -213,7 +216,9 @@ def layer_backward_bytes(shape: ModelShape, tokens: int, job: JobSettings, tiled
     norm = tokens * (b * h if job.fused_rms_norm else 16 * h)
     if tiled_mlp:
         tile = min(tokens, _tile_tokens(shape, tokens))
-        mlp = b * h * tokens + tile * (mlp_bytes_per_token(shape, b, job.fused_swiglu) + grads * b * ffn)
+        weight_grads = b * shape.mlp_params(bool(shape.num_experts), active=False) if tile < tokens else 0
+        mlp = (b * h * tokens + tile * (mlp_bytes_per_token(shape, b, job.fused_swiglu) + grads * b * ffn)
+               + weight_grads)
         return residual + max(mlp, attention, norm)
     mlp_kept = mlp_bytes_per_token(shape, b, job.fused_swiglu) * tokens
     return residual + max(grads * b * ffn * tokens, max(attention, norm) - mlp_kept)

@@ -156,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pack_len are dropped")
     p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs W (required)")
     p.add_argument("--groups", required=True,
-                   help="ascending pack_len:sp[:ckpt_layers] list, e.g. 16384:1,131072:8; single-group strategies "
-                        "use the last group; 'auto' reads them from --profile (required)")
+                   help="ascending pack_len:sp[:ckpt_layers[:levers]] list, e.g. 16384:1,131072:8 (as "
+                        "data_tools.pack --groups); single-group strategies use the last group; 'auto' reads them "
+                        "from --profile (required)")
     p.add_argument("--profile", default=None, metavar="FILE", type=existing_file,
                    help="with --groups auto: the profiler's JSON (python -m hbp_train.profiler) (default: none; "
                         "--groups auto needs it)")

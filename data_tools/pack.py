@@ -71,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "largest group's pack_len (default: the largest pack_len)")
     p.add_argument("--world-size", type=positive_int, required=True, help="number of GPUs (ranks) W (required)")
     p.add_argument("--groups", required=True,
-                   help="ascending pack_len:sp[:ckpt_layers] pairs, comma separated, e.g. 16384:1,131072:8; sp is a "
-                   "power of two dividing W; samples longer than the last pack_len are dropped. 'auto' reads them "
-                   "from --profile (required)")
+                   help="ascending pack_len:sp[:ckpt_layers[:levers]] groups, comma separated, e.g. "
+                   "16384:1,131072:8:32:tiled_mlp+offload; sp is a power of two dividing W; levers: tiled_mlp, "
+                   "offload (needs ckpt_layers > 0) joined by '+', '-' for none (docs/memory_levers.md); samples "
+                   "longer than the last pack_len are dropped. 'auto' reads them from --profile (required)")
     p.add_argument("--profile", metavar="FILE", type=existing_file,
                    help="with --groups auto: the profiler's JSON, {\"groups\": [{\"pack_len\", \"sp\", \"ckpt_layers\"}]} "
                    "(default: none; --groups auto needs it)")
@@ -207,9 +208,25 @@ def read_dataset_lengths(path: str) -> np.ndarray:
     return arr
 
 
+# The names of the memory levers in --groups' 4th field, and the GroupSpec field each one sets.
+LEVER_NAMES = {"tiled_mlp": "tiled_mlp", "offload": "offload_activations"}
+
+
+def parse_levers(text: str, part: str) -> dict:
+    """The GroupSpec lever fields of --groups' 4th field: names joined by '+' (tiled_mlp, offload), '-' for none."""
+    on = set()
+    for name in ([] if text.strip() in ("-", "") else text.split("+")):
+        if name.strip() not in LEVER_NAMES:
+            raise CliError(f"--groups {part!r}: unknown memory lever {name.strip()!r} (levers: "
+                           f"{', '.join(LEVER_NAMES)}, joined by '+', or '-' for none)")
+        on.add(LEVER_NAMES[name.strip()])
+    return {field: field in on for field in LEVER_NAMES.values()}
+
+
 def parse_groups(text: str, profile: str | None, world_size: int):
-    """GroupSpecs from 'len:sp[:ckpt],...' or the profiler file; CliError with the fix on bad input."""
+    """GroupSpecs from 'len:sp[:ckpt[:levers]],...' or the profiler file; CliError with the fix on bad input."""
     from hbp_train.planning import GroupSpec
+    from hbp_train.planning.plan import LEVER_KEYS
 
     if text == "auto":
         if not profile:
@@ -231,18 +248,21 @@ def parse_groups(text: str, profile: str | None, world_size: int):
         for i, g in enumerate(data["groups"]):
             if not isinstance(g, dict) or "pack_len" not in g or "sp" not in g:
                 raise CliError(f"--profile {profile}: groups[{i}] needs 'pack_len' and 'sp'")
-            items.append((g["pack_len"], g["sp"], g.get("ckpt_layers"), f"--profile {profile}: groups[{i}]"))
+            levers = {k: g.get(k, False) for k in LEVER_KEYS}
+            items.append((g["pack_len"], g["sp"], g.get("ckpt_layers"), levers, f"--profile {profile}: groups[{i}]"))
     else:
         items = []
         for part in text.split(","):
             fields = part.strip().split(":")
-            if len(fields) not in (2, 3) or not all(x.strip().lstrip("-").isdigit() for x in fields):
-                raise CliError(f"--groups: {part.strip()!r} is not pack_len:sp or pack_len:sp:ckpt_layers "
-                               "(e.g. 16384:1,131072:8)")
-            vals = [int(x) for x in fields]
-            items.append((vals[0], vals[1], vals[2] if len(vals) == 3 else None, f"--groups {part.strip()!r}"))
+            numbers = fields[:3]
+            if (len(fields) not in (2, 3, 4) or not all(x.strip().lstrip("-").isdigit() for x in numbers)):
+                raise CliError(f"--groups: {part.strip()!r} is not pack_len:sp, pack_len:sp:ckpt_layers or "
+                               "pack_len:sp:ckpt_layers:levers (e.g. 16384:1,131072:8:32:tiled_mlp+offload)")
+            vals = [int(x) for x in numbers]
+            levers = parse_levers(fields[3] if len(fields) == 4 else "-", part.strip())
+            items.append((vals[0], vals[1], vals[2] if len(vals) >= 3 else None, levers, f"--groups {part.strip()!r}"))
     groups = []
-    for pack_len, sp, ckpt, where in items:
+    for pack_len, sp, ckpt, levers, where in items:
         if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 1:
             raise CliError(f"{where}: pack_len must be a positive integer")
         if pack_len > MAX_PACK_LEN:  # packed shards hold token positions and cu_seqlens as int32
@@ -253,7 +273,12 @@ def parse_groups(text: str, profile: str | None, world_size: int):
             raise CliError(f"{where}: sp={sp} must divide --world-size {world_size}")
         if ckpt is not None and (not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0):
             raise CliError(f"{where}: ckpt_layers must be a non-negative integer")
-        groups.append(GroupSpec(pack_len, sp, ckpt))
+        if any(not isinstance(v, bool) for v in levers.values()):
+            raise CliError(f"{where}: {', '.join(LEVER_KEYS)} must be true or false")
+        if levers["offload_activations"] and ckpt == 0:
+            raise CliError(f"{where}: offload needs checkpointed layers (it moves the hidden states they keep to "
+                           "host memory): give ckpt_layers > 0, or drop offload")
+        groups.append(GroupSpec(pack_len, sp, ckpt, **levers))
     lens = [g.pack_len for g in groups]
     if any(b <= a for a, b in zip(lens, lens[1:])):
         raise CliError(f"--groups: pack lengths must be strictly ascending, got {lens}")

@@ -5,8 +5,8 @@ the run (world size, ZeRO stage), loads the tokenizer and hands the plan's packi
 ``build_run(cfg, groups, total_steps)`` is the part that needs no shards on disk (bench/trainer/bench_trainer.py calls it
 with in-memory packs): the SP groups of every degree, the model (partitioned as it is built under ZeRO-3), the
 run's ``SequenceParallel`` (Ulysses attention when a group uses sp > 1), the checkpointed-layer checks, the GPU
-memory preflight, and the DeepSpeed engine around ``PackedCausalLM``. Every check of user input raises UserError
-before DeepSpeed allocates anything.
+memory preflight, the groups' memory levers (model/levers.py), and the DeepSpeed engine around ``PackedCausalLM``.
+Every check of user input raises UserError before DeepSpeed allocates anything.
 
 DeepSpeed is initialised with gradient_accumulation_steps=1 and one pack per micro-batch: the trainer drives the
 accumulation boundary itself, because the number of micro-batches changes from step to step (trainer.py says why).
@@ -29,6 +29,7 @@ from hbp_train.model.ulysses import SequenceParallel, setup_sequence_parallel
 from hbp_train.common.errors import UserError
 from hbp_train.model.lora import zero3_external_parameters
 from hbp_train.model.loss import chunked_token_losses, fused_token_losses
+from hbp_train.model.levers import MemoryLevers, setup_levers
 from hbp_train.model.moe import RouterAux, records_router_logits, router_aux_of, router_loss_line
 from hbp_train.batches.vocab import vocab_to_build
 
@@ -229,6 +230,8 @@ class Run:
     """The resolved config, saved with every checkpoint."""
     router_aux: Optional[RouterAux] = None
     """The MoE router loss settings of the model's config (moe.py), or None."""
+    levers: Optional[MemoryLevers] = None
+    """The model's memory levers (model/levers.py), switched per packing group by the trainer."""
 
     @property
     def device(self) -> torch.device:
@@ -332,9 +335,10 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
                   else f"{plan} groups[].ckpt_layers={[g.get('ckpt_layers') for g in groups]}")
         raise UserError(f"{source}: the model has only {num_layers} decoder layers")
     _warn_if_groups_may_not_fit(cfg, groups, model, world_size, ckpt_layers, max_micro_batches)
+    levers = setup_levers(model, groups, ckpt_layers, cfg.model.kernels, plan)  # tiled MLP, offload (levers.py)
     engine = build_engine(cfg, model, total_steps, world_size, max_micro_batches, load_universal)
     return Run(cfg=cfg, engine=engine, model=model, sp=sp, total_steps=total_steps,
-               router_aux=router_aux_of(model.config))
+               router_aux=router_aux_of(model.config), levers=levers)
 
 
 def build_engine(cfg, model, total_steps: int, world_size: int, max_micro_batches: Optional[int] = None,

@@ -135,6 +135,7 @@ def check_paths(cfg: HBPConfig) -> None:
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
     check_sp_degrees(cfg)
+    check_levers(cfg)
     check_zero_stage(cfg)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg))
@@ -173,6 +174,24 @@ def check_sp_degrees(cfg: HBPConfig) -> None:
             raise ConfigError(str(e)) from None
 
 
+def check_levers(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when data.shards' groups ask for a memory lever this run cannot honour exactly: offload
+    without checkpointed layers, or a tiled MLP this model cannot run (model/levers.py); from the plan's groups and
+    the model's config (no weights), before any worker starts (build_run checks it again)."""
+    from hbp_train.build import ckpt_layers_for
+    from hbp_train.model.hf_model import hf_config_for
+    from hbp_train.model.levers import check_plan_levers
+
+    groups = _planned_groups(cfg.data.shards) if cfg.data.shards is not None else None
+    if not groups:
+        return
+    ckpt = [ckpt_layers_for(cfg.train.ckpt_layers, g, group.get("ckpt_layers")) for g, group in enumerate(groups)]
+    try:
+        check_plan_levers(hf_config_for(cfg.model), groups, ckpt, cfg.model.kernels, f"data.shards={cfg.data.shards}")
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_zero_stage(cfg: HBPConfig) -> None:
     """ConfigError (one line) when data.shards' plan was made for another ZeRO stage than deepspeed.zero_stage: the
     profiler chose its groups' SP degrees, checkpointing and levers for that stage's memory (``zero_stage`` in
@@ -209,8 +228,18 @@ def _planned_zero_stage(shards: str) -> int | None:
 
 
 def _planned_sp_degrees(shards: str) -> list | None:
-    """The SP degrees of a packed-shards folder's groups, without reading its steps: plan.npz's JSON header, or the
-    "groups" entry near the top of plan.json (written before the steps; the whole file only when it is not there).
+    """The SP degrees of a packed-shards folder's groups (``_planned_groups``), or None."""
+    try:
+        groups = _planned_groups(shards)
+        return sorted({int(g.get("sp", 1)) for g in groups}) if groups else None
+    except (ValueError, TypeError):
+        return None
+
+
+def _planned_groups(shards: str) -> list | None:
+    """The groups of a packed-shards folder (plan.json's dicts), without reading its steps: plan.npz's JSON header,
+    or the "groups" entry near the top of plan.json (written before the steps; the whole file only when it is not
+    there).
     None when there is no readable plan: the loader names that problem when the run opens the shards."""
     import json
 
@@ -230,7 +259,7 @@ def _planned_sp_degrees(shards: str) -> list | None:
                 groups = None
             if groups is None:
                 groups = json.loads((folder / "plan.json").read_text()).get("groups")
-        return sorted({int(g.get("sp", 1)) for g in groups})
+        return groups if isinstance(groups, list) and all(isinstance(g, dict) for g in groups) else None
     except (OSError, ValueError, TypeError, AttributeError, UserError):
         return None
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,6 +39,7 @@ from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.distributed.groups import rank, world_size
 from hbp_train.model.hf_model import set_checkpointed_layers
+from hbp_train.model.levers import step_levers
 from hbp_train.model.loss import token_loss_weights
 from hbp_train.model.moe import pack_aux_loss
 from hbp_train.observe import heldout
@@ -367,6 +369,9 @@ def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dic
                 run.cfg, group, micro_batch.get("ckpt_layers", step_batch.ckpt_layers),
                 run.data.groups if run.data is not None else None))
             run.sp.set_active(sp)  # SP: the attention dispatcher switches to the group's degree
+            if run.levers is not None and "pack_len" in micro_batch:  # the group's tiled MLP and offload
+                run.levers.set(step_levers(micro_batch, run.data.groups if run.data is not None else None,
+                                           shape.hidden, run.cfg.deepspeed.zero_stage))
             active = (group, sp)
         if micro_batch["num_samples"]:
             # Under SP each rank of the group does 1/sp of the pack's work (its token slice, its share of heads).
@@ -381,22 +386,27 @@ def forward_backward(run: Run, step_batch: StepBatch, waited=lambda: 0.0) -> dic
                           else int((local["shift_labels"] != IGNORE_INDEX).sum()))
         loss_tokens += num_local_loss
         batch = to_device(local, run.device)
-        # SP: live CR — the attention dispatcher books this slice's real tokens as SP tokens or not.
-        run.sp.begin_micro_batch(batch["num_local_tokens"] if micro_batch["num_samples"] else 0)
-        weights_T = _loss_weights(run, batch, step_batch, sp)
-        objective, loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
-                                   batch["cu_seqlens"] if sp == 1 else None, batch["max_seqlen"] if sp == 1 else None,
-                                   loss_weights=weights_T, num_loss_tokens=num_local_loss)
-        loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
-        if run.router_aux is not None:  # MoE: the pack's (or each sample's) router loss, given to its loss tokens
-            aux = pack_aux_loss(engine.module.router_logits, batch["num_local_tokens"] if micro_batch["num_samples"]
-                                else 0, run.router_aux, run.sp.reduce_loss, engine.module.router_choices,
-                                batch["sample_ids"], micro_batch["num_samples"])
-            # sum_t w_t (loss_t + coef aux_t): aux is the pack's, or each token's sample's (moe.py); w_t = 0 where
-            # there is no label
-            objective = objective + run.router_aux.coef * (aux * weights_T).sum()
-            aux_sum += (aux.detach().double() * (batch["shift_labels"][0] != IGNORE_INDEX)).sum()
-        engine.backward(run.sp.reduce_loss(objective))
+        # offload (a group's lever): the checkpointed layers' inputs leave for host memory in the forward and come
+        # back in the backward, both inside the context
+        with run.levers.micro_batch() if run.levers is not None else nullcontext():
+            # SP: live CR — the attention dispatcher books this slice's real tokens as SP tokens or not.
+            run.sp.begin_micro_batch(batch["num_local_tokens"] if micro_batch["num_samples"] else 0)
+            weights_T = _loss_weights(run, batch, step_batch, sp)
+            objective, loss_T = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"],
+                                       batch["cu_seqlens"] if sp == 1 else None,
+                                       batch["max_seqlen"] if sp == 1 else None,
+                                       loss_weights=weights_T, num_loss_tokens=num_local_loss)
+            loss_sum += loss_T.detach().double().sum()  # stays on the device: no sync per micro-batch
+            if run.router_aux is not None:  # MoE: the pack's (or each sample's) router loss, given to its loss tokens
+                aux = pack_aux_loss(engine.module.router_logits,
+                                    batch["num_local_tokens"] if micro_batch["num_samples"] else 0, run.router_aux,
+                                    run.sp.reduce_loss, engine.module.router_choices, batch["sample_ids"],
+                                    micro_batch["num_samples"])
+                # sum_t w_t (loss_t + coef aux_t): aux is the pack's, or each token's sample's (moe.py); w_t = 0 where
+                # there is no label
+                objective = objective + run.router_aux.coef * (aux * weights_T).sum()
+                aux_sum += (aux.detach().double() * (batch["shift_labels"][0] != IGNORE_INDEX)).sum()
+            engine.backward(run.sp.reduce_loss(objective))
     sp_mix.stop()
     # A NaN/inf token loss anywhere makes the sum NaN/inf.
     return {"loss_sum": loss_sum, "aux_sum": aux_sum, "loss_tokens": loss_tokens, "tokens": tokens,

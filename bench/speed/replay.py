@@ -47,7 +47,7 @@ def plan_all(lengths: np.ndarray, strategies: list, world: int, groups: list, mo
     from hbp_train.perf.cost_model import pack_cost_fn
     from hbp_train.planning import GroupSpec, PlanConfig, make_plan
 
-    specs = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in groups]
+    specs = [GroupSpec.from_dict(g) for g in groups]
     budget = slots_per_rank * world * specs[-1].pack_len
     out = {}
     for strategy in strategies:

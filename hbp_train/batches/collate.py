@@ -41,7 +41,8 @@ class StepBatch:
     """The SP degree of that plan step; each micro-batch has its own "sp" too."""
     replica: int
     micro_batches: list
-    """This rank's packs, in order; ``len`` = m, which varies by step. Each carries "sp", "group", "ckpt_layers"."""
+    """This rank's packs, in order; ``len`` = m, which varies by step. Each carries "sp", "group", "ckpt_layers",
+    "pack_len", "tiled_mlp", "offload_activations"."""
     rank_loss_tokens: int
     """Loss tokens of this replica over all its micro-batches."""
     rank_num_samples: int
@@ -52,6 +53,10 @@ class StepBatch:
     """Replicas in this step (= world_size // sp)."""
     ckpt_layers: Optional[int]
     """Checkpointed layers for this step's group, from the plan (None: the trainer's default)."""
+    tiled_mlp: bool = False
+    """This step's (first plan step's) group runs the tiled MLP (model/levers.py); each micro-batch has its own."""
+    offload_activations: bool = False
+    """This step's group offloads its checkpointed layers' hidden states; each micro-batch has its own."""
     plan_metrics: dict = field(default_factory=dict)
     """The plan's ABR/DBR/tokens for this step."""
     num_packs: int = 0

@@ -6,8 +6,9 @@ Reads ``OUT/plan.json`` (or the binary ``OUT/plan.npz``, memory-mapped: planning
 counts come from the plan and the shard metadata, so every rank knows them without a collective. An optimizer step
 is one plan step, or several of different groups when the plan mixes groups (plan steps with the same
 "optimizer_step", hbp step_mix="mixed"): its micro-batches are those of its plan steps one after the other, each
-tagged with its group's "sp", "group" and "ckpt_layers" (the trainer switches the SP degree between them), and its
-global counts cover all of them. A pack becomes a micro-batch in collate.py.
+tagged with its group's "sp", "group", "ckpt_layers", "pack_len" and memory levers ("tiled_mlp",
+"offload_activations"; the trainer switches the SP degree and the levers between them), and its global counts cover
+all of them. A pack becomes a micro-batch in collate.py.
 
 Legend: T = tokens in a pack, n = samples in a pack, m = micro-batches (packs) per replica in a step.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from hbp_train.batches.collate import StepBatch, collate_pack, empty_micro_batch, token_mean_divisors
 from hbp_train.batches.columns import int_column
 from hbp_train.common.errors import UserError
+from hbp_train.planning.plan import LEVER_KEYS
 
 
 @dataclass
@@ -333,7 +335,8 @@ class PackedData:
             rank_num_samples=sum(mb["num_samples"] for mb in micro_batches),
             global_loss_tokens=sum(p["global_loss_tokens"] for p in parts),
             global_num_samples=sum(p["global_num_samples"] for p in parts), dp_size=first["dp_size"],
-            ckpt_layers=first["ckpt_layers"], plan_metrics=_combined_step_metrics(metrics),
+            ckpt_layers=first["ckpt_layers"], tiled_mlp=first["tiled_mlp"],
+            offload_activations=first["offload_activations"], plan_metrics=_combined_step_metrics(metrics),
             num_packs=sum(p["num_packs"] for p in parts), capacity_tokens=sum(p["capacity_tokens"] for p in parts),
         )
 
@@ -354,6 +357,8 @@ class PackedData:
         num_micro = max(len(r) for r in rows) if equal_counts else max(1, len(rows[replica]))
         ds = self.dataset(group)
         ckpt_layers = self.groups[group].get("ckpt_layers")
+        # the group's memory levers (model/levers.py) and pack length (the tiled MLP's tile count comes from it)
+        levers = {key: bool(self.groups[group].get(key, False)) for key in LEVER_KEYS}
         micro_batches = []
         for k in range(num_micro):
             row = rows[replica][k] if k < len(rows[replica]) else None
@@ -366,12 +371,13 @@ class PackedData:
                     micro_batch = empty_micro_batch(pad_token_id)
                 else:
                     micro_batch = collate_pack(record, self.check_counts, f"{self.path}/group_{group} row {row}")
-            micro_batch.update(sp=sp, group=group, ckpt_layers=ckpt_layers)
+            micro_batch.update(sp=sp, group=group, ckpt_layers=ckpt_layers,
+                               pack_len=int(self.groups[group]["pack_len"]), **levers)
             micro_batches.append(micro_batch)
         num_packs = max(len(r) for r in rows) * dp_size
         replica_loss_tokens = [sum(self.pack_loss_tokens(group, row) for row in r) for r in rows]
         return {"micro_batches": micro_batches, "group": group, "sp": sp, "replica": replica, "dp_size": dp_size,
-                "ckpt_layers": ckpt_layers, "num_packs": num_packs,
+                "ckpt_layers": ckpt_layers, **levers, "num_packs": num_packs,
                 "capacity_tokens": num_packs * int(self.groups[group]["pack_len"]),
                 "replica_loss_tokens": replica_loss_tokens, "global_loss_tokens": sum(replica_loss_tokens),
                 "global_num_samples": sum(len(p) for r in packs for p in r)}

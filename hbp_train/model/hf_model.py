@@ -23,6 +23,7 @@ from hbp_train.model.attention_setup import describe_backend, register_packed_at
 from hbp_train.distributed.groups import rank
 from hbp_train.common.errors import UserError
 from hbp_train.model.kernels import KERNELS, apply_kernels, select_kernels
+from hbp_train.model.levers import join_tiles
 from hbp_train.model.lora import LoraSettings, apply_lora
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "data_tools" / "assets" / "tokenizer"
@@ -409,10 +410,15 @@ def forward_hidden(model, input_ids, position_ids, router_logits: list | None = 
     """
     if router_logits is not None:
         attn_kwargs["output_router_logits"] = True
-    with _chosen_experts(model, router_choices):
+    # tiled MLP (levers.py): each MoE layer's router ran once per tile; its records are joined back per layer
+    tiles = getattr(model, "_hbp_mlp_tiles", 1)
+    chosen = [] if router_choices is not None else None
+    with _chosen_experts(model, chosen):
         out = model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attn_kwargs)
     if router_logits is not None:
-        router_logits.extend(out.router_logits)
+        router_logits.extend(join_tiles(out.router_logits, tiles))
+    if router_choices is not None:
+        router_choices.extend(join_tiles(chosen, tiles))
     return out.last_hidden_state
 
 

@@ -3,12 +3,16 @@
 Everything here is read from the built run (trainer.train prints it before the first step): the model (its folder
 or the architecture built from scratch, its parameters and those trained, e.g. under LoRA), the precision and the
 packed attention backend, the ranks, the SP degrees and ZeRO stage, the data (samples, tokens, what the plan
-dropped) and the run's length (optimizer steps per epoch, epochs, tokens per step, learning rate and warm-up).
+dropped), the run's length (optimizer steps per epoch, epochs, tokens per step, learning rate and warm-up) and the
+memory levers each packing group runs with.
 """
 
 from __future__ import annotations
 
+from hbp_train.common.errors import UserError
 from hbp_train.model.attention import get_backend
+from hbp_train.model.levers import describe_groups
+from hbp_train.perf.shape import parse_model_shape
 from hbp_train.distributed.groups import world_size
 
 
@@ -66,4 +70,17 @@ def start_summary(run) -> str:
     lines.append(f"[train] run: {steps_per_epoch} optimizer steps per epoch x {cfg.data.epochs} epochs = "
                  f"{run.total_steps} steps{limit}{per_step} | lr {cfg.train.lr:g}, warm-up {warmup} steps | "
                  f"out {cfg.train.out_dir}")
+    lines.append(levers_line(run.data.groups, model.config, cfg))
     return "\n".join(lines)
+
+
+def levers_line(groups: list, hf_config, cfg) -> str:
+    """Which packing group runs with which memory levers (model/levers.py; under ZeRO-3 the tiling every step runs),
+    and the loss's chunk (the third lever, always on)."""
+    try:
+        hidden = parse_model_shape(hf_config).hidden
+    except UserError:  # not a config the shape reader knows: the tile count is the model's own hidden_size
+        hidden = int(hf_config.hidden_size)
+    line = f"[train] memory levers: {describe_groups(groups, hidden, cfg.deepspeed.zero_stage)}"
+    loss = getattr(cfg, "loss", None)
+    return line + (f" | loss: LM head + loss in chunks of {loss.chunk_size} tokens" if loss is not None else "")

@@ -4,7 +4,8 @@
 MLP width, vocabulary). ``parse_model_shape`` is the only reader: a preset name (``MODEL_SHAPES``), a JSON object
 given inline or as a file, a dict, or an HF config object — our own key names or HF ``config.json`` names.
 ``model_shape_of`` reads the shape a run's ``ModelConfig`` will build, from its HF config alone (no weights).
-``sp_heads_problem`` is the one rule for which sequence-parallel degrees Ulysses can split the heads by.
+``sp_heads_problem`` is the one rule for which sequence-parallel degrees Ulysses can split the heads by;
+``mlp_tiles`` the one rule for how many sequence tiles the tiled-MLP memory lever runs.
 
 Pure Python (transformers is imported only by ``model_shape_of``): the planner and the simulator use this.
 """
@@ -311,3 +312,13 @@ def sp_heads_problem(num_heads: int, num_kv_heads: int, sp: int) -> Optional[str
 def sp_degrees_that_work(num_heads: int, num_kv_heads: int) -> list:
     """The powers of two up to 64 Ulysses can split these heads by (``sp_heads_problem`` is None), for messages."""
     return [sp for sp in (1, 2, 4, 8, 16, 32, 64) if sp_heads_problem(num_heads, num_kv_heads, sp) is None]
+
+
+def mlp_tiles(hidden: int, pack_len: int, sp: int) -> int:
+    """Sequence tiles of the tiled-MLP memory lever for a packing group (hbp_train/model/levers.py): one per
+    ``hidden`` tokens of a rank's slice of a ``pack_len`` pack at SP degree ``sp`` (DeepSpeed's ALST rule: a tile's
+    MLP intermediate is then about the size of one MLP weight). Taken from the group, not from the pack a rank
+    holds, so every rank of a step runs the same number of tiles without asking the others (ZeRO-3 gathers the
+    MLP's weights once per tile: the ranks' calls must pair up). 1 = the slice fits in one tile: no tiling."""
+    local = -(-int(pack_len) // int(sp))
+    return max(1, -(-local // int(hidden)))

@@ -35,6 +35,7 @@ BALANCE_METHODS = ("refine", "sort")
 STEP_MIX_METHODS = ("mixed", "stratified", "sorted")
 STEP_TOKENS = ("real", "capacity")
 DROP_TOO_LONG = "longer_than_max_pack_len"
+LEVER_KEYS = ("tiled_mlp", "offload_activations")  # a group's memory levers (model/levers.py), in plan.json when on
 
 # A per-pack cost: (lengths of the samples of all packs, flat in pack order; CSR pointer [num_packs + 1];
 # the group the packs run in) -> float64 cost per pack. Default: attention cost, sum of len^2 per pack.
@@ -55,6 +56,11 @@ class GroupSpec:
     """Sequence-parallel degree: each pack is split across ``sp`` ranks (a power of two dividing world_size)."""
     ckpt_layers: int | None = None
     """Number of layers to activation-checkpoint for this group (from the profiler); None = trainer default."""
+    tiled_mlp: bool = False
+    """Memory lever: each layer's MLP (or MoE block) runs over sequence tiles recomputed in backward, one tile's
+    intermediate alive at a time (model/levers.py; tiles: perf.shape.mlp_tiles). Exact, as every lever."""
+    offload_activations: bool = False
+    """Memory lever: the inputs checkpointed layers keep wait in pinned host memory until backward (needs them)."""
 
     def __post_init__(self):
         if not isinstance(self.pack_len, (int, np.integer)) or self.pack_len < 1:
@@ -63,9 +69,23 @@ class GroupSpec:
             raise UserError(f"groups.sp must be a power of two (1, 2, 4, ...), got {self.sp!r}")
         if self.ckpt_layers is not None and (not isinstance(self.ckpt_layers, (int, np.integer)) or self.ckpt_layers < 0):
             raise UserError(f"groups.ckpt_layers must be a non-negative integer or null, got {self.ckpt_layers!r}")
+        for name in LEVER_KEYS:
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise UserError(f"groups.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.offload_activations and self.ckpt_layers == 0:  # it moves what checkpointed layers keep
+            raise UserError(f"groups: pack_len {self.pack_len} has offload_activations with ckpt_layers 0: give it "
+                            "checkpointed layers (pack_len:sp:ckpt_layers:offload) or drop offload")
 
     def to_dict(self) -> dict:
-        return {"pack_len": int(self.pack_len), "sp": int(self.sp), "ckpt_layers": self.ckpt_layers}
+        """The group as plan.json writes it; a lever only when on (plans without levers keep their bytes)."""
+        return {"pack_len": int(self.pack_len), "sp": int(self.sp), "ckpt_layers": self.ckpt_layers,
+                **{name: True for name in LEVER_KEYS if getattr(self, name)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GroupSpec":
+        """A group as a plan file records it (``to_dict``); a plan written before the levers has none."""
+        return cls(int(d["pack_len"]), int(d["sp"]), d.get("ckpt_layers"),
+                   **{name: bool(d.get(name, False)) for name in LEVER_KEYS})
 
 
 @dataclass
@@ -183,7 +203,7 @@ class PlanConfig:
     def from_record(cls, d: dict) -> "PlanConfig":
         """The config a plan file records (``to_dict``'s keys at the top of plan.json, or a binary plan's header);
         keys an older plan lacks take their defaults (step_tokens: "capacity", how plans before #24 were cut)."""
-        groups = [GroupSpec(int(g["pack_len"]), int(g["sp"]), g.get("ckpt_layers")) for g in d["groups"]]
+        groups = [GroupSpec.from_dict(g) for g in d["groups"]]
         return cls(world_size=int(d["world_size"]), groups=groups, strategy=d.get("strategy", "hbp"),
                    global_tokens=int(d.get("global_tokens", 1)), max_len=d.get("max_len"),
                    curriculum_steps=int(d.get("curriculum_steps", 0)), seed=int(d.get("seed", 0)),

@@ -105,3 +105,46 @@ def test_a_stage_moves_a_measurement_by_its_model_states():
     assert zero.memory_delta(ZeroSetup(1)) > zero.memory_delta(ZeroSetup(2)) > 0  # stage 1 keeps whole gradients
     # ZeRO-3 pays three collectives every micro-batch, ZeRO-1 two per step spread over the step's micro-batches.
     assert zero.pack_seconds(ZeroSetup(3), 8192, 1) > zero.pack_seconds(ZeroSetup(1), 8192, 1) > 0
+
+
+def test_the_plan_carries_the_levers_and_the_stage_and_training_refuses_another(tmp_path, capsys):
+    """The profile of the first test, through hbp-pack --groups auto: the plan's long groups offload, the shorter
+    ones do not, and it records the chosen ZeRO stage; hbp-simulate takes that stage and lists the levers, and its
+    short packs cost their plain time; the config check (before any worker) refuses another deepspeed.zero_stage in
+    one line and accepts the plan's."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from data_tools.pack import main as pack
+    from data_tools.simulate import main as simulate
+    from hbp_train.config import ConfigError, check_zero_stage
+    from hbp_train.planning.plan import Plan
+
+    data, _ = profile(27.2)
+    (tmp_path / "profile.json").write_text(json.dumps(data))
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(100, 8000, 3000), rng.integers(60000, 131072, 12)])
+    np.save(tmp_path / "lengths.npy", lengths)
+    shards = tmp_path / "packed"
+    shards.mkdir()
+    assert pack(["--lengths", str(tmp_path / "lengths.npy"), "--groups", "auto", "--profile",
+                 str(tmp_path / "profile.json"), "--world-size", "8", "--out", str(shards / "plan.json"),
+                 "--no-baseline", "--quiet"]) == 0
+    plan = Plan.from_json(shards / "plan.json")
+    assert plan.extra["zero_stage"] == data["zero_stage"] == 3
+    groups = plan.config.groups
+    assert groups[-1].offload_activations and not any(g.offload_activations for g in groups
+                                                      if g.pack_len // g.sp < 131072 // groups[-1].sp)
+    capsys.readouterr()
+    assert simulate(["--plan", str(shards / "plan.json"), "--model-shape", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO stage: 3, the plan's" in out and f"131072:{groups[-1].sp}:" in out and ":offload" in out
+    cfg = lambda stage: SimpleNamespace(data=SimpleNamespace(shards=str(shards)),  # noqa: E731
+                                        deepspeed=SimpleNamespace(zero_stage=stage))
+    check_zero_stage(cfg(3))
+    with pytest.raises(ConfigError) as err:
+        check_zero_stage(cfg(2))
+    assert len(str(err.value).splitlines()) == 1 and "made for ZeRO-3" in str(err.value)
+    assert "deepspeed.zero_stage=3" in str(err.value)

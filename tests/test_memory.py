@@ -216,11 +216,13 @@ def _liger_stand_ins(model) -> None:
         layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
 
 
-def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, liger=False) -> tuple[int, int]:
+def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, liger=False,
+                mlp_tiles=1) -> tuple[int, int]:
     """(bytes the forward of our engine module keeps for backward, the pack's trained tokens): PackedCausalLM with
     the fused LM-head loss on a pack of two documents. Kept = the distinct storages autograd saves (saved-tensor
     hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward. ``liger``: with
-    Liger's RMSNorm and SwiGLU (their CPU stand-ins)."""
+    Liger's RMSNorm and SwiGLU (their CPU stand-ins); ``mlp_tiles``: the tiled MLP as training installs it
+    (model/levers.py)."""
     import torch
 
     from hbp_train.model import attention
@@ -233,6 +235,10 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, lig
     if liger:
         _liger_stand_ins(model)
     set_checkpointed_layers(model, ckpt_layers)
+    if mlp_tiles > 1:
+        from hbp_train.model.levers import Levers, install_levers
+
+        install_levers(model).set(Levers(mlp_tiles=mlp_tiles))
     model.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (1, num_tokens), generator=gen)
@@ -328,6 +334,25 @@ def test_liger_kernels_keep_what_their_autograd_functions_save(dtype, cpu_varlen
     outside = (tokens * outside_layers_bytes_per_token(shape, b, fused_rms_norm=True)
                - (tokens - trained) * (b * shape.hidden + 8))
     assert 0 <= (one - layer) - outside <= CONSTANT_BYTES, ((one - layer) / tokens, outside / tokens)
+
+
+def test_a_tiled_mlp_layer_keeps_what_the_model_says(cpu_varlen, dtype="bf16"):
+    """The tiled MLP as training runs it (model/levers.py: each tile a checkpoint of the MLP): a layer keeps its
+    activations less the MLP's gate, up, act and product (the tiles keep only their input, the norm's output the
+    layer already keeps), counted exactly as above."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, mlp_bytes_per_token
+    from hbp_train.model.hf_model import ModelConfig, hf_config
+
+    name = "gqa"
+    shape = parse_model_shape(hf_config(ModelConfig(config=dict(SAVED_TENSOR_SHAPES[name]), dtype=dtype)))
+    b = 4 if dtype == "fp32" else 2
+    tiled = activation_bytes_per_token_layer(shape, b, attention_out_shared=True) - mlp_bytes_per_token(shape, b)
+    tokens = 256
+    (one, _), (two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n, mlp_tiles=4) for n in (1, 2))
+    layer = two - one
+    assert 0 <= layer - tokens * tiled <= CONSTANT_BYTES, (layer / tokens, tiled)
+    (plain_one, _), (plain_two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n) for n in (1, 2))
+    assert (plain_two - plain_one) - layer == tokens * mlp_bytes_per_token(shape, b)  # the lever moves the count
 
 
 def test_the_memory_model_counts_the_decoder_kernels_the_run_uses():

@@ -350,9 +350,8 @@ def test_a_tiled_mlp_layer_keeps_what_the_model_says(cpu_varlen, dtype="bf16"):
     tokens = 256
     (one, _), (two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n, mlp_tiles=4) for n in (1, 2))
     layer = two - one
+    # the untiled layer keeps tokens * mlp_bytes_per_token more (test above): the lever moves the count
     assert 0 <= layer - tokens * tiled <= CONSTANT_BYTES, (layer / tokens, tiled)
-    (plain_one, _), (plain_two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n) for n in (1, 2))
-    assert (plain_two - plain_one) - layer == tokens * mlp_bytes_per_token(shape, b)  # the lever moves the count
 
 
 def test_the_memory_model_counts_the_decoder_kernels_the_run_uses():

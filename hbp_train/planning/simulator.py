@@ -28,7 +28,8 @@ updates (fp32 master, m, v, fp32 gradient; bf16 copy) at ``hbm_gbps``: 32 · P/W
 updates its partition) or 32 · P / hbm (stage 0). With ``offload_optimizer`` the step runs on the CPU instead
 (DeepSpeed's CPU Adam): P/W / ``CPU_ADAM_PARAMS_PER_S`` plus the partition's gradients to the host and its
 bf16 parameters back (6 B per parameter over ``pcie_gbps``); with ``offload_param`` (stage 3) every micro-batch's
-two gathers first bring the rank's partition from the host (2 x 2P/W bytes over ``pcie_gbps``, per micro-batch). ``comm_overlap`` (0..1, DeepSpeed's overlap_comm) hides that
+two gathers first bring the rank's partition from the host (2 x 2P/W bytes over ``pcie_gbps``, per micro-batch).
+``comm_overlap`` (0..1, DeepSpeed's overlap_comm) hides that
 share of the per-micro-batch collectives behind compute: every slot is longer by (1 − overlap) · its collectives;
 per-step collectives and the optimizer add to every step in full. overlap 0 is the pessimistic bound.
 With a stage given, sync defaults to "step" for stages 0/1 and "micro" for 2/3, and a plan with unequal

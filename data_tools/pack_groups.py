@@ -95,8 +95,8 @@ def parse_groups(text: str, profile: str | None, world_size: int):
 
 
 def planned_zero_stage(args) -> int | None:
-    """The ZeRO stage the plan records: the profile's chosen one with --groups auto (a profile that names none: the
-    job it was made for, if any), else --zero-stage; CliError when both are given and differ."""
+    """The ZeRO stage the plan records: the profile's chosen one with --groups auto (``zero_stage``; a profile made
+    before the profiler chose stages names none), else --zero-stage; CliError when both are given and differ."""
     stage = None
     if args.groups == "auto" and args.profile:
         data = json.loads(Path(args.profile).read_text())  # parse_groups read it already: valid JSON

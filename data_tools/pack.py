@@ -19,13 +19,14 @@ The planning itself lives in hbp_train/planning (pure numpy); this file only par
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from data_tools.pack_groups import (MAX_PACK_LEN, CliError, check_profile_world_size, parse_groups,  # noqa: F401
+                                    parse_levers, planned_zero_stage)
 from data_tools.pack_report import metrics_table, replicas_note, step_line, warn_if_few_steps
 from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
                            output_file, positive_int)
@@ -36,13 +37,6 @@ from hbp_train.common.outputs import check_output_file, interrupted, write_outpu
 from hbp_train.planning.equal_steps import AUTO_MAX_TOKENS, AUTO_STEPS, auto_global_tokens, slot_tokens
 from hbp_train.planning.plan_npz import check_binary_plan_target, is_binary_path, save_plan
 from hbp_train.batches.vocab import recorded_tokenizer
-
-
-MAX_PACK_LEN = 2**31 - 1
-
-
-class CliError(UserError):
-    """A user mistake in the command line or its input files: printed as one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --calibration: model shape preset (llama3-8b, llama3.2-1b, ...) or JSON (default: "
                    "--model's shape, else the calibration's own)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="the ZeRO stage the plan will be trained with; bytescale is refused for stages 2/3 (they "
-                   "reduce gradients every micro-batch, docs/simulator.md) (default: not checked)")
+                   help="the ZeRO stage the plan will be trained with, recorded in the plan (zero_stage: training "
+                   "refuses another deepspeed.zero_stage); bytescale is refused for stages 2/3 (they reduce gradients "
+                   "every micro-batch, docs/simulator.md). With --groups auto the profile's chosen stage is recorded "
+                   "and --zero-stage must agree with it (default: the profile's, else none recorded)")
     p.add_argument("--global-tokens", type=positive_int, default=None,
                    help="tokens per optimizer step G: real tokens with --step-tokens real (every strategy then makes "
                    "round(T / G) optimizer steps for T tokens), pack capacity with --step-tokens capacity "
@@ -206,97 +202,6 @@ def read_dataset_lengths(path: str) -> np.ndarray:
     return arr
 
 
-# The names of the memory levers in --groups' 4th field, and the GroupSpec field each one sets.
-LEVER_NAMES = {"tiled_mlp": "tiled_mlp", "offload": "offload_activations"}
-
-
-def parse_levers(text: str, part: str) -> dict:
-    """The GroupSpec lever fields of --groups' 4th field: names joined by '+' (tiled_mlp, offload), '-' for none."""
-    on = set()
-    for name in ([] if text.strip() in ("-", "") else text.split("+")):
-        if name.strip() not in LEVER_NAMES:
-            raise CliError(f"--groups {part!r}: unknown memory lever {name.strip()!r} (levers: "
-                           f"{', '.join(LEVER_NAMES)}, joined by '+', or '-' for none)")
-        on.add(LEVER_NAMES[name.strip()])
-    return {field: field in on for field in LEVER_NAMES.values()}
-
-
-def parse_groups(text: str, profile: str | None, world_size: int):
-    """GroupSpecs from 'len:sp[:ckpt[:levers]],...' or the profiler file; CliError with the fix on bad input."""
-    from hbp_train.planning import GroupSpec
-    from hbp_train.planning.plan import LEVER_KEYS
-
-    if text == "auto":
-        if not profile:
-            raise CliError("--groups auto needs --profile FILE (the profiler's JSON)")
-        try:
-            data = json.loads(Path(profile).read_text())
-        except FileNotFoundError:
-            raise CliError(f"--profile {profile}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise CliError(f"--profile {profile}:{e.lineno}: not valid JSON ({e.msg})") from None
-        except UnicodeDecodeError:
-            raise CliError(f"--profile {profile}: not UTF-8 text; pass the profiler's profile.json") from None
-        except OSError as e:  # a directory, no permission
-            raise CliError(f"--profile {profile}: {e.strerror}; pass the profiler's profile.json") from None
-        if not isinstance(data, dict) or not isinstance(data.get("groups"), list) or not data["groups"]:
-            raise CliError(f"--profile {profile}: missing key 'groups' (a list of {{pack_len, sp, ckpt_layers}})")
-        check_profile_world_size(data, profile, world_size)
-        items = []
-        for i, g in enumerate(data["groups"]):
-            if not isinstance(g, dict) or "pack_len" not in g or "sp" not in g:
-                raise CliError(f"--profile {profile}: groups[{i}] needs 'pack_len' and 'sp'")
-            levers = {k: g.get(k, False) for k in LEVER_KEYS}
-            items.append((g["pack_len"], g["sp"], g.get("ckpt_layers"), levers, f"--profile {profile}: groups[{i}]"))
-    else:
-        items = []
-        for part in text.split(","):
-            fields = part.strip().split(":")
-            numbers = fields[:3]
-            if (len(fields) not in (2, 3, 4) or not all(x.strip().lstrip("-").isdigit() for x in numbers)):
-                raise CliError(f"--groups: {part.strip()!r} is not pack_len:sp, pack_len:sp:ckpt_layers or "
-                               "pack_len:sp:ckpt_layers:levers (e.g. 16384:1,131072:8:32:tiled_mlp+offload)")
-            vals = [int(x) for x in numbers]
-            levers = parse_levers(fields[3] if len(fields) == 4 else "-", part.strip())
-            items.append((vals[0], vals[1], vals[2] if len(vals) >= 3 else None, levers, f"--groups {part.strip()!r}"))
-    groups = []
-    for pack_len, sp, ckpt, levers, where in items:
-        if not isinstance(pack_len, int) or isinstance(pack_len, bool) or pack_len < 1:
-            raise CliError(f"{where}: pack_len must be a positive integer")
-        if pack_len > MAX_PACK_LEN:  # packed shards hold token positions and cu_seqlens as int32
-            raise CliError(f"{where}: pack_len {pack_len} is larger than {MAX_PACK_LEN} (int32 token offsets)")
-        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1 or sp & (sp - 1):
-            raise CliError(f"{where}: sp={sp} must be a power of two (1, 2, 4, ...)")
-        if world_size % sp:
-            raise CliError(f"{where}: sp={sp} must divide --world-size {world_size}")
-        if ckpt is not None and (not isinstance(ckpt, int) or isinstance(ckpt, bool) or ckpt < 0):
-            raise CliError(f"{where}: ckpt_layers must be a non-negative integer")
-        if any(not isinstance(v, bool) for v in levers.values()):
-            raise CliError(f"{where}: {', '.join(LEVER_KEYS)} must be true or false")
-        if levers["offload_activations"] and ckpt == 0:
-            raise CliError(f"{where}: offload needs checkpointed layers (it moves the hidden states they keep to "
-                           "host memory): give ckpt_layers > 0, or drop offload")
-        groups.append(GroupSpec(pack_len, sp, ckpt, **levers))
-    lens = [g.pack_len for g in groups]
-    if any(b <= a for a, b in zip(lens, lens[1:])):
-        raise CliError(f"--groups: pack lengths must be strictly ascending, got {lens}")
-    return groups
-
-
-def check_profile_world_size(profile_data: dict, profile: str, world_size: int) -> None:
-    """CliError when the profile was made for another world size: its SP degrees and checkpoint counts were chosen
-    for the memory ZeRO leaves on that many ranks, so they do not carry over. Profiles that do not record a world
-    size (hand-written ones) are not checked."""
-    job = profile_data.get("job") if isinstance(profile_data.get("job"), dict) else {}
-    config = profile_data.get("config") if isinstance(profile_data.get("config"), dict) else {}
-    made_for = job.get("world_size", config.get("world_size"))
-    if made_for is None or made_for == world_size:
-        return
-    raise CliError(f"--profile {profile}: made for world size {made_for}, but --world-size is {world_size}; re-run "
-                   f"the profiler with profile.world_size={world_size} (python -m hbp_train.profiler "
-                   f"profile.world_size={world_size} ...) or pass --world-size {made_for}")
-
-
 def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None, largest_pack_len: int) -> None:
     """--max-len states what preprocessing guaranteed; samples beyond it mean the two disagree. Say on stderr what
     happens to them: those longer than the largest pack_len are dropped (the plan's dropped list), the others are
@@ -369,6 +274,7 @@ def run(argv=None) -> int:
                            f"{groups[-1].pack_len}")
         raise CliError(f"--max-len {args.max_len} exceeds the largest pack_len {groups[-1].pack_len}: add a group "
                        f"with pack_len >= {args.max_len} or lower --max-len")
+    zero_stage = planned_zero_stage(args)
     if args.strategy == "bytescale" and args.zero_stage is not None:
         from hbp_train.planning.baselines.bytescale import check_zero_stage
 
@@ -424,6 +330,8 @@ def run(argv=None) -> int:
             plan.extra["tokenizer"] = record
     if model_record is not None:  # the model the plan is for (hbp-simulate costs its shape)
         plan.extra["model"] = model_record
+    if zero_stage is not None:  # the stage its groups were chosen for (hbp_train.config refuses another)
+        plan.extra["zero_stage"] = zero_stage
     if args.out:
         t0, c0 = time.perf_counter(), time.process_time()
         try:

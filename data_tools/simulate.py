@@ -30,7 +30,7 @@ from hbp_train.common.cli import (ArgumentParser, existing_file, existing_path, 
                            output_file, positive_float, positive_int)
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.common.outputs import check_output_file, interrupted, write_output
-from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel
+from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, DEFAULT_PCIE_GBPS, CostModel
 from hbp_train.perf.shape import MODEL_SHAPES
 from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig
 
@@ -82,6 +82,9 @@ def add_comm_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm-overlap", type=fraction, default=0.0, metavar="F",
                         help="with --zero-stage: share 0..1 of the per-micro-batch collectives hidden behind "
                              "compute (DeepSpeed overlap_comm); default 0, all exposed (the pessimistic bound)")
+    parser.add_argument("--pcie-gbps", type=positive_float, default=DEFAULT_PCIE_GBPS,
+                        help="host <-> GPU GB/s per GPU: the activation offload of groups that use it, and ZeRO "
+                             f"offload (default {DEFAULT_PCIE_GBPS:g})")
     parser.add_argument("--hbm-gbps", type=positive_float, default=DEFAULT_HBM_GBPS,
                         help="with --zero-stage: GPU memory bandwidth in GB/s for the memory-bound optimizer step "
                              f"(~32 bytes per parameter updated; default {DEFAULT_HBM_GBPS:g}, H100 SXM)")
@@ -92,7 +95,8 @@ def sim_config_from_args(args, sync=None) -> SimConfig:
     if args.zero_stage is None and args.comm_overlap != 0.0:
         print("note: --comm-overlap has no effect without --zero-stage", file=sys.stderr)
     return SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers, sync,
-                     zero_stage=args.zero_stage, comm_overlap=args.comm_overlap, hbm_gbps=args.hbm_gbps)
+                     zero_stage=args.zero_stage, comm_overlap=args.comm_overlap, hbm_gbps=args.hbm_gbps,
+                     pcie_gbps=getattr(args, "pcie_gbps", DEFAULT_PCIE_GBPS))
 
 
 def comm_columns(config) -> list[tuple[str, str, str]]:
@@ -216,6 +220,20 @@ SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps
                ("speedup", "speed-up", ".3f")]
 
 
+def describe_groups(plan) -> str:
+    """A plan's groups with their levers, as hbp-pack's --groups writes them (pack_len:sp:ckpt_layers[:levers]),
+    and the ZeRO stage it was made for."""
+    from hbp_train.perf.cost_model import group_levers
+
+    parts = []
+    for g in plan.config.groups:
+        levers = "+".join(n for n, on in zip(("tiled_mlp", "offload"), group_levers(g)) if on)
+        ckpt = "-" if g.ckpt_layers is None else g.ckpt_layers
+        parts.append(f"{g.pack_len}:{g.sp}:{ckpt}" + (f":{levers}" if levers else ""))
+    stage = plan.extra.get("zero_stage")
+    return ", ".join(parts) + (f" (made for ZeRO-{stage})" if stage is not None else "")
+
+
 def isf_baseline(plan):
     """isf planned on ``plan``'s lengths with its world size, largest group, step budget, curriculum and seed: what
     the plan is compared with when it is simulated alone (data_tools.compare's baseline)."""
@@ -245,8 +263,12 @@ def run(argv=None) -> int:
         raise UserError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
     from data_tools.model_record import describe, plan_model
 
-    sim_cfg = sim_config_from_args(args, args.sync)
     plans = [load_plan(p) for p in args.plan]
+    planned = sorted({p.extra["zero_stage"] for p in plans if p.extra.get("zero_stage") is not None})
+    if args.zero_stage is None and len(planned) == 1 and args.sync is None:
+        args.zero_stage = int(planned[0])  # the stage the plan was made for (hbp-pack records it)
+        print(f"ZeRO stage: {args.zero_stage}, the plan's (its zero_stage; --zero-stage to simulate another)")
+    sim_cfg = sim_config_from_args(args, args.sync)
     if sim_cfg.zero_stage is not None:
         for path, plan in zip(args.plan, plans):
             try:
@@ -297,6 +319,8 @@ def run(argv=None) -> int:
     for row in rows:
         row["zero_stage"] = sim_cfg.zero_stage
     print(format_table(rows, SIM_COLUMNS[:-3] + comm_columns(sim_cfg) + SIM_COLUMNS[-3:]))
+    for name, plan in zip(names, plans):
+        print(f"  {name} groups: {describe_groups(plan)}")
     for name, res in zip(names, results):
         for s in res.slots(args.show_slots):
             print(f"  {name} step {s['step']} slot {s['slot']}: replicas "

@@ -143,6 +143,7 @@ def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
     check_sp_degrees(cfg)
     header = _plan_header(cfg.data.shards)
     check_levers(cfg)
+    check_zero_stage(cfg)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg, world_size))
         fresh = resume_config.checkpoint_to_resume(cfg) is None  # (a resume may re-plan for this world size)
@@ -210,6 +211,41 @@ def check_levers(cfg: HBPConfig) -> None:
         check_plan_levers(hf_config_for(cfg.model), groups, ckpt, cfg.model.kernels, f"data.shards={cfg.data.shards}")
     except UserError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_zero_stage(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when data.shards' plan was made for another ZeRO stage than deepspeed.zero_stage: the
+    profiler chose its groups' SP degrees, checkpointing and levers for that stage's memory (``zero_stage`` in
+    plan.json, written by hbp-pack from the profile or --zero-stage), so another stage may not fit or may be slower.
+    A plan that names no stage is not checked."""
+    stage = _planned_zero_stage(cfg.data.shards) if cfg.data.shards is not None else None
+    if stage is not None and stage != cfg.deepspeed.zero_stage:
+        raise ConfigError(f"data.shards={cfg.data.shards}: its plan was made for ZeRO-{stage} (plan.json zero_stage), "
+                          f"not deepspeed.zero_stage={cfg.deepspeed.zero_stage}: set deepspeed.zero_stage={stage}, or "
+                          f"plan for stage {cfg.deepspeed.zero_stage} (hbp-profile profile.zero_stages="
+                          f"[{cfg.deepspeed.zero_stage}], then hbp-pack)")
+
+
+def _planned_zero_stage(shards: str) -> int | None:
+    """The ZeRO stage a packed-shards folder's plan records: plan.npz's header, or the "zero_stage" key plan.json
+    writes among its last keys (read from the file's end, not the whole plan). None when there is none."""
+    import json
+
+    folder = Path(shards)
+    try:
+        if (folder / "plan.npz").is_file():
+            from hbp_train.planning.plan_npz import open_npz
+
+            stage = (open_npz(folder / "plan.npz", mmap=True)[0].get("extra") or {}).get("zero_stage")
+        else:
+            with open(folder / "plan.json", "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - (1 << 16)))
+                tail = f.read().decode("utf-8", errors="ignore")
+            at = tail.rfind('"zero_stage":')
+            stage = json.JSONDecoder().raw_decode(tail, at + len('"zero_stage":'))[0] if at >= 0 else None
+        return None if stage is None else int(stage)
+    except (OSError, ValueError, TypeError, AttributeError, UserError):
+        return None
 
 
 def _planned_sp_degrees(shards: str) -> list | None:

@@ -57,6 +57,8 @@ OUT_OF_RANGE = {
     "profile.iters": "0", "profile.time_budget_s": "0", "profile.docs": "/nonexistent/docs", "profile.seed": "-1",
     "profile.calibration": "/nonexistent/calibration.json", "profile.device_memory_gb": "0", "profile.output": "''",
     "profile.device": "tpu", "profile.measure_devices": "0", "profile.worker_timeout_s": "0",
+    "profile.zero_stages": "[4]", "profile.global_tokens": "0", "profile.comm_overlap": "1.5",
+    "profile.pcie_gbps": "0",
 }
 NO_RANGE = {  # every value of the type is valid: only the wrong type is checked
     "data.check_counts": "bool", "data.shuffle_epochs": "bool", "deepspeed.offload_optimizer": "bool",
@@ -65,6 +67,7 @@ NO_RANGE = {  # every value of the type is valid: only the wrong type is checked
     "train.save_final": "bool", "logging.jsonl": "bool", "logging.tensorboard": "bool",
     "logging.progress_bar": "bool", "logging.exclude_comm_wait": "bool", "logging.wandb": "bool",
     "logging.wandb_run_name": "free-form name (None = W&B chooses)", "profile.prune": "bool", "profile.dry_run": "bool", "profile.progress": "bool",
+    "profile.levers": "bool", "profile.zero_offload": "bool",
 }
 
 

@@ -555,3 +555,28 @@ def test_the_calibration_times_what_training_runs(tmp_path, monkeypatch):
     for doc in (data, rep):
         assert doc["decoder_kernels"] == "liger (stand-in: RMSNorm, RoPE, SwiGLU)" and doc["loss_impl"] == "fused"
     assert "fused LM-head loss" in data["what"] and "liger" in data["what"]
+
+
+def test_the_levers_time_costs():
+    """Tiled MLP: every layer's MLP forward once more (its share of the linear FLOPs) and a fixed cost per tile and
+    pass; activation offload: each checkpointed layer's input over PCIe to the host, hidden behind the next layer's
+    forward when shorter, and back, exposed (DeepSpeed waits for it). Plain packs pay neither; empty packs nothing."""
+    from hbp_train.perf.cost_model import TILED_MLP_TILE_S
+
+    model = CostModel.from_calibration()
+    s = model.shape
+    tokens, sp, ckpt = 131072, 8, 32
+    plain = model.pack_time([tokens], sp, ckpt)
+    local = tokens // sp
+    mlp_share = 3 * s.hidden * s.ffn / (s.linear_params(active=True) / s.num_layers)
+    tiles = local // s.hidden
+    tiled = model.pack_time([tokens], sp, ckpt, tiled_mlp=True)
+    assert tiled - plain == pytest.approx(s.num_layers * (model.linear_fb_per_token / 3 * mlp_share * local
+                                                          + 2 * tiles * TILED_MLP_TILE_S))
+    layer_forward = (model.attention_fwd([tokens]).sum() + model.linear_fb_per_token / 3 * tokens) / sp
+    for gbps in (25.0, 0.5):  # a PCIe link, and one slower than a layer's forward
+        copy = local * s.hidden * 2 / (gbps * 1e9)
+        offload = model.pack_time([tokens], sp, ckpt, offload_activations=True, pcie_gbps=gbps)
+        assert offload - plain == pytest.approx(ckpt * (max(0.0, copy - layer_forward) + copy))
+        assert (copy < layer_forward) == (gbps == 25.0)
+    assert model.pack_times([], [0, 0], 1, 0, tiled_mlp=True, offload_activations=True)[0] == 0.0

@@ -36,13 +36,15 @@ def test_analytic_memory_model_orders():
 @pytest.mark.parametrize("offload", [False, True])
 def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offload):
     """Per GPU, bf16 params: params 2 B (sharded from stage 3), gradients 2 B or 4 B with fp32 accumulation
-    (sharded from stage 2), fp32 master + Adam m, v 12 B (from stage 1; none on the GPU with optimizer offload).
-    The fp32 gradient partition DeepSpeed builds inside step() counts only there (tests below measure all of it)."""
+    (sharded from stage 2), fp32 master + Adam m, v 12 B (from stage 1). With optimizer offload the optimizer state
+    and the gradient partitions are on the CPU (DeepSpeed 0.19 copies each bucket's reduced gradients there): only
+    the parameters stay. The fp32 gradient partition DeepSpeed builds inside step() counts only there (tests below
+    measure all of it); the reduction buckets are counted when the job says how large they are."""
     params, world = 1_000_000, 8
     shard = {k: (world if stage >= k else 1) for k in (1, 2, 3)}
     job = JobSettings(zero_stage=stage, offload_optimizer=offload, grad_accum_fp32=fp32_accum)
     grads = (4 if fp32_accum else 2) * params / shard[2]
-    want = 2 * params / shard[3] + grads + (0 if offload else 12 * params / shard[1])
+    want = 2 * params / shard[3] + (0 if offload else grads + 12 * params / shard[1])
     assert model_state_bytes(params, world, job) == int(want)
     in_step = model_state_bytes(params, world, job, in_step=True)
     if offload or (fp32_accum and stage < 3):  # nothing new in step(): the accumulated gradient is already fp32
@@ -51,13 +53,32 @@ def test_model_state_bytes_follow_deepspeeds_allocations(stage, fp32_accum, offl
         assert in_step == int(want + 4 * params / world)
     else:  # the bf16 gradients are replaced by this rank's partition in fp32
         assert in_step == int(2 * params + 16 * params / shard[1])
+    bucket = JobSettings(zero_stage=stage, offload_optimizer=offload, grad_accum_fp32=fp32_accum,
+                         grad_bucket_bytes=1000)
+    assert model_state_bytes(params, world, bucket) == int(want) + 1000
+
+
+def test_zero3_parameter_offload_and_gathered_parameters():
+    """ZeRO-3 with parameter offload keeps no parameter partition on the GPU; it holds what it gathers for the module
+    that runs (a decoder layer's widest matrix plus the prefetch bucket; the LM head and its gradient in the loss)."""
+    from hbp_train.perf.memory import ZERO3_PREFETCH_ELEMENTS, zero3_working_bytes
+
+    shape = MODEL_SHAPES["llama3-8b"]
+    z3, off = JobSettings(zero_stage=3, grad_accum_fp32=False), JobSettings(zero_stage=3, grad_accum_fp32=False,
+                                                                          offload_param=True)
+    assert model_state_bytes(shape.num_params, 8, z3) - model_state_bytes(shape.num_params, 8, off) == \
+        2 * shape.num_params // 8
+    assert zero3_working_bytes(shape, z3) == 2 * (shape.hidden * shape.ffn + ZERO3_PREFETCH_ELEMENTS)
+    assert zero3_working_bytes(shape, z3, loss=True) == 4 * shape.vocab * shape.hidden
+    assert zero3_working_bytes(shape, JobSettings(zero_stage=2)) == 0
 
 
 def test_the_step_peak_counts_only_when_it_exceeds_backward():
     """analytic_memory_bytes is the larger of backward (states + activations) and the optimizer step (states with
     the fp32 gradient partition, no activations): a long pack is backward's, a 1-token pack the step's when
-    step() builds a new fp32 partition (bf16 accumulation); with fp32 accumulation the partition already exists."""
-    shape = parse_model_shape("llama3.2-1b")
+    step() builds a new fp32 partition (bf16 accumulation) larger than the 1-token forward's LM-head gradient
+    buffer (vocab x hidden); with fp32 accumulation the partition already exists."""
+    shape = parse_model_shape("llama3-8b")
     job = JobSettings(zero_stage=2, grad_accum_fp32=False)
     step = model_state_bytes(shape.num_params, 8, job, in_step=True)
     assert step > model_state_bytes(shape.num_params, 8, job)
@@ -67,18 +88,26 @@ def test_the_step_peak_counts_only_when_it_exceeds_backward():
     assert model_state_bytes(shape.num_params, 8, fp32, in_step=True) == model_state_bytes(shape.num_params, 8, fp32)
 
 
-def test_analytic_memory_counts_one_recomputed_layer_only_with_checkpointing():
-    """Checkpointing the first layer swaps its full activations for its input (2h B/token) but adds the one layer
-    rebuilt in backward (full activations); each further checkpointed layer only saves full - 2h."""
+def test_checkpointing_moves_each_moment_by_what_a_layer_keeps():
+    """Each checkpointed layer swaps its full activations for its input (2h B/token) at the end of the forward and at
+    the first plain layer's backward; the first checkpointed layer's backward holds every checkpointed input plus
+    one layer rebuilt in full, so it grows by 2h per checkpointed layer (and exists only with checkpointing)."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, memory_breakdown
+
     shape = parse_model_shape("llama3-8b")
     job, tokens = JobSettings(zero_stage=2), 8192
     kv = shape.num_kv_heads * shape.head_dim
     full = (2 * (4 * shape.hidden + 2 * shape.num_heads * shape.head_dim + 2 * kv + 4 * shape.ffn)  # the docstring's
             + 8 * shape.hidden + 4 * shape.num_heads + 8)                                           # list (varlen)
+    assert full == activation_bytes_per_token_layer(shape)
     kept = 2 * shape.hidden
-    mem = [analytic_memory_bytes(shape, tokens, 1, c, 8, job) for c in range(4)]
-    assert mem[1] - mem[0] == tokens * kept
-    assert mem[2] - mem[1] == mem[3] - mem[2] == tokens * (kept - full)
+    m = [memory_breakdown(shape, tokens, 1, c, 8, job) for c in range(4)]
+    assert m[0].backward_ckpt == 0 and m[1].backward_ckpt > 0
+    for a, b in zip(m, m[1:]):
+        assert a.loss - b.loss == a.backward_plain - b.backward_plain == tokens * (full - kept)
+    assert m[3].backward_ckpt - m[2].backward_ckpt == m[2].backward_ckpt - m[1].backward_ckpt == tokens * kept
+    every = memory_breakdown(shape, tokens, 1, shape.num_layers, 8, job)
+    assert every.backward_plain == 0 and every.moment in ("loss", "backward_ckpt")
 
 
 def test_memory_preflight_names_the_groups_that_will_not_fit():
@@ -187,11 +216,13 @@ def _liger_stand_ins(model) -> None:
         layer.mlp.forward = types.MethodType(mlp_forward, layer.mlp)
 
 
-def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, liger=False) -> tuple[int, int]:
+def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, liger=False,
+                mlp_tiles=1) -> tuple[int, int]:
     """(bytes the forward of our engine module keeps for backward, the pack's trained tokens): PackedCausalLM with
     the fused LM-head loss on a pack of two documents. Kept = the distinct storages autograd saves (saved-tensor
     hooks, parameters excluded) plus the gradient of the hidden rows the fused loss made in forward. ``liger``: with
-    Liger's RMSNorm and SwiGLU (their CPU stand-ins)."""
+    Liger's RMSNorm and SwiGLU (their CPU stand-ins); ``mlp_tiles``: the tiled MLP as training installs it
+    (model/levers.py)."""
     import torch
 
     from hbp_train.model import attention
@@ -204,6 +235,10 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, lig
     if liger:
         _liger_stand_ins(model)
     set_checkpointed_layers(model, ckpt_layers)
+    if mlp_tiles > 1:
+        from hbp_train.model.levers import Levers, install_levers
+
+        install_levers(model).set(Levers(mlp_tiles=mlp_tiles))
     model.train()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 512, (1, num_tokens), generator=gen)
@@ -299,6 +334,24 @@ def test_liger_kernels_keep_what_their_autograd_functions_save(dtype, cpu_varlen
     outside = (tokens * outside_layers_bytes_per_token(shape, b, fused_rms_norm=True)
                - (tokens - trained) * (b * shape.hidden + 8))
     assert 0 <= (one - layer) - outside <= CONSTANT_BYTES, ((one - layer) / tokens, outside / tokens)
+
+
+def test_a_tiled_mlp_layer_keeps_what_the_model_says(cpu_varlen, dtype="bf16"):
+    """The tiled MLP as training runs it (model/levers.py: each tile a checkpoint of the MLP): a layer keeps its
+    activations less the MLP's gate, up, act and product (the tiles keep only their input, the norm's output the
+    layer already keeps), counted exactly as above."""
+    from hbp_train.perf.memory import activation_bytes_per_token_layer, mlp_bytes_per_token
+    from hbp_train.model.hf_model import ModelConfig, hf_config
+
+    name = "gqa"
+    shape = parse_model_shape(hf_config(ModelConfig(config=dict(SAVED_TENSOR_SHAPES[name]), dtype=dtype)))
+    b = 4 if dtype == "fp32" else 2
+    tiled = activation_bytes_per_token_layer(shape, b, attention_out_shared=True) - mlp_bytes_per_token(shape, b)
+    tokens = 256
+    (one, _), (two, _) = (_held_bytes(name, dtype, "torch_varlen", tokens, n, mlp_tiles=4) for n in (1, 2))
+    layer = two - one
+    # the untiled layer keeps tokens * mlp_bytes_per_token more (test above): the lever moves the count
+    assert 0 <= layer - tokens * tiled <= CONSTANT_BYTES, (layer / tokens, tiled)
 
 
 def test_the_memory_model_counts_the_decoder_kernels_the_run_uses():
@@ -420,3 +473,66 @@ def test_model_states_match_what_deepspeed_holds_through_backward_and_in_step(tm
         if not fp32_accum:
             # the fp32 partition (4 B/param over 2 ranks) appears in step(), where the bf16 one (2 B) goes
             assert got["after_backward"] < in_step - 0.5 * params, (stage, got["after_backward"] / params)
+
+
+def test_tiled_mlp_keeps_no_mlp_intermediate_and_backward_holds_one_tile():
+    """The tiled MLP: every plain layer keeps 4 x ffn per token less (gate, up, act, product) at the end of the
+    forward; in backward a layer holds its input gradient and one tile's recompute instead of the whole slice's MLP
+    gradients."""
+    from hbp_train.perf.memory import layer_backward_bytes, memory_breakdown, mlp_bytes_per_token
+
+    shape = parse_model_shape("llama3-8b")
+    job, tokens = JobSettings(zero_stage=2), 16384
+    plain, tiled = (memory_breakdown(shape, tokens, 1, 0, 8, job, tiled_mlp=t) for t in (False, True))
+    mlp = mlp_bytes_per_token(shape)
+    assert mlp == 2 * 4 * shape.ffn
+    assert plain.loss - tiled.loss == tokens * shape.num_layers * mlp
+    untiled_bwd, tiled_bwd = (layer_backward_bytes(shape, tokens, job, t) for t in (False, True))
+    assert untiled_bwd == 2 * 2 * shape.hidden * tokens + 2 * 2 * shape.ffn * tokens  # residual + 2 MLP gradients
+    # tiled (4 tiles of 4096 tokens): the input gradient, one tile's intermediates and their two gradients, and one
+    # bf16 copy of the MLP weights' gradients (summed over the tiles); now above the attention's and HF's fp32 norm
+    # backward (16h per token); with 16 tiles the norm's is the largest
+    residual = 2 * 2 * shape.hidden * tokens
+    tile_phase = 2 * shape.hidden * tokens + 4096 * 2 * 6 * shape.ffn + 2 * 3 * shape.hidden * shape.ffn
+    assert tiled_bwd == residual + tile_phase > residual + 16 * shape.hidden * tokens
+    assert layer_backward_bytes(shape, 4 * tokens, job, True) == 4 * residual + 4 * 16 * shape.hidden * tokens
+    attention = tokens * (2 * (2 * shape.attn_width + 2 * shape.kv_width) + 4 * shape.attn_width)
+    liger = JobSettings(zero_stage=2, fused_rms_norm=True, fused_swiglu=True)
+    liger_tile = 2 * shape.hidden * tokens + 4096 * 2 * 4 * shape.ffn + 2 * 3 * shape.hidden * shape.ffn
+    assert layer_backward_bytes(shape, tokens, liger, True) == residual + max(liger_tile, attention)
+    assert plain.backward_plain - tiled.backward_plain == tokens * shape.num_layers * mlp + untiled_bwd - tiled_bwd
+
+
+def test_offload_leaves_two_inputs_on_the_gpu_and_deepspeed_brings_them_all_back():
+    """Activation offload with every layer checkpointed: at the end of the forward only the newest input and the one
+    being copied stay on the GPU (the rest is in host memory); DeepSpeed 0.19.8 keeps every input it restores until
+    the backward ends, so the first checkpointed layer's backward holds them all again."""
+    import hbp_train.perf.memory as memory
+
+    shape = parse_model_shape("llama3-8b")
+    job, tokens, layers = JobSettings(zero_stage=3), 16384, shape.num_layers
+    kept, offloaded = (memory.memory_breakdown(shape, tokens, 1, layers, 8, job, offload_activations=o)
+                       for o in (False, True))
+    moved = tokens * (layers - memory.OFFLOAD_INPUTS_ON_DEVICE) * 2 * shape.hidden
+    assert kept.loss - offloaded.loss == moved == offloaded.host and kept.host == 0
+    assert offloaded.backward_ckpt == kept.backward_ckpt  # OFFLOAD_RESTORED_CACHED
+    assert memory.OFFLOAD_RESTORED_CACHED
+    # A restore that freed each input after its layer's backward would hold three (two kept, one restored).
+    memory.OFFLOAD_RESTORED_CACHED = False
+    try:
+        freed = memory.memory_breakdown(shape, tokens, 1, layers, 8, job, offload_activations=True)
+    finally:
+        memory.OFFLOAD_RESTORED_CACHED = True
+    assert kept.backward_ckpt - freed.backward_ckpt == tokens * (layers - 3) * 2 * shape.hidden
+
+
+def test_the_peak_moment_and_its_terms():
+    """The breakdown names what fills each moment: the terms of the moment that sets the peak sum to the peak."""
+    from hbp_train.perf.memory import memory_breakdown
+
+    shape = parse_model_shape("llama3-8b")
+    br = memory_breakdown(shape, 131072, 8, 32, 8, JobSettings(zero_stage=3, loss_chunk_tokens=8192))
+    assert br.moment == "loss" and sum(br.terms["loss"].values()) == br.peak
+    assert max(br.terms["loss"], key=br.terms["loss"].get) == "model states"
+    br = memory_breakdown(shape, 1 << 20, 8, 32, 8, JobSettings(zero_stage=3, loss_chunk_tokens=8192), True, True)
+    assert br.moment == "backward_ckpt" and sum(br.terms["backward_ckpt"].values()) == br.peak

@@ -202,3 +202,23 @@ def test_the_gpu_backend_times_the_program_training_runs(monkeypatch, impl, fuse
     cu = seen["forward"]["cu_seq_lens_q"]
     assert cu.tolist() == [0, *np.cumsum(docs).tolist()] and seen["forward"]["max_length_q"] == max(docs)
     assert isinstance(seen[used]["num_rows"], int) and not isinstance(seen[used]["num_rows"], torch.Tensor)
+
+
+def test_gpu_backend_measures_the_tiled_mlp_as_training_installs_it():
+    """A measurement with the tiled MLP runs model/levers.py's tiling on the backend's model (here on the CPU, where
+    the saved bytes are the memory): it keeps the MLP's intermediates of no layer, the measurement says so, and the
+    next plain measurement runs untiled again."""
+    from hbp_train.perf.cost_model import CostModel
+    from hbp_train.perf.memory import mlp_bytes_per_token
+    from hbp_train.model.hf_model import ModelConfig
+
+    model_cfg = ModelConfig(config=dict(TINY), dtype="fp32", attention_backend="sdpa_block")
+    shape = model_shape_of(model_cfg, None)
+    b = GpuBackend(model_cfg, cfg(max_len=512, min_len=128, warmup_iters=0, iters=1),
+                   CostModel.from_calibration(model_shape=shape), JobSettings(), device="cpu")
+    assert not b.supports_levers  # the search tries none on the CPU (offload moves nothing there)
+    plain, tiled, again = (b.measure(512, 1, 0, 1, tiled_mlp=t) for t in (False, True, False))
+    assert tiled.tiled_mlp and not plain.tiled_mlp and b._levers.levers.mlp_tiles == 1
+    saved = plain.peak_mem_bytes - tiled.peak_mem_bytes
+    assert saved == 512 * shape.num_layers * mlp_bytes_per_token(shape, 4)
+    assert again.peak_mem_bytes == plain.peak_mem_bytes

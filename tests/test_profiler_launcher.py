@@ -247,8 +247,10 @@ def test_profiler_measures_sp2_on_two_gloo_processes(tmp_path, capsys):
     assert all(not g["estimated"] for g in data["groups"])
     assert "cpu measured on 2 ranks" in printed.out and "sp=2: measured on 2 ranks" in printed.out
     job = data["job"]
+    from dataclasses import fields
+
     states = model_state_bytes(data["model"]["num_params"], 2,
-                               JobSettings(job["zero_stage"], job["offload_optimizer"], job["loss_chunk_tokens"]))
+                               JobSettings(**{f.name: job[f.name] for f in fields(JobSettings) if f.name in job}))
     for m in sp2:
         act = m["peak_mem_bytes"] - states
         whole = by_key[m["pack_len"], 1, m["ckpt_layers"]]["peak_mem_bytes"] - states

@@ -9,6 +9,16 @@ The model, per pack of samples with lengths l_i (T = Σ l_i tokens) run by an SP
                       spanning nodes: the off-node share over the inter-node link, see a2a_seconds)
     pack time       = [layers·compute + ckpt·recompute + H_fb·T] / sp + (8·layers + 4·ckpt) · a2a_q/k/v/o
 
+plus, for a packing group's memory levers (``pack_times(..., tiled_mlp=, offload_activations=)``):
+
+    tiled MLP       + layers · [C_fb/3 · T · mlp_share / sp + 2 · tiles · TILED_MLP_TILE_S]
+                    (its backward recomputes the MLP forward of every layer, checkpointed or not: the MLP's share of
+                    the linear FLOPs, ``mlp_share``, of one forward; and a fixed cost per tile and pass)
+    offload         + ckpt · [max(0, copy − layer forward) + copy · (1 − OFFLOAD_RESTORE_OVERLAP)]
+                    copy = (T/sp) · hidden · 2 B / pcie_gbps: each checkpointed layer's input goes to the host during
+                    the next layer's forward (hidden behind it when shorter) and comes back before its recompute
+                    (DeepSpeed 0.19.8 waits for it there: exposed)
+
 where A(l) comes from the calibration table (ms for 32768 tokens made of documents of length l, interpolated in
 log-log: one document of length l costs t(l)·l/32768), C_fb is the linear fwd+bwd time per token, H_fb the LM
 head and its chunked loss per token: measured by the calibration (``head_fwdbwd_ms_per_32768_tokens``: the
@@ -57,6 +67,16 @@ ATTN_FWDBWD_OVER_FWD = 3.5
 # The chunked LM-head loss (hbp_train/model/loss.py) runs the logits matmul in forward and again in backward, then the
 # hidden and the weight gradients: 4 x the forward's vocab x hidden FLOPs (a plain layer's fwd+bwd is 3x).
 HEAD_MATMULS = 4
+# Host <-> GPU bandwidth of activation offload, GB/s per GPU and direction (pinned memory): PCIe Gen5 x16 moves
+# ~55 GB/s one way, but a node's 8 GPUs share their CPUs' lanes and memory when they all copy at once; 25 is the
+# planning figure (an assumption, not measured here: --pcie-gbps / profile.pcie_gbps changes it).
+DEFAULT_PCIE_GBPS = 25.0
+# Seconds a tiled-MLP tile costs per pass (forward, and the recompute + backward) beyond its FLOPs: the Python loop,
+# the slicing and the kernel launches of one small MLP (an assumption: ~10 launches of a few microseconds).
+TILED_MLP_TILE_S = 30e-6
+# Share of an offloaded input's copy back to the GPU hidden behind compute: DeepSpeed 0.19.8's
+# CheckpointHiddenStatesOffload starts the copy when backward asks for the input and waits for it (no prefetch).
+OFFLOAD_RESTORE_OVERLAP = 0.0
 
 
 @dataclass(frozen=True)
@@ -276,11 +296,13 @@ class CostModel:
                           per_peer * remote_peers / (inter_node_gbps * 1e9))
 
     def pack_times(self, lengths, offsets, sp, ckpt_layers=0, intra_node_gbps=DEFAULT_INTRA_NODE_GBPS,
-                   inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8) -> np.ndarray:
+                   inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8, tiled_mlp=False,
+                   offload_activations=False, pcie_gbps: float = DEFAULT_PCIE_GBPS) -> np.ndarray:
         """Seconds of every pack, vectorised over a CSR layout.
 
         lengths: all samples' lengths, pack by pack; offsets: [0, end_0, end_1, ...] (len = #packs + 1);
-        sp, ckpt_layers: scalars or one value per pack. Empty packs cost 0.
+        sp, ckpt_layers, tiled_mlp, offload_activations: scalars or one value per pack (the levers' costs: module
+        docstring). Empty packs cost 0.
         """
         lengths = np.asarray(lengths, dtype=np.float64)
         offsets = np.asarray(offsets, dtype=np.int64)
@@ -299,16 +321,38 @@ class CostModel:
         compute = attn_fb + self.linear_fb_per_token * tokens
         recompute = attn_f + self.linear_fb_per_token / 3.0 * tokens
         a2a = self.a2a_seconds(tokens, sp, intra_node_gbps, inter_node_gbps, gpus_per_node)
-        return ((layers * compute + ckpt * recompute + self.head_fb_per_token * tokens) / sp
-                + (2 * layers + ckpt) * a2a)
+        times = ((layers * compute + ckpt * recompute + self.head_fb_per_token * tokens) / sp
+                 + (2 * layers + ckpt) * a2a)
+        tiled = np.broadcast_to(np.asarray(tiled_mlp, dtype=bool), (num_packs,))
+        offload = np.broadcast_to(np.asarray(offload_activations, dtype=bool), (num_packs,))
+        if tiled.any() or offload.any():
+            times = times + self.lever_seconds(tokens, sp, ckpt, recompute, tiled, offload, pcie_gbps)
+        return np.where(tokens > 0, times, 0.0)
+
+    def lever_seconds(self, tokens, sp, ckpt, layer_forward, tiled, offload, pcie_gbps=DEFAULT_PCIE_GBPS):
+        """What a group's memory levers add to packs of ``tokens`` (module docstring): the tiled MLP's recompute of
+        every layer's MLP forward and its per-tile cost; activation offload's copies of each checkpointed layer's
+        input (``layer_forward``: one layer's forward seconds of the whole pack, hiding the copy to the host when
+        longer; the copy back is exposed)."""
+        shape = self.shape
+        local = np.ceil(np.asarray(tokens, dtype=np.float64) / sp)
+        mlp_share = 1.0 - shape.num_layers * shape.attn_params() / shape.linear_params(active=True)
+        tiles = np.maximum(1.0, np.ceil(local / shape.hidden))
+        tiled_s = shape.num_layers * (self.linear_fb_per_token / 3.0 * mlp_share * local
+                                      + 2 * tiles * TILED_MLP_TILE_S)
+        copy = local * shape.hidden * self.dtype_bytes / (pcie_gbps * 1e9)
+        offload_s = ckpt * (np.maximum(0.0, copy - layer_forward / sp) + copy * (1.0 - OFFLOAD_RESTORE_OVERLAP))
+        return np.where(tiled, tiled_s, 0.0) + np.where(offload, offload_s, 0.0)
 
     def pack_time(self, sample_lengths, sp: int = 1, ckpt_layers: int = 0,
                   intra_node_gbps=DEFAULT_INTRA_NODE_GBPS, inter_node_gbps=DEFAULT_INTER_NODE_GBPS,
-                  gpus_per_node: int = 8) -> float:
-        """Seconds of one pack (fwd+bwd of all layers, recompute, LM head, all-to-alls) on an SP group of sp."""
+                  gpus_per_node: int = 8, tiled_mlp: bool = False, offload_activations: bool = False,
+                  pcie_gbps: float = DEFAULT_PCIE_GBPS) -> float:
+        """Seconds of one pack (fwd+bwd of all layers, recompute, LM head, all-to-alls, the levers' costs) on an SP
+        group of sp."""
         lengths = np.asarray(sample_lengths, dtype=np.float64)
         return float(self.pack_times(lengths, [0, len(lengths)], sp, ckpt_layers, intra_node_gbps,
-                                     inter_node_gbps, gpus_per_node)[0])
+                                     inter_node_gbps, gpus_per_node, tiled_mlp, offload_activations, pcie_gbps)[0])
 
     def describe(self) -> dict:
         """What this model is, for reports."""
@@ -326,14 +370,23 @@ def pack_cost_fn(model: CostModel, ckpt_layers_default: int = 0, intra_node_gbps
                  inter_node_gbps=DEFAULT_INTER_NODE_GBPS, gpus_per_node: int = 8):
     """A planner ``PackCostFn`` (hbp_train.planning.plan): predicted seconds of packs run in a group.
 
-    The group's sp and ckpt_layers are used (``ckpt_layers_default`` where the group says null), so the planner
-    balances predicted pack time instead of Σ len².
+    The group's sp, ckpt_layers and memory levers are used (``ckpt_layers_default`` where the group says null),
+    so the planner balances predicted pack time instead of Σ len².
     """
 
     def cost(pack_lengths: np.ndarray, pack_ptr: np.ndarray, group=None) -> np.ndarray:
         sp = 1 if group is None else int(group.sp)
         ckpt = ckpt_layers_default if group is None or group.ckpt_layers is None else int(group.ckpt_layers)
+        tiled, offload = (False, False) if group is None else group_levers(group)
         return model.pack_times(pack_lengths, pack_ptr, sp, min(ckpt, model.shape.num_layers), intra_node_gbps,
-                                inter_node_gbps, gpus_per_node)
+                                inter_node_gbps, gpus_per_node, tiled, offload)
 
     return cost
+
+
+def group_levers(group) -> tuple[bool, bool]:
+    """(tiled_mlp, offload_activations) of a packing group (a planning GroupSpec, or a plan's group dict); a group
+    written before the levers existed has neither."""
+    if isinstance(group, dict):
+        return bool(group.get("tiled_mlp", False)), bool(group.get("offload_activations", False))
+    return bool(getattr(group, "tiled_mlp", False)), bool(getattr(group, "offload_activations", False))

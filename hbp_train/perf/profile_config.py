@@ -68,6 +68,24 @@ class ProfileConfig:
     worker_timeout_s: float = 600.0
     """A measuring torchrun is stopped after the time budget left plus this many seconds (start-up, model load, the
     measurement under way); the points of its SP degree it did not measure are then estimated, with a warning."""
+    levers: bool = True
+    """Search the memory levers per pack length: the tiled MLP and activation offload (with checkpointing), each
+    kept only where it makes a configuration faster under the memory limit (docs/profiler.md)."""
+    zero_stages: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """ZeRO stages the profiler chooses the run's among (the longest trainable packs first, then the fastest); empty
+    = the job's own deepspeed.zero_stage only. The plan names the chosen stage; training refuses another one."""
+    zero_offload: bool = False
+    """Also consider each stage with optimizer offload, and ZeRO-3 with optimizer and parameter offload (slower;
+    for models whose states would not fit the GPUs otherwise)."""
+    global_tokens: int = 4194304
+    """Tokens per optimizer step of the job (hbp-pack's --global-tokens): ZeRO's per-step collectives and optimizer
+    step are spread over the micro-batches a replica runs in such a step."""
+    comm_overlap: float = 0.0
+    """Share (0..1) of ZeRO's per-micro-batch collectives hidden behind compute when costing a stage (as
+    hbp-simulate's --comm-overlap; 0: all exposed)."""
+    pcie_gbps: Optional[float] = None
+    """Host <-> GPU bandwidth per GPU and direction, GB/s, for activation and ZeRO offload (null: the cost model's
+    25, hbp_train/perf/cost_model.py)."""
     output: str = "profile.json"
     """Where to write the profile (groups, every measurement, hardware, model shape, profiler timings)."""
     progress: bool = True
@@ -112,6 +130,14 @@ class ProfileConfig:
             raise UserError(f"profile.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
         if not self.output:
             raise UserError("profile.output must name a file")
+        if any(int(z) not in (1, 2, 3) for z in self.zero_stages):
+            raise UserError(f"profile.zero_stages must hold ZeRO stages 1, 2 or 3, got {list(self.zero_stages)}")
+        if self.global_tokens < 1:
+            raise UserError(f"profile.global_tokens must be >= 1, got {self.global_tokens}")
+        if not 0 <= self.comm_overlap <= 1:
+            raise UserError(f"profile.comm_overlap must be in [0, 1], got {self.comm_overlap}")
+        if self.pcie_gbps is not None and not self.pcie_gbps > 0:
+            raise UserError(f"profile.pcie_gbps must be > 0 or null, got {self.pcie_gbps}")
         if self.seed < 0:
             raise UserError(f"profile.seed must be >= 0, got {self.seed}")
         if self.calibration and not Path(self.calibration).is_file():

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from hbp_train.perf.cost_model import group_levers
 from hbp_train.perf.memory import JobSettings, analytic_memory_bytes
 from hbp_train.planning.plan import Plan
 
@@ -43,8 +44,8 @@ def min_fitting_group(lengths: np.ndarray, plan: Plan, shape, sim_config,
     job = job or JobSettings()
     groups = plan.config.groups
     world = plan.config.world_size
-    budget = max(analytic_memory_bytes(shape, g.pack_len, g.sp, _ckpt(g, sim_config, shape.num_layers), world, job)
-                 for g in groups)
+    budget = max(analytic_memory_bytes(shape, g.pack_len, g.sp, _ckpt(g, sim_config, shape.num_layers), world, job,
+                                       *group_levers(g)) for g in groups)
     lengths = np.asarray(lengths, np.int64)
     out = np.full(len(lengths), len(groups) - 1, np.int64)
     top = int(lengths.max(initial=1))
@@ -55,7 +56,7 @@ def min_fitting_group(lengths: np.ndarray, plan: Plan, shape, sim_config,
         lo, hi = 0, top
         while lo < hi:  # longest pack that fits at (sp, ckpt): memory grows with tokens, so bisect
             mid = (lo + hi + 1) // 2
-            if analytic_memory_bytes(shape, mid, g.sp, ckpt, world, job) <= budget:
+            if analytic_memory_bytes(shape, mid, g.sp, ckpt, world, job, *group_levers(g)) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -77,14 +78,17 @@ def dynsp_bound(plan: Plan, model, sim_config, hbp_seconds: float | None = None)
     links = (sim_config.intra_node_gbps, sim_config.inter_node_gbps, sim_config.gpus_per_node)
     sp_of = np.array([g.sp for g in cfg.groups], np.int64)
     ckpt_of = np.array([_ckpt(g, sim_config, shape.num_layers) for g in cfg.groups], np.int64)
-    pack_sp, pack_ckpt = sp_of[plan.pack_group], ckpt_of[plan.pack_group]
+    levers_of = np.array([group_levers(g) for g in cfg.groups], bool).reshape(len(cfg.groups), 2)
+    pack_sp, pack_ckpt, pack_levers = sp_of[plan.pack_group], ckpt_of[plan.pack_group], levers_of[plan.pack_group]
     flat = plan.lengths[plan.pack_samples]
-    hbp_gpu = float((model.pack_times(flat, plan.pack_ptr, pack_sp, pack_ckpt, *links) * pack_sp).sum())
+    hbp_gpu = float((model.pack_times(flat, plan.pack_ptr, pack_sp, pack_ckpt, *links, pack_levers[:, 0],
+                                      pack_levers[:, 1], sim_config.pcie_gbps) * pack_sp).sum())
     # Every packed sample alone in the group of the smallest degree that fits it (that group's checkpointing).
     sample_group = min_fitting_group(flat, plan, shape, sim_config)
-    sample_sp, sample_ckpt = sp_of[sample_group], ckpt_of[sample_group]
+    sample_sp, sample_ckpt, sample_levers = sp_of[sample_group], ckpt_of[sample_group], levers_of[sample_group]
     singles = np.arange(len(flat) + 1, dtype=np.int64)
-    dyn_gpu = float((model.pack_times(flat, singles, sample_sp, sample_ckpt, *links) * sample_sp).sum())
+    dyn_gpu = float((model.pack_times(flat, singles, sample_sp, sample_ckpt, *links, sample_levers[:, 0],
+                                      sample_levers[:, 1], sim_config.pcie_gbps) * sample_sp).sum())
     saved = hbp_gpu - dyn_gpu
     bound = hbp_seconds - saved / cfg.world_size
     in_pack_sp = np.repeat(pack_sp, np.diff(plan.pack_ptr))

@@ -25,7 +25,11 @@ over W ranks costs
 
 plus the optimizer step once per step: AdamW is memory-bound, ~32 bytes read and written per parameter it
 updates (fp32 master, m, v, fp32 gradient; bf16 copy) at ``hbm_gbps``: 32 · P/W / hbm (stages >= 1, each rank
-updates its partition) or 32 · P / hbm (stage 0). ``comm_overlap`` (0..1, DeepSpeed's overlap_comm) hides that
+updates its partition) or 32 · P / hbm (stage 0). With ``offload_optimizer`` the step runs on the CPU instead
+(DeepSpeed's CPU Adam): P/W / ``CPU_ADAM_PARAMS_PER_S`` plus the partition's gradients to the host and its
+bf16 parameters back (6 B per parameter over ``pcie_gbps``); with ``offload_param`` (stage 3) every micro-batch's
+two gathers first bring the rank's partition from the host (2 x 2P/W bytes over ``pcie_gbps``, per micro-batch).
+``comm_overlap`` (0..1, DeepSpeed's overlap_comm) hides that
 share of the per-micro-batch collectives behind compute: every slot is longer by (1 − overlap) · its collectives;
 per-step collectives and the optimizer add to every step in full. overlap 0 is the pessimistic bound.
 With a stage given, sync defaults to "step" for stages 0/1 and "micro" for 2/3, and a plan with unequal
@@ -51,7 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hbp_train.common.errors import UserError
-from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, CostModel, StepCosts
+from hbp_train.perf.cost_model import (DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, DEFAULT_PCIE_GBPS, CostModel,
+                                      StepCosts, group_levers)
 from hbp_train.planning.plan import Plan
 
 SYNC_MODES = ("micro", "step")
@@ -63,6 +68,9 @@ PARAM_BYTES = 2
 OPTIMIZER_BYTES_PER_PARAM = 32
 # H100 SXM HBM3 peak, GB/s.
 DEFAULT_HBM_GBPS = 3350.0
+# DeepSpeed's CPU Adam with optimizer offload, parameters updated per second per GPU: a node's CPU updates ~2e9
+# parameters/s (AVX-512, all cores) shared by its 8 GPUs' partitions (an assumption, not measured here).
+CPU_ADAM_PARAMS_PER_S = 2.5e8
 COMPUTE_ONLY = "compute only (no ZeRO collectives, no optimizer step: upper bound)"
 
 
@@ -94,6 +102,13 @@ class SimConfig:
     step_costs: StepCosts | None = None
     """The per-pack, per-micro-batch, per-step and data costs (module docstring), or None: the cost model's own
     (its calibration's "step_costs"; all 0 when it has none)."""
+    pcie_gbps: float = DEFAULT_PCIE_GBPS
+    """Host <-> GPU bandwidth per GPU and direction, GB/s: the activation offload's copies of groups that use it
+    (hbp_train.perf.cost_model)."""
+    offload_optimizer: bool = False
+    """With zero_stage: the optimizer step runs on the CPU (deepspeed.offload_optimizer; module docstring)."""
+    offload_param: bool = False
+    """With zero_stage 3: the parameter partitions live on the CPU (deepspeed.offload_param; module docstring)."""
 
     def __post_init__(self):
         if not (self.intra_node_gbps > 0 and self.inter_node_gbps > 0):  # also refuses NaN
@@ -110,6 +125,8 @@ class SimConfig:
             raise UserError(f"comm_overlap must be in [0, 1], got {self.comm_overlap}")
         if not self.hbm_gbps > 0:
             raise UserError(f"hbm_gbps must be > 0, got {self.hbm_gbps}")
+        if not self.pcie_gbps > 0:
+            raise UserError(f"pcie_gbps must be > 0, got {self.pcie_gbps}")
         if self.zero_stage is not None and self.sync is not None and self.sync != stage_sync(self.zero_stage):
             raise UserError(f"sync {self.sync!r} contradicts zero_stage {self.zero_stage} (which synchronises "
                             f"every {'micro-batch' if self.zero_stage >= 2 else 'step'}); leave sync unset")
@@ -118,7 +135,9 @@ class SimConfig:
         """One line naming the communication model, for tables, JSON and plot titles."""
         if self.zero_stage is None:
             return COMPUTE_ONLY
-        return f"ZeRO-{self.zero_stage} collectives (overlap {self.comm_overlap:g}) + AdamW step"
+        offload = [n for n, on in (("optimizer", self.offload_optimizer), ("parameter", self.offload_param)) if on]
+        where = f" + {' & '.join(offload)} offload" if offload else ""
+        return f"ZeRO-{self.zero_stage}{where} collectives (overlap {self.comm_overlap:g}) + AdamW step"
 
 
 def stage_sync(zero_stage: int) -> str:
@@ -138,7 +157,13 @@ def zero_comm_seconds(num_params: int, world_size: int, config: SimConfig) -> di
     ring = PARAM_BYTES * num_params * (w - 1) / w / (gbps * 1e9)  # one reduce-scatter or all-gather of 2P bytes
     micro, step = {0: (0.0, 2 * ring), 1: (0.0, 2 * ring), 2: (ring, ring), 3: (3 * ring, 0.0)}[stage]
     touched = num_params / w if stage >= 1 else num_params
-    return {"micro": micro, "step": step, "optimizer": OPTIMIZER_BYTES_PER_PARAM * touched / (config.hbm_gbps * 1e9)}
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * touched / (config.hbm_gbps * 1e9)
+    pcie = config.pcie_gbps * 1e9
+    if config.offload_optimizer:
+        optimizer = touched / CPU_ADAM_PARAMS_PER_S + 6 * touched / pcie
+    if config.offload_param and stage == 3:
+        micro += 2 * PARAM_BYTES * num_params / w / pcie
+    return {"micro": micro, "step": step, "optimizer": optimizer}
 
 
 @dataclass
@@ -246,8 +271,10 @@ def plan_pack_seconds(plan: Plan, model: CostModel, config: SimConfig) -> np.nda
     sp = np.array([g.sp for g in groups], np.int64)[plan.pack_group]
     ckpt_of = np.array([config.ckpt_layers if g.ckpt_layers is None else g.ckpt_layers for g in groups], np.int64)
     ckpt = np.minimum(ckpt_of, model.shape.num_layers)[plan.pack_group]
+    levers = np.array([group_levers(g) for g in groups], bool).reshape(len(groups), 2)[plan.pack_group]
     return model.pack_times(plan.lengths[plan.pack_samples], plan.pack_ptr, sp, ckpt, config.intra_node_gbps,
-                            config.inter_node_gbps, config.gpus_per_node)
+                            config.inter_node_gbps, config.gpus_per_node, levers[:, 0], levers[:, 1],
+                            config.pcie_gbps)
 
 
 def simulate(plan: Plan, model: CostModel, config: SimConfig | None = None) -> SimResult:

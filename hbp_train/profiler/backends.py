@@ -34,6 +34,7 @@ from hbp_train.perf.memory import JobSettings, analytic_memory_bytes, model_stat
 from hbp_train.perf.shape import ModelShape
 from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.nvml import nvml_hardware, nvml_used_bytes
+from hbp_train.profiler.zero_choice import pcie_gbps
 
 
 # =============================================================================================== measurements
@@ -68,6 +69,10 @@ class Measurement:
     """Seconds the measurement itself took (profiler cost, not the configuration's speed)."""
     note: str = ""
     """Anything worth knowing (e.g. how an estimate was made)."""
+    tiled_mlp: bool = False
+    """Memory lever: the MLPs ran tiled over the sequence (hbp_train/model/levers.py)."""
+    offload_activations: bool = False
+    """Memory lever: the checkpointed layers' inputs waited in host memory."""
 
     def memory_bytes(self, metric: str = "torch") -> Optional[int]:
         """The memory compared with the budget: NVML used when asked and present, else torch's peak."""
@@ -95,8 +100,10 @@ class MeasureBackend(Protocol):
     num_gpus: int
     """GPUs that can be measured together; larger SP degrees are estimated."""
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
-        """Run (or model) the configuration; an OOM is returned as Measurement(oom=True), never raised."""
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
+        """Run (or model) the configuration with the given memory levers (only asked of a backend whose
+        ``supports_levers`` is true); an OOM is returned as Measurement(oom=True), never raised."""
         ...
 
     def hardware(self) -> dict:
@@ -139,9 +146,10 @@ class CurveBackend:
 
 class AnalyticBackend:
     """--dry-run: time from hbp_train.perf.cost_model (calibrated and scaled, or analytic), memory from
-    `analytic_memory_bytes`. Nothing runs; every number is labelled "analytic"."""
+    `analytic_memory_bytes`, the memory levers included. Nothing runs; every number is labelled "analytic"."""
 
     name = "analytic"
+    supports_levers = True
 
     def __init__(self, shape: ModelShape, cfg: ProfileConfig, cost_model: CostModel, job: JobSettings):
         self.shape, self.cfg, self.cost_model, self.job = shape, cfg, cost_model, job
@@ -150,14 +158,24 @@ class AnalyticBackend:
         self.num_gpus = cfg.world_size  # nothing is measured, so nothing is "estimated" beyond being analytic
         self.pool = load_doc_lengths(cfg.docs)
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
         cfg = self.cfg
-        mem = analytic_memory_bytes(self.shape, pack_len, sp, ckpt_layers, cfg.world_size, self.job)
-        oom = mem > self.device_memory_bytes
+        mem = analytic_memory_bytes(self.shape, pack_len, sp, ckpt_layers, cfg.world_size, self.job, tiled_mlp,
+                                    offload_activations)
+        oom = mem > self.device_memory_bytes  # under the job's own settings; another ZeRO setup: memory_for
         docs = synthetic_docs(pack_len, self.pool, cfg.seed)
-        t = None if oom else self.cost_model.pack_time(docs, sp, ckpt_layers, gpus_per_node=cfg.gpus_per_node)
+        t = self.cost_model.pack_time(docs, sp, ckpt_layers, gpus_per_node=cfg.gpus_per_node,
+                                                       tiled_mlp=tiled_mlp, offload_activations=offload_activations,
+                                                       pcie_gbps=pcie_gbps(cfg))
         return Measurement(pack_len, sp, ckpt_layers, t, mem, None, oom=oom, source="analytic",
-                           note=f"cost model: {self.cost_model.source}")
+                           note=f"cost model: {self.cost_model.source}", tiled_mlp=tiled_mlp,
+                           offload_activations=offload_activations)
+
+    def memory_for(self, m: Measurement, job: JobSettings) -> int:
+        """The modelled memory of a configuration under other job settings (another ZeRO setup)."""
+        return analytic_memory_bytes(self.shape, m.pack_len, m.sp, m.ckpt_layers, self.cfg.world_size, job,
+                                     m.tiled_mlp, m.offload_activations)
 
     def hardware(self) -> dict:
         return {"backend": "analytic", "device_memory_bytes": self.device_memory_bytes,
@@ -257,8 +275,16 @@ class GpuBackend:
             self._on_device = False
             self.torch.cuda.empty_cache()
 
-    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int) -> Measurement:
+    @property
+    def supports_levers(self) -> bool:
+        """The memory levers are measured on a GPU, as training installs them (hbp_train/model/levers.py); on the CPU
+        activation offload moves nothing (DeepSpeed has no device to free there), so a CPU profile tries none."""
+        return self.on_gpu
+
+    def measure(self, pack_len: int, sp: int, ckpt_layers: int, iters: int, tiled_mlp: bool = False,
+                offload_activations: bool = False) -> Measurement:
         docs = synthetic_docs(pack_len, self.pool, self.cfg.seed)
+        self._set_levers(pack_len, sp, tiled_mlp, offload_activations)
         if sp > self.num_gpus:
             return self._estimate(pack_len, docs, sp, ckpt_layers, iters)
         if sp != self.measured_sp:
@@ -267,15 +293,35 @@ class GpuBackend:
         note = f"measured on {sp} ranks (one torchrun)" if sp > 1 else ""
         return self._measurement(pack_len, sp, ckpt_layers, t, peak, used, estimated=False, note=note)
 
+    def _set_levers(self, pack_len: int, sp: int, tiled_mlp: bool, offload: bool) -> None:
+        """The levers the next runs use: the tiled MLP's tile count of the group (perf.shape.mlp_tiles: the same on a
+        rank's slice as in the SP group), and offload. Installed on the model at first use."""
+        self._lever_flags = (tiled_mlp, offload)
+        if not (tiled_mlp or offload or getattr(self, "_levers", None)):
+            return
+        from hbp_train.model.levers import Levers, install_levers
+        from hbp_train.perf.shape import mlp_tiles
+
+        self._levers = install_levers(self.model)
+        hidden = self.model.config.hidden_size
+        self._levers.set(Levers(mlp_tiles=mlp_tiles(hidden, pack_len, sp) if tiled_mlp else 1, offload=offload))
+
+    def _micro_batch(self):
+        """The context each iteration's forward and backward run in: the levers' (offload's hooks), or none."""
+        levers = getattr(self, "_levers", None)
+        return levers.micro_batch() if levers is not None else nullcontext()
+
     def _measurement(self, pack_len, sp, ckpt, t, peak, used, estimated, note="") -> Measurement:
         ranks = sp if sp > 1 and not estimated else 1
+        tiled, offload = getattr(self, "_lever_flags", (False, False))
         if t is None:
             return Measurement(pack_len, sp, ckpt, None, None, None, oom=True, estimated=estimated,
-                               source=self.name, ranks=ranks, note=note)
+                               source=self.name, ranks=ranks, note=note, tiled_mlp=tiled,
+                               offload_activations=offload)
         fix = self.state_correction
         return Measurement(pack_len, sp, ckpt, t, None if peak is None else peak + fix,
                            None if used is None else used + fix, estimated=estimated, source=self.name,
-                           ranks=ranks, note=note)
+                           ranks=ranks, note=note, tiled_mlp=tiled, offload_activations=offload)
 
     def _estimate(self, pack_len, docs, sp, ckpt, iters) -> Measurement:
         """One rank of an SP group runs pack_len/sp tokens through the linear layers and LM head, and attention of
@@ -319,11 +365,12 @@ class GpuBackend:
         try:
             for i in range(self.cfg.warmup_iters + iters):
                 timer = _Timer(torch, self.on_gpu)
-                with saved if (saved is not None and i == 0) else nullcontext():
-                    loss, _ = self.program(**batch)  # the trainer's forward and loss (its weighted sum)
-                    if sp > 1:  # every rank back-propagates its group's loss, as in training
-                        loss = self.sequence_parallel.reduce_loss(loss)
-                loss.backward()
+                with self._micro_batch():  # the levers' context spans forward and backward (offload restores)
+                    with saved if (saved is not None and i == 0) else nullcontext():
+                        loss, _ = self.program(**batch)  # the trainer's forward and loss (its weighted sum)
+                        if sp > 1:  # every rank back-propagates its group's loss, as in training
+                            loss = self.sequence_parallel.reduce_loss(loss)
+                    loss.backward()
                 timer.stop()
                 del loss
                 if i >= self.cfg.warmup_iters:
@@ -336,7 +383,7 @@ class GpuBackend:
             if not is_oom(exc):
                 raise
             if sp > 1:
-                raise RankOutOfMemory(sum(docs), sp, ckpt) from None
+                raise RankOutOfMemory(sum(docs), sp, ckpt, *getattr(self, "_lever_flags", (False, False))) from None
             oom = True
         loss = None  # noqa: F841  (drop the last iteration's graph if the OOM left it bound)
         # Outside the except block, so the exception's frames (holding activations) are gone before freeing.
@@ -407,9 +454,13 @@ class RankOutOfMemory(RuntimeError):
     a collective it will never join, so the worker records the configuration and ends the torchrun (worker.py);
     the parent relaunches it for the rest."""
 
-    def __init__(self, pack_len: int, sp: int, ckpt_layers: int):
-        super().__init__(f"out of memory at pack_len={pack_len} sp={sp} ckpt_layers={ckpt_layers}")
+    def __init__(self, pack_len: int, sp: int, ckpt_layers: int, tiled_mlp: bool = False,
+                 offload_activations: bool = False):
+        super().__init__(f"out of memory at pack_len={pack_len} sp={sp} ckpt_layers={ckpt_layers}"
+                         + "".join(f" {n}" for n, on in (("tiled_mlp", tiled_mlp), ("offload", offload_activations))
+                                   if on))
         self.pack_len, self.sp, self.ckpt_layers = pack_len, sp, ckpt_layers
+        self.tiled_mlp, self.offload_activations = tiled_mlp, offload_activations
 
 
 class _SavedBytes:

@@ -25,10 +25,12 @@ from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.launcher import SpLauncher, launched_degrees, measuring_devices
 from hbp_train.profiler.report import format_table
 from hbp_train.profiler.search import Profiler
+from hbp_train.profiler.zero_choice import ZeroChoice, candidate_setups
 
 log = logging.getLogger(__name__)
 
 HELP = """usage: python -m hbp_train.profiler [OVERRIDES...]
+       python -m hbp_train.profiler --max-context --model MODEL --gpus N [--gpu-memory-gb 80] ...  (--max-context -h)
 
 Auto group selection (HBP Alg. 1/3/4): profile (SP degree, checkpointed layers) for each candidate pack length and
 write the packing groups to profile.json for `python -m data_tools.pack --groups auto --profile profile.json`.
@@ -58,6 +60,13 @@ profile.* options (defaults in brackets):
   measure_devices [null]    devices that measure SP > 1 together, one torchrun per degree (null = the CUDA
                             devices present; device=cpu: 1); larger degrees are estimated
   worker_timeout_s [600]    a measuring torchrun is stopped this long after the time budget; its rest estimated
+  levers [true]             search the memory levers per length: tiled MLP, activation offload (with checkpointing)
+  zero_stages [[1,2,3]]     ZeRO stages to choose the run's among (longest packs first, then fastest); [] = the
+                            job's deepspeed.zero_stage only; the plan names the chosen stage
+  zero_offload [false]      also consider optimizer offload (and ZeRO-3 with parameter offload)
+  global_tokens [4194304]   tokens per optimizer step: ZeRO's per-step costs are spread over its micro-batches
+  comm_overlap [0]          share of ZeRO's per-micro-batch collectives hidden behind compute
+  pcie_gbps [null]          host <-> GPU GB/s per GPU for the offloads (null: 25)
   output [profile.json]     where to write the profile
   progress [true]           tqdm progress bar
 
@@ -66,6 +75,9 @@ exit code 2; so does a profile where nothing fits. A dry run needs only the mode
 (model.name_or_path=DIR holding it; without a tokenizer the config's vocab_size is used), or a preset with a
 published shape (model=qwen3_8b, ...: docs/models.md), and no data.shards, e.g.
   python -m hbp_train.profiler experiment=llama3_8b_128k model.name_or_path=DIR profile.dry_run=true
+--max-context answers "how long can I go?": the longest sample N GPUs train, each memory lever added in turn
+(baseline, + SP over all GPUs, + checkpointing, + tiled loss, + tiled MLP, + offload), the ZeRO stage named, with
+the predicted step time; modelled, nothing runs (hbp-profile --max-context --help).
 See docs/profiler.md.
 """
 
@@ -124,6 +136,10 @@ def main(argv: Optional[list] = None, on_measurement=None) -> int:
     """The command; ``on_measurement(Measurement)`` is called after each measurement (bench/gpu/checks.py keeps them
     for a run stopped from outside)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--max-context" in argv:  # "how long can I go?": its own flags (max_context.py)
+        from hbp_train.profiler.max_context import main as max_context
+
+        return max_context([a for a in argv if a != "--max-context"])
     if any(a in ("-h", "--help") for a in argv):
         print(HELP, end="")
         return 0
@@ -193,12 +209,17 @@ def profile(argv: list, on_measurement=None) -> int:
         log.info("measuring sp=%s on this node's devices (one torchrun each; logs in %s)",
                  ",".join(map(str, launcher.degrees)), launcher.run_dir)
     setup_s = time.monotonic() - t0
-    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher, on_measurement=on_measurement)
+    zero = ZeroChoice(candidate_setups(pcfg, job), job, shape, pcfg)
+    profiler = Profiler(backend, pcfg, sp_degrees=sp_degrees, launcher=launcher, zero=zero,
+                        on_measurement=on_measurement)
     out = profiler.run()  # ProfileError (a UserError) when nothing fits
     out["hardware"] = backend.hardware()
     out["model"] = {**asdict(shape), "num_params": getattr(backend, "params", shape.num_params)}
     out["hardware"]["measure_devices"] = devices
     out["job"] = {"world_size": pcfg.world_size, **asdict(job)}
+    if "zero" in out:  # the settings the groups were chosen for: the job's, at the chosen ZeRO setup
+        chosen = next(z for z in zero.setups if z.as_dict().items() <= out["zero"].items())
+        out["job"].update(asdict(chosen.job(job)))
     out["config"] = asdict(pcfg)
     out["profiler"]["setup_s"] = round(setup_s, 3)
     out["profiler"]["total_s"] = round(time.monotonic() - t0, 3)

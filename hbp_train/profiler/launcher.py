@@ -196,7 +196,8 @@ class SpLauncher:
                 note = f"out of memory on rank {oom['rank']} of {sp} (torchrun started again for the rest)"
                 result.measurements.append(Measurement(oom["pack_len"], sp, oom["ckpt_layers"], None, None, None,
                                                        oom=True, source=self.pcfg.device.replace("cuda", "gpu"),
-                                                       ranks=sp, note=note))
+                                                       ranks=sp, note=note, tiled_mlp=oom.get("tiled_mlp", False),
+                                                       offload_activations=oom.get("offload_activations", False)))
                 continue
             result.status = "timeout" if code is None else "failed"
             why = (f"still running after {timeout:.0f} s (time budget left + profile.worker_timeout_s)"

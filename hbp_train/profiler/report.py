@@ -20,26 +20,33 @@ def format_table(profile: dict) -> str:
     """Every measurement, then the chosen groups, as a fixed-width text table."""
     budget = profile["memory_budget_bytes"]
     unit = throughput_unit(profile)
-    rows = [f"{'pack_len':>9} {'sp':>3} {'ckpt':>4} {'purpose':<10} {'time ms':>9} {f'tok/s/{unit}':>10} "
-            f"{'peak GiB':>8} {'nvml GiB':>8} {'status':<11} source"]
+    rows = [f"{'pack_len':>9} {'sp':>3} {'ckpt':>4} {'levers':<8} {'purpose':<10} {'time ms':>9} "
+            f"{f'tok/s/{unit}':>10} {'peak GiB':>8} {'nvml GiB':>8} {'status':<11} source"]
     for m in profile["measurements"]:
         mem = m["nvml_used_bytes"] if (profile.get("memory_metric") == "nvml" and m["nvml_used_bytes"]) \
             else m["peak_mem_bytes"]
         status = "OOM" if m["oom"] else ("over budget" if mem is None or mem > budget else "ok")
         tps = m["pack_len"] / (m["time_s"] * m["sp"]) if m["time_s"] else None
         source = _source(m)
-        rows.append(f"{m['pack_len']:>9} {m['sp']:>3} {m['ckpt_layers']:>4} {m['purpose']:<10} "
+        rows.append(f"{m['pack_len']:>9} {m['sp']:>3} {m['ckpt_layers']:>4} {levers_label(m):<8} {m['purpose']:<10} "
                     f"{_fmt(m['time_s'], 1e3, '.1f'):>9} {_fmt(tps, 1, ',.0f'):>10} "
                     f"{_fmt(m['peak_mem_bytes'], 1 / GIB, '.1f'):>8} {_fmt(m['nvml_used_bytes'], 1 / GIB, '.1f'):>8} "
                     f"{status:<11} {source}")
     rows.append("")
     label = " (ANALYTIC ESTIMATE, nothing measured)" if profile["source"] == "analytic" else ""
-    rows.append(f"chosen groups{label}: l_best={profile['l_best']} l_max={profile['l_max']}")
+    zero = f", {profile['zero']['name']}" if profile.get("zero") else ""
+    rows.append(f"chosen groups{label}: l_best={profile['l_best']} l_max={profile['l_max']}{zero}")
     for g in profile["groups"]:
         flags = (" estimated" if g["estimated"] else (" measured" if g["source"] in ("gpu", "cpu") else "")) + \
             (f" [{g['source']}]" if g["source"] != "gpu" else "")
-        rows.append(f"  pack_len={g['pack_len']:>7} sp={g['sp']} ckpt_layers={g['ckpt_layers']:<3} "
+        levers = f" levers={levers_label(g)}" if levers_label(g) != "-" else ""
+        rows.append(f"  pack_len={g['pack_len']:>7} sp={g['sp']} ckpt_layers={g['ckpt_layers']:<3}{levers} "
                     f"tok/s/{unit}={_fmt(g['tokens_per_s_per_gpu'], 1, ',.0f')}  ({g['role']}){flags}")
+    for z in profile.get("zero_candidates", []):
+        per_token = sum(z["seconds_per_token"].values())
+        rows.append(f"  {z['name']:<36} longest {z['l_max'] or '-':>7}  "
+                    f"{per_token * 1e6:,.1f} µs/token summed over {len(z['seconds_per_token'])} lengths"
+                    + ("  <- chosen" if z["name"] == profile["zero"]["name"] else ""))
     for s in profile["skipped"]:
         rows.append(f"skipped: {s}")
     for w in profile["warnings"]:
@@ -56,6 +63,12 @@ def format_table(profile: dict) -> str:
         rows.append(f"predicted GPU measuring time for this profile: {p['predicted_gpu_measure_s']:.0f} s "
                     "(timed iterations only)")
     return "\n".join(rows)
+
+
+def levers_label(row: dict) -> str:
+    """A configuration's memory levers as hbp-pack's --groups 4th field writes them ("tiled_mlp+offload"), or "-"."""
+    names = [n for k, n in (("tiled_mlp", "tiled_mlp"), ("offload_activations", "offload")) if row.get(k)]
+    return "+".join(names) or "-"
 
 
 def _source(m: dict) -> str:

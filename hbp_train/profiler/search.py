@@ -8,13 +8,22 @@ does one rank use? On top of it:
                             each checkpointed layer saves, take the fewest checkpointed layers whose predicted
                             memory fits `headroom` x device memory, then verify that count by a measurement
                             (over budget / OOM: step up 1, 2, 4, ... layers; all layers is known to fit).
-  FindBestSpCkpt(l)         for each SP degree, its GreedyProfileCkpt count and the time at that count; keep the
-                            best throughput in tokens/s per GPU (pack_len / (time x sp)).
+                            Run once per combination of memory levers (tiled MLP, activation offload: with
+                            checkpointed layers only), each its own Alg. 4; a lever is tried only where the
+                            configuration without it checkpoints (it costs time and saves only memory).
+  FindBestSpCkpt(l)         for each SP degree, its fastest lever combination at its GreedyProfileCkpt count; keep
+                            the best throughput in tokens/s per GPU (pack_len / ((time + ZeRO's share) x sp)).
   Alg. 1                    over candidate lengths (powers of two from min_len up to max_len, max_len first), the
                             best-throughput length l_best and the longest feasible one l_max with their strategies,
                             then the communication-free lengths l1 = l_best/sp_best and l2 = l_max/sp_max (run at
                             sp=1 with their own checkpoint count): groups [l1, l_best, l2, l_max] when
                             l2 > l_best, else [l1, l_best, l_max] (deduplicated, ascending).
+
+The ZeRO stage (``zero_choice.py``): Alg. 3 and 1 run once per candidate ZeRO setup (profile.zero_stages): a
+measurement's memory is moved to the setup by the difference of the model states, its time gets the setup's
+collectives and optimizer step per pack. The run's setup is the one whose longest feasible length is longest, then
+the one with the least time per token summed over the candidate lengths (as if every length held as many tokens);
+its groups are the profile's, and profile.json names it ("zero_stage", "zero").
 
 SP degrees measured on several GPUs (a `launcher`, profiler/launcher.py): before the per-length loop, the
 degrees are profiled one after the other, smallest first: the in-process ones (sp=1) here, each launched one by ONE
@@ -39,11 +48,14 @@ from typing import Callable, Optional
 from hbp_train.common.errors import UserError
 from hbp_train.profiler.backends import MeasureBackend, Measurement
 from hbp_train.perf.profile_config import ProfileConfig
+from hbp_train.profiler.zero_choice import ZeroChoice, ZeroSetup, choose_setup
 
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1
 ROLES = ("l1", "l_best", "l2", "l_max")  # the group names of Alg. 1, in ascending length
+PLAIN = (False, False)  # (tiled_mlp, offload_activations): no memory lever
+LEVER_VARIANTS = (PLAIN, (True, False), (False, True), (True, True))  # in the order they are tried
 
 
 @dataclass
@@ -60,6 +72,8 @@ class CkptChoice:
     """The verifying measurement at ckpt_layers (its time is ProfileTime of Alg. 3)."""
     bytes_per_layer: Optional[float] = None
     """Fitted memory saved per checkpointed layer (None when only one point could be measured)."""
+    levers: tuple = PLAIN
+    """(tiled_mlp, offload_activations) of this choice."""
 
 
 @dataclass
@@ -73,6 +87,10 @@ class Strategy:
     tokens_per_s_per_gpu: float
     estimated: bool
     source: str
+    tiled_mlp: bool = False
+    offload_activations: bool = False
+    zero_s: float = 0.0
+    """ZeRO's seconds per pack under the setup it was chosen for (in tokens_per_s_per_gpu, not in time_s)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,8 +109,12 @@ class Profiler:
 
     def __init__(self, backend: MeasureBackend, cfg: ProfileConfig, clock: Callable[[], float] = time.monotonic,
                  sp_degrees: Optional[list[int]] = None, launcher=None,
-                 on_measurement: Optional[Callable[[Measurement], None]] = None):
+                 on_measurement: Optional[Callable[[Measurement], None]] = None, zero: Optional[ZeroChoice] = None):
         self.backend = backend
+        self.zero = zero
+        """The ZeRO setups to choose among (None: the job's own, its collectives not costed)."""
+        self.setups: list[Optional[ZeroSetup]] = list(zero.setups) if zero is not None else [None]
+        self.variants = LEVER_VARIANTS if (cfg.levers and getattr(backend, "supports_levers", False)) else (PLAIN,)
         self.cfg = cfg
         self.clock = clock
         self.sp_degrees = sorted(sp_degrees) if sp_degrees else cfg.sp_candidates()
@@ -100,7 +122,7 @@ class Profiler:
         self.measurements: list[Measurement] = []
         self.skipped: list[dict] = []
         self.warnings: list[str] = []
-        self._cache: dict[tuple[int, int, int], Measurement] = {}
+        self._cache: dict[tuple, Measurement] = {}
         self._start: Optional[float] = None
         self._bar = None
         self.launcher = launcher
@@ -124,14 +146,15 @@ class Profiler:
     def add_measurements(self, measurements) -> None:
         """Known measurements (a torchrun's, or an earlier attempt's): answered from the cache from now on."""
         for m in measurements:
-            key = (m.pack_len, m.sp, m.ckpt_layers)
+            key = (m.pack_len, m.sp, m.ckpt_layers, m.tiled_mlp, m.offload_activations)
             if key not in self._cache:
                 self._cache[key] = m
                 self.measurements.append(m)
 
     def measure_degree(self, sp: int, lengths: list[int]) -> dict[int, CkptChoice]:
         """GreedyProfileCkpt at degree `sp` for each length, in the given order, within the time budget (a length
-        left when it runs out is recorded as skipped)."""
+        left when it runs out is recorded as skipped), for every ZeRO setup and lever combination the per-length
+        loop will ask for. Returns each length's choice that checkpoints the most (no lever) over the setups."""
         if self._start is None:
             self._start = self.clock()
         choices = {}
@@ -140,23 +163,29 @@ class Profiler:
                 self.skipped.append({"pack_len": length, "sp": sp, "purpose": "length",
                                      "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
                 continue
-            choices[length] = self.greedy_profile_ckpt(length, sp)
+            found = [self.best_levers(length, sp, setup) for setup in self.setups]
+            choices[length] = max(found, key=lambda c: (c.levers != PLAIN, c.ckpt_layers or 0, c.status != "ok"))
         return choices
 
     def _has_measured(self, pack_len: int, sp: Optional[int] = None) -> bool:
         return any(k[0] == pack_len and (sp is None or k[1] == sp) for k in self._cache)
 
-    def _measure(self, pack_len: int, sp: int, ckpt: int, purpose: str) -> Optional[Measurement]:
+    def _measure(self, pack_len: int, sp: int, ckpt: int, purpose: str, levers=PLAIN) -> Optional[Measurement]:
         """A cached measurement, or None when the time budget forbids starting a new one (recorded as skipped)."""
-        key = (pack_len, sp, ckpt)
+        key = (pack_len, sp, ckpt, *levers)
         if key in self._cache:
             return self._cache[key]
         if self.budget_exhausted():
             self.skipped.append({"pack_len": pack_len, "sp": sp, "ckpt_layers": ckpt, "purpose": purpose,
+                                 "tiled_mlp": levers[0], "offload_activations": levers[1],
                                  "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
             return None
         started = self.clock()
-        m = self.backend.measure(pack_len, sp, ckpt, self.cfg.iters)
+        if levers == PLAIN:
+            m = self.backend.measure(pack_len, sp, ckpt, self.cfg.iters)
+        else:
+            m = self.backend.measure(pack_len, sp, ckpt, self.cfg.iters, tiled_mlp=levers[0],
+                                     offload_activations=levers[1])
         m.purpose = m.purpose or purpose
         m.wall_s = self.clock() - started
         self._cache[key] = m
@@ -167,27 +196,45 @@ class Profiler:
             self._bar.set_postfix_str(f"l={pack_len} sp={sp} ckpt={ckpt} {_status(m, self)}", refresh=True)
         return m
 
-    def fits(self, m: Measurement) -> bool:
-        """Ran without OOM and within headroom x device memory."""
+    def memory_of(self, m: Measurement, setup: Optional[ZeroSetup] = None) -> Optional[int]:
+        """The measurement's memory (profile.memory_metric) under a ZeRO setup: the model's own for an analytic
+        one (the backend's ``memory_for``), else the reading moved by the setup's difference of model states."""
         mem = m.memory_bytes(self.cfg.memory_metric)
-        return not m.oom and m.time_s is not None and mem is not None and mem <= self.budget_bytes
+        if setup is None or mem is None:
+            return mem
+        if self._modelled(m):
+            return self.backend.memory_for(m, setup.job(self.zero.base))
+        return mem + self.zero.memory_delta(setup)
+
+    def _modelled(self, m: Measurement) -> bool:
+        return m.source == "analytic" and hasattr(self.backend, "memory_for")
+
+    def fits(self, m: Measurement, setup: Optional[ZeroSetup] = None) -> bool:
+        """Ran without OOM and within headroom x device memory (under ``setup``'s model states). An analytic
+        configuration's OOM flag is its job's; under another setup its memory alone decides."""
+        mem = self.memory_of(m, setup)
+        oom = m.oom and not (setup is not None and self._modelled(m))
+        return not oom and m.time_s is not None and mem is not None and mem <= self.budget_bytes
 
     # ---- Alg. 4 ---------------------------------------------------------------------------------------------
-    def greedy_profile_ckpt(self, pack_len: int, sp: int) -> CkptChoice:
-        """Fewest checkpointed layers for (pack_len, sp) that fit the memory budget, verified by a measurement."""
+    def greedy_profile_ckpt(self, pack_len: int, sp: int, levers=PLAIN,
+                            setup: Optional[ZeroSetup] = None) -> CkptChoice:
+        """Fewest checkpointed layers for (pack_len, sp) with ``levers`` that fit the memory budget under ``setup``,
+        verified by a measurement (activation offload needs at least one checkpointed layer)."""
         metric = self.cfg.memory_metric
         c_max = self.backend.num_layers
-        top = self._measure(pack_len, sp, c_max, "ckpt-all")
+        c_floor = 1 if levers[1] else 0
+        top = self._measure(pack_len, sp, c_max, "ckpt-all", levers)
         if top is None:
-            return CkptChoice(pack_len, sp, "skipped")
-        if not self.fits(top):
-            return CkptChoice(pack_len, sp, "infeasible", measurement=top)
+            return CkptChoice(pack_len, sp, "skipped", levers=levers)
+        if not self.fits(top, setup):
+            return CkptChoice(pack_len, sp, "infeasible", measurement=top, levers=levers)
         probe_at = self.cfg.ckpt_probe_layers
-        c_min = c_max // 2 if probe_at is None else min(probe_at, c_max)
+        c_min = max(c_floor, c_max // 2 if probe_at is None else min(probe_at, c_max))
         # The probe may itself run out of memory: move it halfway towards c_max until it runs.
         low = None
         while c_min < c_max:
-            low = self._measure(pack_len, sp, c_min, "ckpt-probe")
+            low = self._measure(pack_len, sp, c_min, "ckpt-probe", levers)
             if low is None:
                 break  # budget: decide from the all-checkpointed point alone
             if not low.oom and low.memory_bytes(metric) is not None:
@@ -202,81 +249,113 @@ class Profiler:
             if bytes_per_layer <= 0:
                 guess = 0  # checkpointing saves nothing measurable here: none is needed
             else:
-                spare = self.budget_bytes - top.memory_bytes(metric)
+                spare = self.budget_bytes - self.memory_of(top, setup)
                 guess = c_max - math.floor(spare / bytes_per_layer)
-        guess = int(min(max(guess, 0), c_max))
+        guess = int(min(max(guess, c_floor), c_max))
         # Verify; over budget or OOM → step up 1, 2, 4, ... layers (all layers is known to fit).
         step = 1
         while True:
-            m = self._measure(pack_len, sp, guess, "verify")
+            m = self._measure(pack_len, sp, guess, "verify", levers)
             if m is None:
                 # No time to verify: fall back to the most conservative measured count that fits.
                 fitting = [x for x in self.measurements
-                           if (x.pack_len, x.sp) == (pack_len, sp) and self.fits(x) and x.ckpt_layers >= guess]
+                           if (x.pack_len, x.sp, x.tiled_mlp, x.offload_activations) == (pack_len, sp, *levers)
+                           and self.fits(x, setup) and x.ckpt_layers >= guess]
                 best = min(fitting, key=lambda x: x.ckpt_layers)
-                self._warn(f"l={pack_len} sp={sp}: no time to verify ckpt={guess}; using measured "
-                           f"ckpt={best.ckpt_layers}")
-                return CkptChoice(pack_len, sp, "ok", best.ckpt_layers, best, bytes_per_layer)
-            if self.fits(m):
-                return CkptChoice(pack_len, sp, "ok", guess, m, bytes_per_layer)
+                self._warn(f"l={pack_len} sp={sp}{_lever_note(levers)}: no time to verify ckpt={guess}; using "
+                           f"measured ckpt={best.ckpt_layers}")
+                return CkptChoice(pack_len, sp, "ok", best.ckpt_layers, best, bytes_per_layer, levers)
+            if self.fits(m, setup):
+                return CkptChoice(pack_len, sp, "ok", guess, m, bytes_per_layer, levers)
             guess = min(guess + step, c_max)
             step *= 2
 
+    def best_levers(self, pack_len: int, sp: int, setup: Optional[ZeroSetup] = None) -> CkptChoice:
+        """The fastest lever combination for (pack_len, sp) under ``setup``, each at its GreedyProfileCkpt count.
+        A lever is tried only where the combination without it checkpoints or does not fit (it costs time and
+        only saves memory); offload only on top of a combination that checkpoints."""
+        choices: dict[tuple, CkptChoice] = {}
+        for levers in self.variants:
+            tiled, offload = levers
+            without = choices.get((False, offload)) if tiled else choices.get((tiled, False)) if offload else None
+            if levers != PLAIN and (without is None or (without.status == "ok" and without.ckpt_layers == 0)):
+                continue
+            choices[levers] = self.greedy_profile_ckpt(pack_len, sp, levers, setup)
+        done = [c for c in choices.values() if c.status == "ok"]
+        if not done:
+            return choices[PLAIN]
+        return min(done, key=lambda c: c.measurement.time_s)
+
     # ---- Alg. 3 ---------------------------------------------------------------------------------------------
-    def find_best_sp_ckpt(self, pack_len: int) -> Optional[Strategy]:
-        """Best-throughput (sp, ckpt) for one pack length, or None when nothing fits / nothing was measured."""
+    def find_best_sp_ckpt(self, pack_len: int, setup: Optional[ZeroSetup] = None) -> Optional[Strategy]:
+        """Best-throughput (sp, ckpt, levers) for one pack length under ``setup``, or None when nothing fits /
+        nothing was measured."""
         best: Optional[Strategy] = None
         degrees = [sp for sp in self.sp_degrees if pack_len % sp == 0]  # Ulysses cuts a pack into sp equal slices
         for done, sp in enumerate(degrees, start=1):
-            choice = self.greedy_profile_ckpt(pack_len, sp)
-            if self._bar is not None:
-                self._bar.update(len(degrees) - done + 1 if self.cfg.prune and choice.ckpt_layers == 0 else 1)
+            choice = self.best_levers(pack_len, sp, setup)
+            plain = choice.status == "ok" and choice.ckpt_layers == 0 and choice.levers == PLAIN
+            if self._bar is not None and setup == self.setups[0]:
+                self._bar.update(len(degrees) - done + 1 if self.cfg.prune and plain else 1)
             if choice.status != "ok":
                 continue
-            m = choice.measurement
-            cand = Strategy(pack_len, sp, choice.ckpt_layers, m.time_s, m.tokens_per_s_per_gpu, m.estimated,
-                            m.source)
+            cand = self._strategy(choice, setup)
             if best is None or cand.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu:
                 best = cand
-            if self.cfg.prune and choice.ckpt_layers == 0:
+            if self.cfg.prune and plain:
                 break  # nothing left to save by more SP, only communication to add
         return best
 
+    def _strategy(self, choice: CkptChoice, setup: Optional[ZeroSetup]) -> Strategy:
+        """A measured choice as a strategy: its pack time, and its throughput with the setup's ZeRO time."""
+        m = choice.measurement
+        zero_s = 0.0 if setup is None else self.zero.pack_seconds(setup, m.pack_len, m.sp)
+        return Strategy(m.pack_len, m.sp, choice.ckpt_layers, m.time_s, m.pack_len / ((m.time_s + zero_s) * m.sp),
+                        m.estimated, m.source, *choice.levers, zero_s)
+
     # ---- Alg. 1 ---------------------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Profile every candidate length (longest first: l_max is the one group training cannot do without),
-        then derive the groups. Returns the profile dict written to profile.json."""
+        """Profile every candidate length (longest first: l_max is the one group training cannot do without) under
+        every ZeRO setup, keep the setup that trains the longest packs, then the fastest, and derive its groups.
+        Returns the profile dict written to profile.json."""
         self._start = self.clock()
         lengths = self.cfg.candidate_lengths()
-        strategies: dict[int, Strategy] = {}
         total = sum(1 for l in lengths for sp in self.sp_degrees if l % sp == 0)
         self._bar = _progress(total, self.cfg.progress)
         try:
             if self.launcher is not None and self.launcher.degrees:
                 self._launched_degrees(lengths)
-            for length in reversed(lengths):
-                if self.budget_exhausted() and not self._has_measured(length):
-                    if any(s.get("pack_len") == length and s.get("purpose") == "length" for s in self.skipped):
-                        continue  # already recorded by the degree-by-degree pass
-                    self.skipped.append({"pack_len": length, "purpose": "length",
-                                         "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
-                    continue
-                strat = self.find_best_sp_ckpt(length)
-                if strat is not None:
-                    strategies[length] = strat
-                elif not any(s.get("pack_len") == length for s in self.skipped):
-                    self._warn(f"pack length {length}: does not fit in {self.cfg.headroom:g} x device memory at "
-                               f"any SP degree in {self.sp_degrees}")
+            by_setup = {setup: self._strategies(lengths, setup) for setup in self.setups}
+            setup = choose_setup(by_setup)
+            strategies = by_setup[setup]
             if not strategies:
                 raise ProfileError(
                     "no candidate pack length fits in memory at any SP degree (or the time budget ran out before "
                     "one was measured); raise profile.world_size / time_budget_s or lower profile.max_len")
-            groups = self.select_groups(strategies)
+            for length in lengths:
+                if length not in strategies and not any(s.get("pack_len") == length for s in self.skipped):
+                    self._warn(f"pack length {length}: does not fit in {self.cfg.headroom:g} x device memory at "
+                               f"any SP degree in {self.sp_degrees}")
+            groups = self.select_groups(strategies, setup)
         finally:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-        return self._report(strategies, groups)
+        return self._report(strategies, groups, setup, by_setup)
+
+    def _strategies(self, lengths: list[int], setup: Optional[ZeroSetup]) -> dict[int, Strategy]:
+        """Alg. 3 for every candidate length, longest first, under one ZeRO setup."""
+        strategies: dict[int, Strategy] = {}
+        for length in reversed(lengths):
+            if self.budget_exhausted() and not self._has_measured(length):
+                if not any(s.get("pack_len") == length and s.get("purpose") == "length" for s in self.skipped):
+                    self.skipped.append({"pack_len": length, "purpose": "length",
+                                         "reason": f"time budget of {self.cfg.time_budget_s:g} s exhausted"})
+                continue
+            strat = self.find_best_sp_ckpt(length, setup)
+            if strat is not None:
+                strategies[length] = strat
+        return strategies
 
     def _launched_degrees(self, lengths: list[int]) -> None:
         """Profile the degrees up to the largest launched one, smallest first, before the per-length loop: in this
@@ -309,8 +388,8 @@ class Profiler:
         if release is not None:
             release()
 
-    def select_groups(self, strategies: dict[int, Strategy]) -> list[dict]:
-        """Alg. 1 stage 2: [l1, l_best, (l2,) l_max], each with its own sp and ckpt_layers."""
+    def select_groups(self, strategies: dict[int, Strategy], setup: Optional[ZeroSetup] = None) -> list[dict]:
+        """Alg. 1 stage 2: [l1, l_best, (l2,) l_max], each with its own sp, ckpt_layers and levers."""
         l_max = max(strategies)
         if l_max < self.cfg.max_len:
             self._warn(f"max_len {self.cfg.max_len} could not be profiled as trainable; the longest group is "
@@ -328,34 +407,40 @@ class Profiler:
         roles = {l_best: ["l_best"], l_max: ["l_max"]} if l_best != l_max else {l_max: ["l_best", "l_max"]}
         groups: dict[int, dict] = {}
         for length, names in roles.items():
-            strat = strategies[length]
-            groups[length] = _group(strat.pack_len, strat.sp, strat.ckpt_layers, ",".join(names), strat.time_s,
-                                    strat.tokens_per_s_per_gpu, strat.estimated, strat.source)
+            groups[length] = _group(strategies[length], ",".join(names))
         extra = [(l1, "l1", s_best)] + ([(l2, "l2", s_max)] if l2 > l_best else [])
         for length, role, parent in extra:
             if length in groups:
                 groups[length]["role"] = ",".join(sorted(groups[length]["role"].split(",") + [role], key=ROLES.index))
                 continue
-            # l1 / l2: communication-free, sp = 1, with their own checkpoint count.
-            choice = self.greedy_profile_ckpt(length, 1)
+            # l1 / l2: communication-free, sp = 1, with their own checkpoint count and levers.
+            choice = self.best_levers(length, 1, setup)
             if choice.status == "ok":
-                m = choice.measurement
-                groups[length] = _group(length, 1, choice.ckpt_layers, role, m.time_s, m.tokens_per_s_per_gpu,
-                                        m.estimated, m.source)
+                groups[length] = _group(self._strategy(choice, setup), role)
             elif choice.status == "skipped":
-                # Same tokens per rank as the parent: its checkpoint count is a safe, unmeasured stand-in.
+                # Same tokens per rank as the parent: its checkpoint count and levers are a safe, unmeasured
+                # stand-in.
                 self._warn(f"{role}={length}: not measured (time budget); using ckpt_layers="
                            f"{parent.ckpt_layers} of its parent length {parent.pack_len}")
-                groups[length] = _group(length, 1, parent.ckpt_layers, role, None, None, True, "inherited")
+                groups[length] = _group(Strategy(length, 1, parent.ckpt_layers, None, None, True, "inherited",
+                                                 parent.tiled_mlp, parent.offload_activations), role)
             else:
                 self._warn(f"{role}={length} does not fit at sp=1; group dropped")
         return [groups[k] for k in sorted(groups)]
 
-    def _report(self, strategies: dict[int, Strategy], groups: list[dict]) -> dict:
+    def _report(self, strategies: dict[int, Strategy], groups: list[dict], setup: Optional[ZeroSetup],
+                by_setup: dict) -> dict:
         l_best = max(strategies, key=lambda l: (strategies[l].tokens_per_s_per_gpu, l))
+        zero = {}
+        if setup is not None:
+            zero = {"zero_stage": setup.stage, "zero": {**setup.as_dict(), "name": setup.describe()},
+                    "zero_candidates": [{**z.as_dict(), "name": z.describe(), "l_max": max(st, default=None),
+                                         "seconds_per_token": {l: 1.0 / st[l].tokens_per_s_per_gpu for l in sorted(st)}}
+                                        for z, st in by_setup.items()]}
         return {
             "version": PROFILE_VERSION,
             "source": self.backend.name,
+            **zero,
             "groups": groups,
             "l_best": l_best,
             "l_max": max(strategies),
@@ -377,9 +462,19 @@ class Profiler:
         }
 
 
-def _group(pack_len, sp, ckpt, role, time_s, tps, estimated, source) -> dict:
-    return {"pack_len": int(pack_len), "sp": int(sp), "ckpt_layers": int(ckpt), "role": role,
-            "time_s": time_s, "tokens_per_s_per_gpu": tps, "estimated": bool(estimated), "source": source}
+def _group(strat: Strategy, role: str) -> dict:
+    """A group as profile.json lists it; a lever's key only when it is on (as plan.json's groups)."""
+    out = {"pack_len": int(strat.pack_len), "sp": int(strat.sp), "ckpt_layers": int(strat.ckpt_layers), "role": role,
+           "time_s": strat.time_s, "tokens_per_s_per_gpu": strat.tokens_per_s_per_gpu,
+           "estimated": bool(strat.estimated), "source": strat.source}
+    out.update({k: True for k in ("tiled_mlp", "offload_activations") if getattr(strat, k)})
+    return out
+
+
+def _lever_note(levers) -> str:
+    """" tiled_mlp+offload" for messages; empty without levers."""
+    names = [n for n, on in zip(("tiled_mlp", "offload"), levers) if on]
+    return f" {'+'.join(names)}" if names else ""
 
 
 def _status(m: Measurement, prof: Optional[Profiler] = None) -> str:

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from hbp_train.profiler.backends import GpuBackend, RankOutOfMemory
     from hbp_train.profiler.launcher import EXIT_OOM, measurement_from_dict
     from hbp_train.profiler.search import Profiler
+    from hbp_train.profiler.zero_choice import ZeroChoice, candidate_setups
 
     run = run_config.load(job["overrides"])
     on_cpu = run.profile.device == "cpu"
@@ -83,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(results, "a") as f:
                 f.write(json.dumps({"measurement": asdict(m)}) + "\n")
 
-    profiler = Profiler(backend, pcfg, clock=SharedClock(device), sp_degrees=[sp], on_measurement=stream)
+    zero = ZeroChoice(candidate_setups(pcfg, job_settings), job_settings, shape, pcfg)  # the parent's setups
+    profiler = Profiler(backend, pcfg, clock=SharedClock(device), sp_degrees=[sp], on_measurement=stream, zero=zero)
     profiler.add_measurements([measurement_from_dict(m) for m in job["known"]])
     try:
         profiler.measure_degree(sp, [int(l) for l in job["lengths"]])
     except RankOutOfMemory as oom:
         Path(f"{job['oom_marker']}{me}.json").write_text(json.dumps(
-            {"pack_len": oom.pack_len, "sp": oom.sp, "ckpt_layers": oom.ckpt_layers, "rank": me}))
+            {"pack_len": oom.pack_len, "sp": oom.sp, "ckpt_layers": oom.ckpt_layers, "rank": me,
+             "tiled_mlp": oom.tiled_mlp, "offload_activations": oom.offload_activations}))
         log.error("rank %d: %s; ending this torchrun (the profiler starts it again for the rest)", me, oom)
         _leave(EXIT_OOM)
     if me == 0:

@@ -7,8 +7,9 @@ type-checked against it), and turns the composed DictConfig into dataclasses wit
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
 
 ``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value), its
-input paths, the data's SP degrees against the model's heads and the run folder included (``check_paths``:
-./launch.sh train runs it before starting any worker), and prints the resolved YAML.
+input paths, the model against the data's plans (SP degrees against its heads, every feature the packed path refuses:
+hbp_train/model/compat.py, on the meta device) and the run folder included (``check_paths``: ./launch.sh train runs
+it before starting any worker), and prints the resolved YAML.
 """
 
 from __future__ import annotations
@@ -120,8 +121,9 @@ def load(overrides: list | None = None) -> HBPConfig:
 def check_paths(cfg: HBPConfig) -> None:
     """ConfigError naming the field for a path of a training run that is not what it must be: data.shards
     and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder;
-    the SP degrees of the shards' groups against the model's heads (``check_sp_degrees``); and train.out_dir a
-    writable folder with room for one checkpoint that holds no other run's checkpoints (runtime/preflight.py).
+    the model against the shards' plans (``check_model``: SP degrees against its heads, the features the packed path
+    refuses); and train.out_dir a writable folder with room for one checkpoint that holds no other run's checkpoints
+    (runtime/preflight.py).
     model.name_or_path is checked with the model section itself. Not part of ``load``: the profiler reads no data
     and writes no run folder."""
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
@@ -134,7 +136,7 @@ def check_paths(cfg: HBPConfig) -> None:
         implied = cfg.model.tokenizer == cfg.model.name_or_path  # the default: the model's own folder
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
-    check_sp_degrees(cfg)
+    check_model(cfg)
     try:
         preflight.check_out_dir(cfg.train.out_dir, cfg.train.resume, _checkpoint_bytes(cfg))
     except UserError as e:
@@ -152,30 +154,45 @@ def _checkpoint_bytes(cfg: HBPConfig) -> int:
                                       lora=cfg.model.lora.r > 0)
 
 
-def check_sp_degrees(cfg: HBPConfig) -> None:
-    """ConfigError (one line) when a group of data.shards or data.eval_shards runs at an SP degree Ulysses cannot
-    split the model's heads by: found here from the plans' groups and the model's config (no weights), before any
-    worker starts, rather than by every rank once it has built its groups (build_run checks it again)."""
+def check_model(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when the model cannot be trained on the plans of data.shards and data.eval_shards:
+    a group whose SP degree Ulysses cannot split the model's heads by, or a feature of the model the packed path
+    refuses (hbp_train/model/compat.py: attention sinks, linear-attention layers, chunked attention on samples longer
+    than a chunk, a backend that cannot apply its window or soft-cap, a logit head the loss would not reproduce...).
+    Found here from the plans' headers and the model's config (the model on the meta device: no weights), before any
+    worker starts, rather than by every rank once it has built its groups (build_run checks it again, with the
+    samples' own lengths)."""
+    from hbp_train.model.compat import check_model_support
     from hbp_train.model.compat import check_sp_degrees as check_heads
     from hbp_train.model.hf_model import hf_config_for
 
+    hf_config = hf_config_for(cfg.model)
+    model = cfg.model.name_or_path or f"model.architecture={cfg.model.architecture}"
+    degrees, longest = set(), []
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
-        degrees = _planned_sp_degrees(path) if path is not None else None
-        if not degrees:
+        head = _plan_head(path) if path is not None else None
+        if not head:
             continue
-        hf_config = hf_config_for(cfg.model)
-        model = cfg.model.name_or_path or f"model.architecture={cfg.model.architecture}"
+        degrees |= set(head["sp"])
+        longest += [head["max_len"]] if head.get("max_len") else []
         try:
-            check_heads(hf_config, degrees, f"{field_name}={path} (groups at sp {', '.join(map(str, degrees))}) "
-                                            f"for {getattr(hf_config, 'model_type', 'the model')} {model}")
+            check_heads(hf_config, head["sp"], f"{field_name}={path} (groups at sp {', '.join(map(str, head['sp']))}) "
+                                               f"for {getattr(hf_config, 'model_type', 'the model')} {model}")
         except UserError as e:
             raise ConfigError(str(e)) from None
+    if not degrees:  # no readable plan: the loader names that problem when the run opens the shards
+        return
+    try:
+        check_model_support(hf_config, max(longest) if longest else 0, sorted(degrees), cfg.model.attention_backend)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
 
 
-def _planned_sp_degrees(shards: str) -> list | None:
-    """The SP degrees of a packed-shards folder's groups, without reading its steps: plan.npz's JSON header, or the
-    "groups" entry near the top of plan.json (written before the steps; the whole file only when it is not there).
-    None when there is no readable plan: the loader names that problem when the run opens the shards."""
+def _plan_head(shards: str) -> dict | None:
+    """{"sp": the SP degrees of a packed-shards folder's groups, "max_len": its plan's longest sample}, without
+    reading its steps: plan.npz's JSON header, or the head of plan.json (written before the steps; the whole file
+    only when the groups are not in its first 64 KB). None when there is no readable plan: the loader names that
+    problem when the run opens the shards."""
     import json
 
     folder = Path(shards)
@@ -183,20 +200,32 @@ def _planned_sp_degrees(shards: str) -> list | None:
         if (folder / "plan.npz").is_file():
             from hbp_train.planning.plan_npz import open_npz
 
-            groups = open_npz(folder / "plan.npz", mmap=True)[0].get("groups")
+            header = open_npz(folder / "plan.npz", mmap=True)[0]
+            groups, max_len = header.get("groups"), header.get("max_len")
         else:
             with open(folder / "plan.json") as f:
                 head = f.read(1 << 16)
-            at = head.find('"groups":')
-            try:
-                groups = json.JSONDecoder().raw_decode(head, at + len('"groups":'))[0] if at >= 0 else None
-            except ValueError:  # cut off by the 64 KB read
-                groups = None
-            if groups is None:
-                groups = json.loads((folder / "plan.json").read_text()).get("groups")
-        return sorted({int(g.get("sp", 1)) for g in groups})
+            found = {}
+            for key in ("groups", "max_len"):
+                at = head.find(f'"{key}":')
+                try:
+                    found[key] = json.JSONDecoder().raw_decode(head, at + len(key) + 3)[0] if at >= 0 else None
+                except ValueError:  # cut off by the 64 KB read
+                    found[key] = None
+            if found["groups"] is None:
+                whole = json.loads((folder / "plan.json").read_text())
+                found = {"groups": whole.get("groups"), "max_len": whole.get("max_len")}
+            groups, max_len = found["groups"], found["max_len"]
+        return {"sp": sorted({int(g.get("sp", 1)) for g in groups}),
+                "max_len": int(max_len) if isinstance(max_len, int) else None}
     except (OSError, ValueError, TypeError, AttributeError, UserError):
         return None
+
+
+def _planned_sp_degrees(shards: str) -> list | None:
+    """The SP degrees of a packed-shards folder's groups (see `_plan_head`), or None."""
+    head = _plan_head(shards)
+    return head["sp"] if head else None
 
 
 def _section_fields() -> dict:

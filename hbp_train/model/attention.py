@@ -39,7 +39,7 @@ ATTN_IMPLEMENTATION = "hbp_packed"
 # (harmless when they hold these values). s_aux (attention sinks) and anything else is refused.
 READ_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k")
-PASSED_DOWN = {"use_cache": (None, False), "output_attentions": (None, False), "output_router_logits": None,
+PASSED_DOWN = {"use_cache": None, "output_attentions": (None, False), "output_router_logits": None,
                "output_hidden_states": None, "return_dict": None, "cache_position": None, "is_causal": (None, True),
                "past_key_values": (None,), "past_key_value": (None,)}
 KNOWN_KWARGS = (*READ_KWARGS, *PASSED_DOWN)

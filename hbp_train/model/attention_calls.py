@@ -48,6 +48,9 @@ class LayerCall:
     """Attention logit soft-capping; None: none."""
     problems: tuple = ()
     """What the call asks that the packed attention does not do, a few words each."""
+    boundaries: tuple = ()
+    """Which of the pack's boundary arguments reached the call: position_ids (what Ulysses gathers),
+    cu_seq_lens_q (what the trainer hands the model at sp=1)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def _record_call(into: list, layer_of: dict):
             layer=layer_of.get(id(module)), module=type(module).__name__, num_heads=int(query.shape[1]),
             num_kv_heads=int(key.shape[1]), head_dim=int(query.shape[-1]), v_head_dim=int(value.shape[-1]),
             window=int(sliding_window) if sliding_window is not None else None,
-            softcap=float(softcap) if softcap is not None else None, problems=tuple(problems)))
+            softcap=float(softcap) if softcap is not None else None, problems=tuple(problems),
+            boundaries=tuple(k for k in ("position_ids", "cu_seq_lens_q") if kwargs.get(k) is not None)))
         batch, heads, tokens = query.shape[:3]
         return query.new_empty(batch, tokens, heads, value.shape[-1]), None
 
@@ -128,9 +132,11 @@ def _record(config) -> AttentionCalls:
         AttentionInterface.register(RECORDER, _record_call(calls, layer_of))
         model.set_attn_implementation(RECORDER)
         ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device="meta")
+        # the arguments hf_model.forward_hidden gives at sp=1: the pack's boundaries as well as its positions
+        boundaries = torch.tensor([0, PROBE_TOKENS], dtype=torch.int32, device="meta")
         with torch.no_grad():
             model.base_model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device="meta")[None],
-                             use_cache=False)
+                             use_cache=False, cu_seq_lens_q=boundaries, max_length_q=PROBE_TOKENS)
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run without values: nothing known from it
         first = str(exc).splitlines()[0] if str(exc) else ""
         return AttentionCalls(failed=f"{type(exc).__name__}: {first}"[:200], layer_types=layer_types)

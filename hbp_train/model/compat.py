@@ -105,6 +105,11 @@ def check_attention(hf_config, calls: AttentionCalls, model, longest_sample: int
     if not calls.failed and not calls.calls:
         raise UserError(f"{where}: its attention does not go through transformers' attention-function interface, "
                         "so the packed attention cannot keep a pack's samples apart; use a family of docs/models.md")
+    blind = next((c for c in calls.calls if not c.boundaries), None)
+    if blind is not None:
+        raise UserError(f"{where}: its attention ({blind.module}) is not handed position_ids nor the pack's "
+                        "boundaries, so the packed attention cannot keep a pack's samples apart; use a family of "
+                        "docs/models.md")
     problem = next((c for c in calls.calls if c.problems), None)
     if problem is not None:
         raise UserError(f"{where}: its attention ({problem.module}) asks for {problem.problems[0]}, which the packed "
@@ -141,6 +146,8 @@ def check_sp_degrees(hf_config, sp_degrees: Iterable[int], where: str) -> None:
     from hbp_train.model.attention_calls import attention_heads
 
     degrees = sorted(set(sp_degrees))
+    if degrees == [1] or not degrees:  # nothing to split
+        return
     calls = attention_calls(hf_config)
     if any(sp > 1 for sp in degrees) and calls.calls and calls.heads is None:
         shapes = sorted({(c.num_heads, c.num_kv_heads) for c in calls.calls})

@@ -153,6 +153,10 @@ def check_sp_degrees(hf_config, sp_degrees: Iterable[int], where: str) -> None:
         shapes = sorted({(c.num_heads, c.num_kv_heads) for c in calls.calls})
         raise UserError(f"{where}: its layers have different heads ({shapes}), which Ulysses' one all-to-all per "
                         "degree cannot split; train it at sp=1 (data_tools.pack --groups LEN:1)")
+    blind = next((c for c in calls.calls if "position_ids" not in c.boundaries), None)
+    if any(sp > 1 for sp in degrees) and blind is not None:
+        raise UserError(f"{where}: its attention ({blind.module}) is not handed position_ids, which Ulysses needs to "
+                        "keep the gathered samples apart; train it at sp=1 (data_tools.pack --groups LEN:1)")
     num_heads, num_kv_heads = attention_heads(hf_config)[:2]
     for sp in degrees:
         problem = sp_heads_problem(num_heads, num_kv_heads, sp)

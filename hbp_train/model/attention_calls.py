@@ -64,6 +64,9 @@ class AttentionCalls:
     """Why the meta forward did not run (then ``calls`` is empty and nothing is known from it)."""
     layer_types: tuple = field(default=())
     """The config's ``layer_types`` (transformers' name for each decoder layer's kind), if it has them."""
+    reads_positions: bool | None = None
+    """Whether the model's forward reads the position_ids it is given (positions restart in every sample of a pack);
+    None when unknown."""
 
     @property
     def windows(self) -> set:
@@ -137,12 +140,29 @@ def _record(config) -> AttentionCalls:
         with torch.no_grad():
             model.base_model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device="meta")[None],
                              use_cache=False, cu_seq_lens_q=boundaries, max_length_q=PROBE_TOKENS)
+        recorded = list(calls)
+        reads_positions = _reads_positions(model, ids)
+        calls[:] = recorded
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run without values: nothing known from it
         first = str(exc).splitlines()[0] if str(exc) else ""
         return AttentionCalls(failed=f"{type(exc).__name__}: {first}"[:200], layer_types=layer_types)
     finally:
         hf_logging.set_verbosity(verbosity)
-    return AttentionCalls(calls=tuple(calls), num_layers=num_layers, layer_types=layer_types)
+    return AttentionCalls(calls=tuple(calls), num_layers=num_layers, layer_types=layer_types,
+                          reads_positions=reads_positions)
+
+
+def _reads_positions(model, ids) -> bool:
+    """Whether the decoder reads position_ids: given one position too many, a model that reads them (RoPE's cos and
+    sin, learned position embeddings) cannot add them to its tokens and fails; one that counts positions itself
+    over the whole sequence (a pack's, not a sample's) runs."""
+    try:
+        with torch.no_grad():
+            model.base_model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS + 1, device="meta")[None],
+                             use_cache=False)
+    except Exception:  # noqa: BLE001 - the shapes did not fit: the positions given were used
+        return True
+    return False
 
 
 # The records of the last configs seen (the config check, the build and the probe read the same config).

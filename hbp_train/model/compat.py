@@ -17,6 +17,8 @@ soft-capping (Gemma 2). Refused, each in one line (`check_attention`):
   chunked attention (Llama 4's ``attention_chunk_size``) on samples longer than a chunk, and the other mask-only
   kinds of ``layer_types`` (sparse, indexed, windowed-ViT attention); Llama 4's attention temperature tuning (its
   NoPE layers scale queries by the position in the whole pack, not in the sample);
+* a forward that does not read position_ids (positions counted over the whole pack: told by giving it one
+  position too many on the meta device, which a model that reads them cannot add to its tokens);
 * a backend named by the user that cannot apply the model's window or soft-cap;
 * an LM head whose logits the loss does not reproduce: the loss (model/loss.py) applies the head's weight and bias
   itself, then what the model's own forward applies to the logits before its loss, as ``logit_head_of`` reads it
@@ -105,6 +107,10 @@ def check_attention(hf_config, calls: AttentionCalls, model, longest_sample: int
     if not calls.failed and not calls.calls:
         raise UserError(f"{where}: its attention does not go through transformers' attention-function interface, "
                         "so the packed attention cannot keep a pack's samples apart; use a family of docs/models.md")
+    if calls.reads_positions is False:
+        raise UserError(f"{where}: its forward does not read position_ids (it counts positions over the whole pack, "
+                        "not per sample), so every sample after a pack's first would see other positions; use a "
+                        "family of docs/models.md")
     blind = next((c for c in calls.calls if not c.boundaries), None)
     if blind is not None:
         raise UserError(f"{where}: its attention ({blind.module}) is not handed position_ids nor the pack's "

@@ -101,7 +101,8 @@ def test_a_user_error_recorded_before_a_sigterm_ends_in_its_line_and_exit_2():
     rank 0 records its one-line error (hbp_train.train does before tearing down), then is still tearing down when
     its peer, whose collective the tear-down broke, exits 1 first; torchrun stops rank 0 with SIGTERM. The line is
     rank 0's and the exit code the one it recorded."""
-    record = '{"message": "error: gemma2 (model.architecture): its attention asks for x", "timestamp": 1, "exitcode": 2}'
+    record = ('{"message": "error: gemma2 (model.architecture): its attention asks for x", "timestamp": 1, '
+              '"exitcode": 2}')
     worker = (f'if [ "$RANK" = 0 ]; then printf \'{record}\' > "$TORCHELASTIC_ERROR_FILE"; exec sleep 60; '
               'else sleep 2; exit 1; fi')
     proc = subprocess.run([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "2",

@@ -34,8 +34,8 @@ def save_model(family: str, folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    config = AutoConfig.for_model(family, **tiny_config(family, vocab_size=len(tokenizer), max_position_embeddings=MAX_LEN,
-                                                          **CONFIG.get(family, {})),
+    fields = tiny_config(family, vocab_size=len(tokenizer), max_position_embeddings=MAX_LEN, **CONFIG.get(family, {}))
+    config = AutoConfig.for_model(family, **fields,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -278,7 +278,8 @@ def failure_record(failure) -> dict:
     written = isinstance(failure.message, str) and os.path.isfile(failure.error_file)
     data = failure.error_file_data if written and isinstance(failure.error_file_data, dict) else {}
     recorded = data.get("exitcode")
-    code = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else failure.exitcode
+    chosen = isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
+    code = recorded if chosen else failure.exitcode
     return {"exitcode": int(code), "message": failure.message if written else "", "timestamp": int(failure.timestamp)}
 
 

@@ -193,7 +193,8 @@ def packed_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, backend, scale
         if not q_THD.is_cuda:
             raise ValueError(f"attention backend {backend!r} needs a CUDA tensor, got one on {q_THD.device}")
         if q_THD.dtype not in kernels.HALF_DTYPES:
-            raise ValueError(f"attention backend {backend!r} needs bf16/fp16, got {q_THD.dtype}; use flex or sdpa_block")
+            raise ValueError(f"attention backend {backend!r} needs bf16/fp16, got {q_THD.dtype}; use flex or "
+                             "sdpa_block")
     num_heads, num_kv_heads = q_THD.shape[1], k_TKD.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads ({num_kv_heads})")

@@ -41,7 +41,8 @@ def available_backends(device: torch.device, dtype: torch.dtype | None = None) -
     found = []
     if device.type == "cuda":
         half = dtype is None or dtype in kernels.HALF_DTYPES
-        major = _capability_major(device) if half and (kernels.fa3_fn() is not None or kernels.fa4_registered()) else None
+        flash = half and (kernels.fa3_fn() is not None or kernels.fa4_registered())
+        major = _capability_major(device) if flash else None
         if major in kernels.FA3_CAPABILITIES and kernels.fa3_fn() is not None:
             found.append("fa3")
         if major in kernels.FA4_CAPABILITIES and kernels.fa4_registered():

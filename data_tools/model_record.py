@@ -3,8 +3,9 @@
 ``hbp-pack --model DIR`` (a local HF model folder, or its config.json) reads the model's config (no weights; the
 heads as its layers use them, hbp_train/model/attention_calls.py), refuses SP degrees of ``--groups`` that Ulysses
 cannot split its heads by (perf/shape.py's ``sp_heads_problem``, the rule the trainer applies), and records the
-model in the plan as ``"model"``: its folder, ``model_type`` and shape (``perf.shape.ModelShape``'s fields). The record is one of the plan's extra keys, so plan.json and plan.npz both
-keep it and plans written without one still load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape
+model in the plan as ``"model"``: its folder, ``model_type`` and shape (``perf.shape.ModelShape``'s fields). The
+record is one of the plan's extra keys, so plan.json and plan.npz both keep it and plans written without one still
+load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape
 unless told another (``cost_shape``), and say so in one line when they cost a shape that is not the plan's model.
 """
 

@@ -5,8 +5,8 @@ heads as its layers use them, hbp_train/model/attention_calls.py), refuses SP de
 cannot split its heads by (perf/shape.py's ``sp_heads_problem``, the rule the trainer applies), and records the
 model in the plan as ``"model"``: its folder, ``model_type`` and shape (``perf.shape.ModelShape``'s fields). The
 record is one of the plan's extra keys, so plan.json and plan.npz both keep it and plans written without one still
-load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape
-unless told another (``cost_shape``), and say so in one line when they cost a shape that is not the plan's model.
+load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape unless told another (``cost_shape``), and say so
+in one line when they cost a shape that is not the plan's model.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ keys scaled up so that attention is peaked (a window then hides keys that matter
 
 At SP=1 (one process): each sample's mean token loss from our loss, chunked and fused, equals the loss of the
 model's own HF ``forward(labels=...)`` (eager attention) on the sample alone, and so do the gradients. At SP=2 (2
-gloo processes, one spawn for every case; slow): the same losses and the single-process gradients, the window
-applied to the gathered pack. The FlexAttention path's forward is checked on the CPU too (it has no CPU backward).
+gloo processes, one spawn for every case; full tier): the same losses and the single-process gradients, the window
+applied to the gathered pack, and Ulysses sized by a GPT-NeoX's real heads despite a stray num_key_value_heads. The FlexAttention path's forward is checked on the CPU too (it has no CPU backward).
 """
 
 from __future__ import annotations
@@ -191,6 +191,8 @@ SP_CASES = ("window", "per_layer_windows", "softcap_and_windows", "stray_kv_head
 
 
 @pytest.mark.slow
+@pytest.mark.full  # ~20 s; the default tier's SP=2 matrix (tests/test_families.py) has Mistral's, Gemma 2's and
+# Gemma 3's windows binding on its samples, and Gemma 2's soft-cap
 def test_sp2_gives_the_models_own_losses_and_the_sp1_gradients_with_the_feature():
     """2 gloo processes, every SP case in one spawn: at sp=2 then sp=1, each sample's loss is HF's own and the
     token losses and gradients are the single process's."""

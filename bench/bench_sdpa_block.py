@@ -35,7 +35,7 @@ def mask_path(q, k, v, cu, scale):
     import torch
     import torch.nn.functional as F
 
-    from hbp_train.model.attention import _document_ids
+    from hbp_train.model.attention_flex import document_ids as _document_ids
 
     num_tokens = q.shape[0]
     doc = _document_ids(cu, num_tokens)

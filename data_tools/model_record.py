@@ -1,11 +1,12 @@
 """The model a plan is made for: read at pack time, recorded in the plan, costed by the simulator.
 
-``hbp-pack --model DIR`` (a local HF model folder, or its config.json) reads the model's config (no weights),
-refuses SP degrees of ``--groups`` that Ulysses cannot split its heads by (perf/shape.py's ``sp_heads_problem``, the
-rule the trainer applies), and records the model in the plan as ``"model"``: its folder, ``model_type`` and shape
-(``perf.shape.ModelShape``'s fields). The record is one of the plan's extra keys, so plan.json and plan.npz both
-keep it and plans written without one still load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape
-unless told another (``cost_shape``), and say so in one line when they cost a shape that is not the plan's model.
+``hbp-pack --model DIR`` (a local HF model folder, or its config.json) reads the model's config (no weights; the
+heads as its layers use them, hbp_train/model/attention_calls.py), refuses SP degrees of ``--groups`` that Ulysses
+cannot split its heads by (perf/shape.py's ``sp_heads_problem``, the rule the trainer applies), and records the
+model in the plan as ``"model"``: its folder, ``model_type`` and shape (``perf.shape.ModelShape``'s fields). The
+record is one of the plan's extra keys, so plan.json and plan.npz both keep it and plans written without one still
+load. ``hbp-simulate`` and ``hbp-compare`` cost the recorded shape unless told another (``cost_shape``), and say so
+in one line when they cost a shape that is not the plan's model.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def read_model(path: str, flag: str = "--model") -> dict:
         shape = parse_model_shape(text)
     except UserError as exc:
         raise UserError(f"{flag} {path}: {exc}") from None
-    shape = replace(shape, name=folder.resolve().name)
+    # the heads the model's layers hand their attention (counted on the meta device), not a config field the family
+    # may not read (a GPT-NeoX config with a stray num_key_value_heads): the heads the trainer's Ulysses splits
+    from hbp_train.model.attention_calls import attention_heads
+
+    num_heads, num_kv_heads = attention_heads(text)[:2]
+    shape = replace(shape, name=folder.resolve().name, num_heads=num_heads, num_kv_heads=num_kv_heads)
     return {"path": str(folder.resolve()), "name": shape.name, "model_type": getattr(text, "model_type", None),
             "shape": asdict(shape)}
 

@@ -317,8 +317,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
     # Before any weight is loaded: a feature the packed path cannot honour is refused in one line, and so are
     # samples longer than the model's positions (a data set's record of its samples; pack lengths do not count).
     hf_config = modeling.hf_config_for(cfg.model, vocab_size)
-    check_model_support(hf_config, longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
-                        cfg.model.attention_backend)
+    calls = check_model_support(hf_config, longest_sample or max(int(g["pack_len"]) for g in groups), sp_degrees,
+                                cfg.model.attention_backend)
     positions_line = check_positions(hf_config, longest_sample) if longest_sample else None
     if positions_line and dist_groups.rank() == 0:
         print(positions_line, flush=True)
@@ -331,7 +331,8 @@ def build_run(cfg, groups: list, total_steps: int, sp_degrees=None, vocab_size: 
                                         max_micro_batches)
     with torch.device(init_device) if init_device is not None else nullcontext():
         model = modeling.build_model(cfg.model, vocab_size=vocab_size, zero3_config=zero3_config)
-    sp = setup_sequence_parallel(model, pstate)  # SP: Ulysses attention when a degree > 1 is used
+    # SP: Ulysses attention when a degree > 1 is used, sized by the heads the layers hand their attention
+    sp = setup_sequence_parallel(model, pstate, calls.heads)
     # an MoE model: the router loss it trains with, or that it trains with none and how to add one
     moe_line = router_loss_line(model.config, records_router_logits(model))
     if moe_line and dist_groups.rank() == 0:

@@ -7,8 +7,9 @@ type-checked against it), and turns the composed DictConfig into dataclasses wit
 that, no code sees a DictConfig. Every bad value becomes one ``ConfigError`` line naming the field.
 
 ``python -m hbp_train.config [OVERRIDES]`` checks a config without building anything (exit 2 on a bad value), its
-input paths, the data's SP degrees against the model's heads and the run folder included (``check_paths``:
-./launch.sh train runs it before starting any worker), and prints the resolved YAML.
+input paths, the model against the data's plans (SP degrees against its heads, every feature the packed path refuses:
+hbp_train/model/compat.py, on the meta device) and the run folder included (``check_paths``: ./launch.sh train runs
+it before starting any worker), and prints the resolved YAML.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def load(overrides: list | None = None) -> HBPConfig:
 def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
     """ConfigError naming the field for what a training run would refuse later with no worker needed: data.shards
     and data.eval_shards packed-shard folders, model.tokenizer (given, or model.name_or_path's) a tokenizer folder;
-    the SP degrees of the shards' groups against the model's heads (``check_sp_degrees``); train.out_dir a writable
+    the model against the shards' plans (``check_model``: SP degrees against its heads, the features the packed path
+    refuses, the memory levers its groups ask for, the ZeRO stage it was planned for); train.out_dir a writable
     folder with room for one checkpoint that holds no other run's checkpoints (runtime/preflight.py); and a resume's
     checkpoint against this run: its plan, its model and the settings a resume cannot change, and the plan's SP
     degrees at this world size (runtime/resume_config.precheck). ``world_size``: the ranks the run will have
@@ -140,7 +142,7 @@ def check_paths(cfg: HBPConfig, world_size: int | None = None) -> None:
         implied = cfg.model.tokenizer == cfg.model.name_or_path  # the default: the model's own folder
         raise ConfigError(str(e) + ("; model.tokenizer defaults to model.name_or_path: save the tokenizer there "
                                     "or set model.tokenizer=DIR" if implied else "")) from None
-    check_sp_degrees(cfg)
+    check_model(cfg)
     header = _plan_header(cfg.data.shards)
     check_levers(cfg)
     check_zero_stage(cfg)
@@ -175,24 +177,39 @@ def _checkpoint_bytes(cfg: HBPConfig, world_size: int | None = None) -> int:
                                       other_bytes=preflight.tokenizer_bytes(cfg.model.tokenizer))
 
 
-def check_sp_degrees(cfg: HBPConfig) -> None:
-    """ConfigError (one line) when a group of data.shards or data.eval_shards runs at an SP degree Ulysses cannot
-    split the model's heads by: found here from the plans' groups and the model's config (no weights), before any
-    worker starts, rather than by every rank once it has built its groups (build_run checks it again)."""
+def check_model(cfg: HBPConfig) -> None:
+    """ConfigError (one line) when the model cannot be trained on the plans of data.shards and data.eval_shards:
+    a group whose SP degree Ulysses cannot split the model's heads by, or a feature of the model the packed path
+    refuses (hbp_train/model/compat.py: attention sinks, linear-attention layers, chunked attention on samples longer
+    than a chunk, a backend that cannot apply its window or soft-cap, a logit head the loss would not reproduce...).
+    Found here from the plans' headers and the model's config (the model on the meta device: no weights), before any
+    worker starts, rather than by every rank once it has built its groups (build_run checks it again, with the
+    samples' own lengths)."""
+    from hbp_train.model.compat import check_model_support
     from hbp_train.model.compat import check_sp_degrees as check_heads
     from hbp_train.model.hf_model import hf_config_for
 
+    hf_config = hf_config_for(cfg.model)
+    model = cfg.model.name_or_path or f"model.architecture={cfg.model.architecture}"
+    degrees, longest = set(), []
     for field_name, path in (("data.shards", cfg.data.shards), ("data.eval_shards", cfg.data.eval_shards)):
-        degrees = _planned_sp_degrees(path) if path is not None else None
-        if not degrees:
+        sp = _planned_sp_degrees(path) if path is not None else None
+        if not sp:
             continue
-        hf_config = hf_config_for(cfg.model)
-        model = cfg.model.name_or_path or f"model.architecture={cfg.model.architecture}"
+        degrees |= set(sp)
+        max_len = _plan_header(path).get("max_len")
+        longest += [int(max_len)] if isinstance(max_len, int) else []
         try:
-            check_heads(hf_config, degrees, f"{field_name}={path} (groups at sp {', '.join(map(str, degrees))}) "
-                                            f"for {getattr(hf_config, 'model_type', 'the model')} {model}")
+            check_heads(hf_config, sp, f"{field_name}={path} (groups at sp {', '.join(map(str, sp))}) "
+                                       f"for {getattr(hf_config, 'model_type', 'the model')} {model}")
         except UserError as e:
             raise ConfigError(str(e)) from None
+    if not degrees:  # no readable plan: the loader names that problem when the run opens the shards
+        return
+    try:
+        check_model_support(hf_config, max(longest) if longest else 0, sorted(degrees), cfg.model.attention_backend)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_levers(cfg: HBPConfig) -> None:
@@ -218,34 +235,12 @@ def check_zero_stage(cfg: HBPConfig) -> None:
     profiler chose its groups' SP degrees, checkpointing and levers for that stage's memory (``zero_stage`` in
     plan.json, written by hbp-pack from the profile or --zero-stage), so another stage may not fit or may be slower.
     A plan that names no stage is not checked."""
-    stage = _planned_zero_stage(cfg.data.shards) if cfg.data.shards is not None else None
+    stage = _plan_header(cfg.data.shards).get("zero_stage")
     if stage is not None and stage != cfg.deepspeed.zero_stage:
         raise ConfigError(f"data.shards={cfg.data.shards}: its plan was made for ZeRO-{stage} (plan.json zero_stage), "
                           f"not deepspeed.zero_stage={cfg.deepspeed.zero_stage}: set deepspeed.zero_stage={stage}, or "
                           f"plan for stage {cfg.deepspeed.zero_stage} (hbp-profile profile.zero_stages="
                           f"[{cfg.deepspeed.zero_stage}], then hbp-pack)")
-
-
-def _planned_zero_stage(shards: str) -> int | None:
-    """The ZeRO stage a packed-shards folder's plan records: plan.npz's header, or the "zero_stage" key plan.json
-    writes among its last keys (read from the file's end, not the whole plan). None when there is none."""
-    import json
-
-    folder = Path(shards)
-    try:
-        if (folder / "plan.npz").is_file():
-            from hbp_train.planning.plan_npz import open_npz
-
-            stage = (open_npz(folder / "plan.npz", mmap=True)[0].get("extra") or {}).get("zero_stage")
-        else:
-            with open(folder / "plan.json", "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - (1 << 16)))
-                tail = f.read().decode("utf-8", errors="ignore")
-            at = tail.rfind('"zero_stage":')
-            stage = json.JSONDecoder().raw_decode(tail, at + len('"zero_stage":'))[0] if at >= 0 else None
-        return None if stage is None else int(stage)
-    except (OSError, ValueError, TypeError, AttributeError, UserError):
-        return None
 
 
 def _planned_sp_degrees(shards: str) -> list | None:
@@ -265,9 +260,10 @@ def _planned_groups(shards: str) -> list | None:
 
 
 def _plan_header(shards: str | None) -> dict:
-    """The "world_size" and "groups" of a packed-shards folder's plan, without reading its steps: plan.npz's JSON
-    header, or the entries near the top of plan.json (written before the steps; the whole file only when they are
-    not there). {} when there is no readable plan."""
+    """The "world_size", "groups", "max_len" (its longest sample) and "zero_stage" of a packed-shards folder's plan,
+    without reading its steps: plan.npz's JSON header, or the head of plan.json (written before the steps; the whole
+    file only when they are not in its first 64 KB) and its tail (zero_stage is among the last keys). {} when there
+    is no readable plan: the loader names that problem when the run opens the shards."""
     import json
 
     if shards is None:
@@ -278,25 +274,36 @@ def _plan_header(shards: str | None) -> dict:
             from hbp_train.planning.plan_npz import open_npz
 
             header = open_npz(folder / "plan.npz", mmap=True)[0]
-            return {k: header.get(k) for k in ("world_size", "groups")}
-        with open(folder / "plan.json") as f:
-            head = f.read(1 << 16)
-        out = {}
-        for key in ("world_size", "groups"):
-            at = head.find(f'"{key}":')
-            value_at = at + len(key) + 3
-            while value_at < len(head) and head[value_at] == " ":
-                value_at += 1
-            try:
-                out[key] = json.JSONDecoder().raw_decode(head, value_at)[0] if at >= 0 else None
-            except ValueError:  # cut off by the 64 KB read
-                out[key] = None
-        if None in out.values():
-            whole = json.loads((folder / "plan.json").read_text())
-            out = {k: whole.get(k) for k in out}
+            out = {k: header.get(k) for k in ("world_size", "groups", "max_len")}
+            out["zero_stage"] = (header.get("extra") or {}).get("zero_stage")
+        else:
+            with open(folder / "plan.json", "rb") as f:
+                head = f.read(1 << 16).decode("utf-8", errors="ignore")
+                f.seek(max(0, f.seek(0, 2) - (1 << 16)))
+                tail = f.read().decode("utf-8", errors="ignore")
+            out = {key: _json_value(head, key) for key in ("world_size", "groups", "max_len")}
+            if None in out.values():
+                whole = json.loads((folder / "plan.json").read_text())
+                out = {k: whole.get(k) for k in out}
+            out["zero_stage"] = _json_value(tail, "zero_stage", last=True)
+        if out["zero_stage"] is not None:
+            out["zero_stage"] = int(out["zero_stage"])
         return out
     except (OSError, ValueError, TypeError, AttributeError, UserError):
         return {}
+
+
+def _json_value(text: str, key: str, last: bool = False):
+    """The JSON value of ``"key":`` in ``text`` (its first occurrence, or its last), or None: absent, or cut off."""
+    import json
+
+    at = text.rfind(f'"{key}":') if last else text.find(f'"{key}":')
+    if at < 0:
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(text[at + len(key) + 3:].lstrip())[0]
+    except ValueError:
+        return None
 
 
 def _section_fields() -> dict:

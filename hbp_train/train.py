@@ -33,17 +33,28 @@ def _strip_local_rank(argv: list) -> list:
     return out
 
 
-def _fail(message: str, code: int):
-    """Exit with a one-line message. Under torchrun every rank also writes it to its error file, from which
-    hbp_train.launch prints the first failed rank's line (so a failure on any rank is shown once); without our
-    launcher, rank 0 prints it."""
+def _record_failure(message: str, code: int) -> None:
+    """Leave this rank's one-line error and its exit code in torchrun's error file (if any), where hbp_train.launch
+    reads them: the code too, since the launcher may stop this rank with SIGTERM before it exits by itself."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         import json
         import time
 
         with open(error_file, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": message, "timestamp": int(time.time()), "exitcode": int(code)}, f)
+
+
+def _user_error_line(exc: BaseException) -> str:
+    return f"error: {str(exc).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)"
+
+
+def _fail(message: str, code: int):
+    """Exit with a one-line message. Under torchrun every rank also writes it to its error file, from which
+    hbp_train.launch prints the first failed rank's line (so a failure on any rank is shown once); without our
+    launcher, rank 0 prints it."""
+    _record_failure(message, code)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if os.environ.get("RANK", "0") == "0" and not (error_file and os.environ.get("HBP_LAUNCHER")):
         print(message, file=sys.stderr, flush=True)
     sys.exit(code)
@@ -99,6 +110,13 @@ def run(cfg, config_yaml: str) -> dict:
                 f.write(config_yaml)
         summary = trainer.train(cfg, config_yaml, status)
     except BaseException as exc:
+        from hbp_train.common.errors import EXIT_USER_ERROR, UserError
+
+        if isinstance(exc, UserError) and not os.environ.get("HBP_DEBUG"):
+            # Recorded before the tear-down below: destroying the process group ends a peer's pending collective,
+            # that peer can exit first, and torchrun then stops this rank with SIGTERM mid-tear-down. Unrecorded,
+            # the launcher would report that signal (exit 1) instead of this line (exit 2).
+            _record_failure(_user_error_line(exc), EXIT_USER_ERROR)
         if status is not None:
             status.end(*ended_by(exc, dist.get_rank()))
         raise
@@ -126,7 +144,7 @@ def _task(dict_cfg) -> None:
     except UserError as e:  # user input found while building (plan/world-size mismatch, bad shards, ...)
         if os.environ.get("HBP_DEBUG"):
             raise
-        _fail(f"error: {str(e).splitlines()[0]} (HBP_DEBUG=1 shows the traceback)", EXIT_USER_ERROR)
+        _fail(_user_error_line(e), EXIT_USER_ERROR)
     except FloatingPointError as e:  # train.on_nan=abort
         _fail(f"error: {e}", 1)
     except KeyboardInterrupt:  # a second Ctrl-C: the user does not want to wait for the step and the save

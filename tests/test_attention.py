@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from hbp_train.model import attention, attention_setup
+from hbp_train.model import attention_backends as backends
+from hbp_train.model import attention_flex as flex
+from hbp_train.model import attention_kernels as kernels
 from hbp_train.model.attention import cu_seqlens_from_position_ids, get_backend, hf_packed_attention, packed_attention, set_backend
 from hbp_train.model.attention_setup import available_backends, register_packed_attention, select_backend
 from hbp_train.common.errors import UserError
@@ -99,8 +102,8 @@ def test_select_backend_errors_name_the_backend_and_the_choices(name, why):
 def test_gpu_preference_order_and_fp32_leaves_out_flash_kernels(monkeypatch):
     """Availability on a CUDA device is decided without touching the GPU, so it is checked here too."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    monkeypatch.setattr(kernels, "has_flash_attn", lambda: True)
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: object())
     assert available_backends(cuda) == ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
     assert available_backends(cuda, torch.bfloat16) == ["flash_varlen", "torch_varlen", "flex", "sdpa_block"]
     assert available_backends(cuda, torch.float32) == ["flex", "sdpa_block"]
@@ -117,24 +120,24 @@ def test_a_flash_attn_that_raises_at_import_falls_back_with_one_warning(tmp_path
         "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
-    attention._flash_attn_fn.cache_clear()
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: object())
+    kernels.flash_attn_fn.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
+        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention_kernels"):
             assert available_backends(torch.device("cuda"), torch.bfloat16) == ["torch_varlen", "flex", "sdpa_block"]
             assert select_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch_varlen"
     finally:
-        attention._flash_attn_fn.cache_clear()
+        kernels.flash_attn_fn.cache_clear()
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "undefined symbol" in warnings[0] and "does not import" in warnings[0]
 
 
 def _all_kernels_installed(monkeypatch, major: int):
     """Every kernel importable and a GPU of compute capability ``major``, without touching a GPU."""
-    monkeypatch.setattr(attention, "_fa3_fn", lambda: object())
-    monkeypatch.setattr(attention, "_fa4_registered", lambda: True)
-    monkeypatch.setattr(attention, "_has_flash_attn", lambda: True)
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+    monkeypatch.setattr(kernels, "fa3_fn", lambda: object())
+    monkeypatch.setattr(kernels, "fa4_registered", lambda: True)
+    monkeypatch.setattr(kernels, "has_flash_attn", lambda: True)
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: object())
     monkeypatch.setattr(attention_setup, "_capability_major", lambda device: major)
 
 
@@ -153,27 +156,27 @@ def test_fa3_and_fa4_are_offered_by_capability_and_first(monkeypatch, major, exp
 
 def test_kernels_missing_leave_the_next_backend(monkeypatch):
     _all_kernels_installed(monkeypatch, 9)
-    monkeypatch.setattr(attention, "_fa3_fn", lambda: None)  # FA3 not installed
-    monkeypatch.setattr(attention, "_fa4_registered", lambda: False)  # no FA4 (or a torch without the registry)
+    monkeypatch.setattr(kernels, "fa3_fn", lambda: None)  # FA3 not installed
+    monkeypatch.setattr(kernels, "fa4_registered", lambda: False)  # no FA4 (or a torch without the registry)
     assert available_backends(torch.device("cuda"), torch.bfloat16)[0] == "flash_varlen"
 
 
 def test_fa4_needs_torch_registry_and_the_fa4_kernels(monkeypatch, tmp_path):
     """FA4 is offered only when torch lists it in its flash registry and flash_attn.cute.interface imports."""
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
-    attention._fa4_registered.cache_clear()
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: object())
+    kernels.fa4_registered.cache_clear()
     try:
-        monkeypatch.setattr(attention, "_flash_impl_registry", None)  # a torch before the registry
-        assert attention._fa4_registered() is False
-        attention._fa4_registered.cache_clear()
+        monkeypatch.setattr(kernels, "_flash_impl_registry", None)  # a torch before the registry
+        assert kernels.fa4_registered() is False
+        kernels.fa4_registered.cache_clear()
         monkeypatch.undo()
-        monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: object())
+        monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: object())
         # the registry is there (torch >= 2.10 lists FA4), the kernels are not installed on this machine
-        assert "FA4" in attention._flash_impl_registry.list_flash_attention_impls()
-        monkeypatch.setattr(attention, "_import_kernel", lambda module, attr, what: object())
-        assert attention._fa4_registered() is True
+        assert "FA4" in kernels._flash_impl_registry.list_flash_attention_impls()
+        monkeypatch.setattr(kernels, "import_kernel", lambda module, attr, what: object())
+        assert kernels.fa4_registered() is True
     finally:
-        attention._fa4_registered.cache_clear()
+        kernels.fa4_registered.cache_clear()
 
 
 def test_auto_skips_a_kernel_that_fails_its_probe_and_a_requested_one_is_a_user_error(monkeypatch, caplog):
@@ -187,13 +190,13 @@ def test_auto_skips_a_kernel_that_fails_its_probe_and_a_requested_one_is_a_user_
 
     monkeypatch.setattr(attention_setup, "probe_backend", fake_probe)
     cuda, shape = torch.device("cuda"), attention_setup.HeadShape(4, 2, 24, 16)
-    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention_kernels"):
         assert select_backend("auto", cuda, torch.bfloat16, shape) == "fa4"
     assert probed == ["fa3", "fa4"]
     assert [r.getMessage() for r in caplog.records] == [
         "attention backend fa3 is installed but failed its check here (RuntimeError: head dim 24 not supported); "
         "trying the next one"]
-    with pytest.raises(UserError, match="'fa3' is installed but fails on this model's attention shape"):
+    with pytest.raises(UserError, match="'fa3' is installed but fails on this model's attention \\(RuntimeError"):
         select_backend("fa3", cuda, torch.bfloat16, shape)
     assert select_backend("sdpa_block", cuda, torch.bfloat16, shape) == "sdpa_block"  # exact: never probed
     assert probed == ["fa3", "fa4", "fa3"]
@@ -205,11 +208,11 @@ def test_probe_accepts_a_right_kernel_and_names_what_is_wrong_with_others(monkey
     shape = attention_setup.HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 
     def across_samples(q, k, v, cu, max_seqlen, scale):  # plain causal attention over the whole pack
-        return attention._sdpa_block(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), q.shape[0], scale)
+        return backends._sdpa_block(q, k, v, torch.tensor([0, q.shape[0]], dtype=torch.int32), q.shape[0], scale)
 
-    monkeypatch.setitem(attention._BACKEND_FNS, "flex", attention._sdpa_block)
+    monkeypatch.setitem(backends._BACKEND_FNS, "flex", backends._sdpa_block)
     assert attention_setup.probe_backend("flex", CPU, torch.float32, shape) is None
-    monkeypatch.setitem(attention._BACKEND_FNS, "flex", across_samples)
+    monkeypatch.setitem(backends._BACKEND_FNS, "flex", across_samples)
     assert "differs from sdpa_block" in attention_setup.probe_backend("flex", CPU, torch.float32, shape)
     monkeypatch.undo()
     assert "does not support backward" in attention_setup.probe_backend("flex", CPU, torch.float32, shape)  # on the CPU
@@ -275,15 +278,15 @@ def test_flex_compiles_at_most_twice_for_many_pack_layouts():
 
     torch._dynamo.reset()
     counters.clear()
-    attention._compiled_flex.cache_clear()
-    fn = attention._compiled_flex("eager")
+    flex.compiled_flex.cache_clear()
+    fn = flex.compiled_flex("eager")
     try:
         for lengths in ([100, 156], [200, 184], [128, 128, 256], [600, 40], [768], [300, 300, 100, 68]):
             num_tokens = sum(lengths)
             q, k, v = torch.randn(1, 4, num_tokens, 16), torch.randn(1, 2, num_tokens, 16), torch.randn(1, 2, num_tokens, 16)
-            fn(q, k, v, block_mask=attention._flex_block_mask(_cu(lengths), num_tokens), enable_gqa=True)
+            fn(q, k, v, block_mask=flex.block_mask(_cu(lengths), num_tokens), enable_gqa=True)
     finally:
-        attention._compiled_flex.cache_clear()
+        flex.compiled_flex.cache_clear()
         torch._dynamo.reset()
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
 
@@ -304,7 +307,7 @@ def test_torch_varlen_hands_the_kernel_k_heads_never_repeated_ones(monkeypatch, 
     def reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         seen.append((k.shape[1], v.shape[1]))
         assert k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
-        return attention._sdpa_block(q, k, v, cu_q, max_q, scale)
+        return backends._sdpa_block(q, k, v, cu_q, max_q, scale)
 
     if version == "2.11":
         def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
@@ -315,15 +318,15 @@ def test_torch_varlen_hands_the_kernel_k_heads_never_repeated_ones(monkeypatch, 
             assert enable_gqa == (key.shape[1] != query.shape[1])  # torch's cuDNN path refuses it for MHA
             return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
 
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: fake)
-    attention._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: fake)
+    backends._torch_varlen_params.cache_clear()
     try:
         for heads, kv_heads in ((4, 2), (6, 1), (4, 4)):
             q, k, v = _qkv(heads, kv_heads)
-            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
+            out = backends._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
             torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
     finally:
-        attention._torch_varlen_params.cache_clear()
+        backends._torch_varlen_params.cache_clear()
     assert seen == [(2, 2), (1, 1), (4, 4)]
 
 
@@ -362,7 +365,7 @@ def test_flex_block_mask_from_boundaries_matches_create_block_mask_over_many_blo
     the same blocks as create_block_mask, runs no masked block as full, and attention equals the reference."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from hbp_train.model.attention import _document_ids, _flex_block_mask
+    from hbp_train.model.attention_flex import block_mask as _flex_block_mask, document_ids as _document_ids
 
     for lengths in [(20, 400, 130, 1, 200), (128, 128, 256, 3), (725,), (1,) * 5 + (300, 97)]:
         cu, num_tokens = _cu(lengths), sum(lengths)
@@ -421,16 +424,16 @@ def _fake_varlen(release):
 @pytest.mark.parametrize("release", ["2.10", "2.11", "2.12", "2.13"])
 def test_torch_varlen_call_matches_each_release_signature(release, monkeypatch):
     """The GPU-only torch_varlen backend's call, checked on the CPU against each release's keyword signature."""
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: _fake_varlen(release))
-    attention._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: _fake_varlen(release))
+    backends._torch_varlen_params.cache_clear()
     try:
         q, k, v = _qkv(8, 2)
         for scale in (None, 0.3):
-            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 16**-0.5 if scale is None else scale)
+            out = backends._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 16**-0.5 if scale is None else scale)
             ref = _reference(q, k, v, LENGTHS, 16**-0.5 if scale is None else scale)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     finally:
-        attention._torch_varlen_params.cache_clear()
+        backends._torch_varlen_params.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------- tiny Llama
@@ -484,17 +487,12 @@ def test_tiny_llama_flex_forward_on_cpu(monkeypatch):
     torch.testing.assert_close(packed, per_sample, atol=1e-5, rtol=1e-5)
 
 
-def test_hf_packed_attention_rejects_batches_missing_boundaries_and_short_windows():
+def test_hf_packed_attention_rejects_batches_missing_boundaries():
     q = torch.zeros(2, 4, 6, 8)
     with pytest.raises(ValueError, match="batch size 1"):
         hf_packed_attention(None, q, q, q, None, position_ids=torch.zeros(2, 6, dtype=torch.long))
     with pytest.raises(ValueError, match="position_ids"):
         hf_packed_attention(None, q[:1], q[:1], q[:1], None)
-    position_ids = torch.arange(6)[None]
-    with pytest.raises(UserError, match="sliding_window=4"):
-        hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=4)
-    out, _ = hf_packed_attention(None, q[:1], q[:1], q[:1], None, position_ids=position_ids, sliding_window=6)
-    assert out.shape == (1, 6, 4, 8)
 
 
 def test_boundaries_follow_an_in_place_refill_of_the_same_position_ids_tensor():
@@ -574,17 +572,17 @@ def test_flex_reads_a_packs_boundaries_once_not_in_every_layer(monkeypatch):
     reads = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
-    attention._flex_mask_cache.update(key=None, mask=None)
+    flex._mask_cache.update(key=None, masks={})
     cu = _cu([100, 156])
-    first = attention._flex_block_mask(cu, 256)
+    first = flex.block_mask(cu, 256)
     built = len(reads)  # the first layer reads the boundaries (building the mask may too)
     for _ in range(15):  # the other layers of the forward, and its recompute
-        assert attention._flex_block_mask(cu, 256) is first
+        assert flex.block_mask(cu, 256) is first
     assert len(reads) == built
     cu[1] = 128  # the same buffer refilled for the next pack
-    refilled = attention._flex_block_mask(cu, 256)
+    refilled = flex.block_mask(cu, 256)
     assert refilled is not first and len(reads) > built
-    assert attention._flex_block_mask(_cu([128, 128]), 256) is refilled  # equal boundaries in a new tensor: reused
+    assert flex.block_mask(_cu([128, 128]), 256) is refilled  # equal boundaries in a new tensor: reused
 
 
 def test_torch_varlen_call_binds_to_the_installed_torchs_own_signature(monkeypatch):
@@ -607,15 +605,15 @@ def test_torch_varlen_call_binds_to_the_installed_torchs_own_signature(monkeypat
         return _reference(q, k, v, (cu_q[1:] - cu_q[:-1]).tolist(), call.arguments.get("scale") or q.shape[-1] ** -0.5)
 
     installed.__signature__ = signature  # what _torch_varlen reads its keywords from
-    monkeypatch.setattr(attention, "_torch_varlen_fn", lambda: installed)
-    attention._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(kernels, "torch_varlen_fn", lambda: installed)
+    backends._torch_varlen_params.cache_clear()
     try:
         for heads, kv_heads in ((8, 2), (4, 4)):
             q, k, v = _qkv(heads, kv_heads)
-            out = attention._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
+            out = backends._torch_varlen(q, k, v, _cu(LENGTHS), max(LENGTHS), 0.3)
             torch.testing.assert_close(out, _reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
     finally:
-        attention._torch_varlen_params.cache_clear()
+        backends._torch_varlen_params.cache_clear()
     if "enable_gqa" in signature.parameters:
         assert [b.get("enable_gqa", False) for b in bound] == [True, False]
 
@@ -636,10 +634,46 @@ def test_flash_attn_2_is_told_apart_from_flash_attn_4_in_the_same_folder(owners,
     for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"flash_attn": owners})
-    attention._flash_attn_fn.cache_clear()
+    kernels.flash_attn_fn.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention"):
-            assert attention._has_flash_attn() is offered
+        with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention_kernels"):
+            assert kernels.has_flash_attn() is offered
     finally:
-        attention._flash_attn_fn.cache_clear()
+        kernels.flash_attn_fn.cache_clear()
     assert not caplog.records
+
+
+# ------------------------------------------------------------------------- what a layer hands the attention
+def test_hf_packed_attention_applies_the_layers_window_and_softcap():
+    """The layer's sliding_window and softcap keywords reach the backend (a window no sample exceeds is dropped)."""
+    attention.set_backend("sdpa_block")
+    lengths = [9, 4]
+    q, k, v = (t.transpose(0, 1)[None] * 3 for t in _qkv(4, 2, dim=8))
+    q, k, v = (t[:, :, :sum(lengths)] for t in (q, k, v))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    flat = [t[0].transpose(0, 1) for t in (q, k, v)]
+    for window, softcap in ((3, None), (None, 0.5), (3, 0.5), (9, None)):
+        out, _ = hf_packed_attention(None, q, k, v, None, scaling=0.3, position_ids=position_ids,
+                                     sliding_window=window, softcap=softcap, use_cache=False)
+        expected = packed_attention(*flat, _cu(lengths), max(lengths), "sdpa_block", scale=0.3,
+                                    window=window if window and window < max(lengths) else None, softcap=softcap)
+        torch.testing.assert_close(out[0], expected)
+        plain = packed_attention(*flat, _cu(lengths), max(lengths), "sdpa_block", scale=0.3)
+        assert (window == 9) == torch.allclose(out[0], plain)  # each feature binds here, but a window of 9
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"s_aux": torch.zeros(4)}, r"asks its attention for attention sinks \(s_aux"),
+    ({"is_causal": False}, r"asks its attention for is_causal=False \(bidirectional attention\)"),
+    ({"attention_chunk": 8}, r"asks its attention for a 'attention_chunk' argument"),
+])
+def test_what_the_packed_attention_does_not_do_is_refused_in_one_line(kwargs, expected):
+    q = torch.zeros(1, 4, 6, 8)
+    with pytest.raises(UserError, match=expected) as err:
+        hf_packed_attention(torch.nn.Linear(1, 1), q, q, q, None, position_ids=torch.arange(6)[None], **kwargs)
+    assert str(err.value).startswith("Linear asks its attention") and "\n" not in str(err.value)
+    with pytest.raises(UserError, match="hands its attention its own mask"):
+        hf_packed_attention(None, q, q, q, torch.zeros(1, 1, 6, 6), position_ids=torch.arange(6)[None])
+    out, _ = hf_packed_attention(None, q, q, q, None, position_ids=torch.arange(6)[None], s_aux=None,
+                                 is_causal=True, use_cache=False, output_attentions=False)
+    assert out.shape == (1, 6, 4, 8)

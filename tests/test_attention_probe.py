@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from hbp_train.model import attention, attention_setup
+from hbp_train.model import attention_backends as backends
+from hbp_train.model import attention_backends as backends
+from hbp_train.model import attention_flex as flex
+from hbp_train.model import attention_kernels as kernels
 from hbp_train.model.attention_setup import HeadShape, probe_backend, select_backend
 
 CPU = torch.device("cpu")
@@ -23,7 +27,7 @@ SHAPE = HeadShape(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 
 
 def _right_kernel(q, k, v, cu, max_seqlen, scale):
-    return attention._sdpa_block(q, k, v, cu, max_seqlen, scale)
+    return backends._sdpa_block(q, k, v, cu, max_seqlen, scale)
 
 
 class _FirstOfGroup(torch.autograd.Function):
@@ -43,7 +47,7 @@ class _FirstOfGroup(torch.autograd.Function):
 def _gqa_unsummed_kernel(q, k, v, cu, max_seqlen, scale):
     """The right forward, wrong dk/dv."""
     groups = q.shape[1] // k.shape[1]
-    return attention._sdpa_block(q, _FirstOfGroup.apply(k, groups), _FirstOfGroup.apply(v, groups), cu, max_seqlen,
+    return backends._sdpa_block(q, _FirstOfGroup.apply(k, groups), _FirstOfGroup.apply(v, groups), cu, max_seqlen,
                                  scale)
 
 
@@ -53,7 +57,7 @@ def offered(monkeypatch):
     def offer(kernel=None):
         monkeypatch.setattr(attention_setup, "available_backends", lambda device, dtype=None: ["flex", "sdpa_block"])
         if kernel is not None:
-            monkeypatch.setitem(attention._BACKEND_FNS, "flex", kernel)
+            monkeypatch.setitem(backends._BACKEND_FNS, "flex", kernel)
     yield offer
     attention.set_backend("sdpa_block")
 
@@ -150,3 +154,79 @@ def test_a_kernel_that_fails_on_the_first_real_pack_gives_way_instead_of_crashin
         _pack_loss(named, [180, 120])
     assert str(err.value).startswith("model.attention_backend=flex fails on a pack of 300 tokens") and \
         "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------ the model's window and soft-cap
+def _ignores_the_window(q, k, v, cu, max_seqlen, scale, window=None, softcap=None):
+    return backends._sdpa_block(q, k, v, cu, max_seqlen, scale, softcap=softcap)
+
+
+def _window_one_key_too_long(q, k, v, cu, max_seqlen, scale, window=None, softcap=None):
+    """HF's window W taken as FlashAttention's left W (W + 1 keys): the off-by-one the conversion must avoid."""
+    return backends._sdpa_block(q, k, v, cu, max_seqlen, scale, window=window + 1 if window else None,
+                                softcap=softcap)
+
+
+def _ignores_the_softcap(q, k, v, cu, max_seqlen, scale, window=None, softcap=None):
+    return backends._sdpa_block(q, k, v, cu, max_seqlen, scale, window=window)
+
+
+def _right_with_features(q, k, v, cu, max_seqlen, scale, window=None, softcap=None):
+    return backends._sdpa_block(q, k, v, cu, max_seqlen, scale, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("kernel, shape, expected", [
+    (_ignores_the_window, HeadShape(4, 2, 16, 16, window=4096), "its output with sliding window 4096 differs"),
+    (_window_one_key_too_long, HeadShape(4, 2, 16, 16, window=256), "its output with sliding window 256 differs"),
+    (_ignores_the_softcap, HeadShape(4, 2, 16, 16, softcap=50.0), "its output with soft-cap 50 differs"),
+    (_ignores_the_softcap, HeadShape(4, 2, 16, 16, window=3, softcap=30.0),
+     "its output with sliding window 3 and soft-cap 30 differs"),
+])
+def test_the_probe_checks_the_models_window_and_softcap(offered, kernel, shape, expected):
+    """A kernel that drops the window, counts one key too many, or drops the soft-cap is refused, with a window far
+    longer than the probe's samples too (it probes at a window that binds on them) and a cap of 50 (its queries are
+    scaled so that the logits reach the cap); a kernel that applies both passes."""
+    offered(kernel)
+    why = probe_backend("flex", CPU, torch.float32, shape)
+    assert why is not None and why.startswith(expected), why
+    offered(_right_with_features)
+    assert probe_backend("flex", CPU, torch.float32, shape) is None
+
+
+def test_auto_skips_a_kernel_that_cannot_apply_a_feature_and_a_named_one_is_refused(offered, monkeypatch, caplog):
+    """feature_problem (a kernel without soft-capping, say): auto goes on to the next backend with one warning line,
+    without running it; the user's choice of it is one error line."""
+    from hbp_train.common.errors import UserError
+
+    offered(_right_with_features)
+    monkeypatch.setattr(attention_setup, "feature_problem",
+                        lambda name, window, softcap: "no soft-cap in this kernel" if softcap else None)
+    shape = HeadShape(4, 2, 16, 16, window=64, softcap=50.0)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention_setup"):
+        assert select_backend("auto", CPU, torch.float32, shape) == "sdpa_block"
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention backend flex is installed but failed its check here (it cannot apply this model's sliding window "
+        "64 and soft-cap 50: no soft-cap in this kernel); trying the next one"]
+    with pytest.raises(UserError, match=r"^attention backend 'flex' is installed but fails on this model's attention "
+                                        r"\(it cannot apply this model's sliding window 64 and soft-cap 50") as err:
+        select_backend("flex", CPU, torch.float32, shape)
+    assert "\n" not in str(err.value)
+    assert select_backend("flex", CPU, torch.float32, HeadShape(4, 2, 16, 16, window=64)) == "flex"
+
+
+def test_a_gemma2_model_is_probed_with_its_own_window_and_softcap(offered, caplog):
+    """build_model on a tiny Gemma 2 (windowed layers, soft-capping): auto leaves a kernel that ignores the window
+    for sdpa_block with one warning naming the window; the model's probe shape comes from its layers' calls."""
+    from hbp_train.model.families import tiny_config
+    from hbp_train.model.hf_model import ModelConfig, build_model
+
+    config = tiny_config("llama") | {"head_dim": 16, "sliding_window": 6}
+    assert HeadShape.of(build_model(ModelConfig(config=config, architecture="gemma2"), 256).config) == HeadShape(
+        4, 2, 16, 16, window=6, softcap=50.0)
+    offered(_ignores_the_window)
+    with caplog.at_level(logging.WARNING, logger="hbp_train.model.attention_setup"):
+        build_model(ModelConfig(config=config, architecture="gemma2"), vocab_size=256)
+    assert attention.get_backend() == "sdpa_block"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("attention backend flex is installed but failed its check here (its output with sliding "
+                           "window 6 and soft-cap 50 differs from sdpa_block"), line

@@ -181,6 +181,26 @@ def test_sp_degrees_the_models_heads_cannot_split_are_refused_before_any_worker_
     capsys.readouterr()
 
 
+def test_a_model_feature_the_packed_path_refuses_is_refused_before_any_worker_starts(tmp_path, capsys):
+    """Issue 43: a refusal of the model (here Gemma 3 made bidirectional; windows and soft-caps train) used to come
+    from rank 0 after torchrun and DeepSpeed started; python -m hbp_train.config, which ./launch.sh train runs first,
+    now says it in one line, exit 2. A windowed, soft-capped Gemma 2 passes."""
+    from tests.assets.packed_fixture import synthetic_samples, write_packed
+
+    shards = write_packed(str(tmp_path / "packed"), synthetic_samples(4, 100), [{"group": 0, "replicas": [[[0, 1]]]}],
+                          1)
+    gemma = ["model.architecture=gemma3_text", "++model.config.head_dim=16", "++model.config.sliding_window=4"]
+    capsys.readouterr()
+    assert config.main([f"data.shards={shards}", f"train.out_dir={tmp_path}/run", *gemma,
+                        "++model.config.use_bidirectional_attention=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: gemma3_text (model.architecture / "
+                                                   "model.name_or_path): its attention (Gemma3Attention) asks for "
+                                                   "bidirectional attention"), err
+    assert config.main([f"data.shards={shards}", f"train.out_dir={tmp_path}/run", "model.architecture=gemma2",
+                        "++model.config.head_dim=16", "++model.config.sliding_window=4"]) == 0
+
+
 def test_the_planned_sp_degrees_are_read_from_the_plans_head_or_its_binary_header(tmp_path):
     """The check reads only the groups: the top of plan.json (the steps of a large plan are never parsed) or the
     JSON header of plan.npz."""

@@ -94,3 +94,21 @@ def test_launch_sh_picks_a_free_port_on_one_node_and_a_fixed_one_only_when_asked
     assert 'if [ "${NNODES:-1}" = 1 ] && [ -z "${MASTER_PORT:-}" ]; then' in train
     standalone = train[train.index("--standalone"):]
     assert standalone.index("--standalone") < standalone.index("--master_port")
+
+
+def test_a_user_error_recorded_before_a_sigterm_ends_in_its_line_and_exit_2():
+    """The race behind a refusal made on a worker ending "signal 15", exit 1, on one run and exit 2 on the next:
+    rank 0 records its one-line error (hbp_train.train does before tearing down), then is still tearing down when
+    its peer, whose collective the tear-down broke, exits 1 first; torchrun stops rank 0 with SIGTERM. The line is
+    rank 0's and the exit code the one it recorded."""
+    record = ('{"message": "error: gemma2 (model.architecture): its attention asks for x", "timestamp": 1, '
+              '"exitcode": 2}')
+    worker = (f'if [ "$RANK" = 0 ]; then printf \'{record}\' > "$TORCHELASTIC_ERROR_FILE"; exec sleep 60; '
+              'else sleep 2; exit 1; fi')
+    proc = subprocess.run([sys.executable, "-m", "hbp_train.launch", "--standalone", "--nproc_per_node", "2",
+                           "--no-python", "sh", "-c", worker], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=ENV)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("[launch] sh failed on rank 0 (exit code 2): error: gemma2"), proc.stderr
+    assert "Traceback" not in proc.stderr

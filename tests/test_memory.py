@@ -225,7 +225,7 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, lig
     (model/levers.py)."""
     import torch
 
-    from hbp_train.model import attention
+    from hbp_train.model import attention_backends as attention
     from hbp_train.build import PackedCausalLM
     from hbp_train.model.loss import token_loss_weights
     from hbp_train.model.hf_model import ModelConfig, build_model, set_checkpointed_layers
@@ -250,7 +250,7 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, lig
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     module = PackedCausalLM(model, chunk_size=64, fused_loss=True)
     plain = attention._BACKEND_FNS["sdpa_block"]
-    if backend == "torch_varlen":  # the varlen glue of attention.py, on the CPU kernel of the cpu_varlen fixture
+    if backend == "torch_varlen":  # the varlen glue of attention_backends.py, on the CPU kernel of the cpu_varlen fixture
         attention._BACKEND_FNS["sdpa_block"] = attention._torch_varlen
     try:
         objective = None

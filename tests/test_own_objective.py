@@ -19,8 +19,13 @@ from hbp_train.model.families import tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "data_tools" / "assets" / "tokenizer"
-FAMILIES = ("granite", "cohere")
+FAMILIES = ("granite", "cohere", "gemma3_text", "gemma2", "mistral")
 STEPS = 2
+# Sliding windows of 128-256 tokens (Gemma 3's sliding layers, Gemma 2's beside its attention soft-capping, Mistral's
+# in every layer), which the ~1K-token samples of the data exceed.
+CONFIG = {"gemma3_text": {"sliding_window": 256}, "gemma2": {"sliding_window": 128}, "mistral": {"sliding_window": 128}}
+MAX_LEN = 1536  # with positions for it in every family
+
 
 
 def save_model(family: str, folder: Path) -> None:
@@ -29,7 +34,8 @@ def save_model(family: str, folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    config = AutoConfig.for_model(family, **tiny_config(family, vocab_size=len(tokenizer)),
+    fields = tiny_config(family, vocab_size=len(tokenizer), max_position_embeddings=MAX_LEN, **CONFIG.get(family, {}))
+    config = AutoConfig.for_model(family, **fields,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -53,13 +59,14 @@ def _train_and_export(rank, world_size, root: str, families=FAMILIES):
     return True
 
 
-def export_token_mean_loss(export_dir: Path, dataset_dir: Path) -> tuple[float, int]:
-    """The export's own loss: HF forward(labels=...) per sample, token-weighted over the samples' label tokens."""
+def export_token_mean_loss(export_dir: Path, dataset_dir: Path, **config) -> tuple[float, int]:
+    """The export's own loss: HF forward(labels=...) per sample, token-weighted over the samples' label tokens;
+    ``config``: fields changed in the export's config (its weights kept)."""
     import torch
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(export_dir, **config).eval()
     total, tokens = 0.0, 0
     for row in load_from_disk(str(dataset_dir)):
         labels = torch.tensor(row["labels"])
@@ -77,14 +84,17 @@ def test_trainer_heldout_loss_is_the_exports_own_loss(tmp_path):
     from eval.run import main as eval_main
     from tests.distributed import run_distributed
 
+    records = make_demo_data.generate(24, max_tokens=200, seed=5)
+    records += make_demo_data.generate(4, max_tokens=1400, seed=8, long_fraction=1.0)  # ~1K tokens: past the windows
     with open(tmp_path / "chats.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in make_demo_data.generate(24, max_tokens=200, seed=5))
+        f.writelines(json.dumps(r) + "\n" for r in records)
     for family in FAMILIES:
         save_model(family, tmp_path / family / "model")
     assert preprocess.main(["--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "tok"),
-                            "--tokenizer", str(TOKENIZER_DIR), "--max-len", "256"]) == 0
-    assert pack.main(["--dataset", str(tmp_path / "tok"), "--shards", str(tmp_path / "packed"), "--max-len", "256",
-                      "--world-size", "1", "--groups", "256:1", "--global-tokens", "512", "--quiet"]) == 0
+                            "--tokenizer", str(TOKENIZER_DIR), "--max-len", str(MAX_LEN)]) == 0
+    assert pack.main(["--dataset", str(tmp_path / "tok"), "--shards", str(tmp_path / "packed"), "--max-len",
+                      str(MAX_LEN), "--world-size", "1", "--groups", f"256:1,{MAX_LEN}:1", "--global-tokens", "1536",
+                      "--quiet"]) == 0
     assert run_distributed(_train_and_export, 1, str(tmp_path), timeout=600) == [True]
 
     differ = []  # both families named, with their numbers
@@ -94,6 +104,9 @@ def test_trainer_heldout_loss_is_the_exports_own_loss(tmp_path):
         assert len(rows) == STEPS and all("loss/eval" not in r for r in rows[:-1])  # trained, then evaluated
         own_loss, own_tokens = export_token_mean_loss(tmp_path / family / "export", tmp_path / "tok")
         assert trainer_tokens == own_tokens  # the same samples' label tokens
+        if family in CONFIG:  # the window binds: without it the export's own loss is another
+            unwindowed, _ = export_token_mean_loss(tmp_path / family / "export", tmp_path / "tok", sliding_window=4096)
+            assert abs(unwindowed - own_loss) > 1e-4 * own_loss, (family, unwindowed, own_loss)
         assert eval_main(["offline", "--model", str(tmp_path / family / "export"), "--dataset", str(tmp_path / "tok"),
                           "--no-needle", "--out", str(tmp_path / family / "eval"), "--no-progress"]) == 0
         evaluated = json.loads((tmp_path / family / "eval" / "results.json").read_text())["perplexity"]

@@ -221,7 +221,7 @@ def _kernel_imports(impl: str) -> bool:
     """transformers offers the flash implementation ``impl`` here and its kernel module imports."""
     import transformers.utils as tu
 
-    from hbp_train.model.attention import _import_kernel
+    from hbp_train.model.attention_kernels import import_kernel as _import_kernel
 
     version, module, attr = HF_FLASH_KERNELS[impl]
     if not getattr(tu, f"is_flash_attn_{version}_available", lambda: False)():

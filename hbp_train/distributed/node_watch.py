@@ -322,9 +322,15 @@ class NodeWatch:
 
 def failure_record(failure) -> dict:
     """A torchrun ProcessFailure as plain values; its message only when the worker wrote it (torchrun makes one up
-    when there is no error file, not worth repeating)."""
-    message = failure.message if isinstance(failure.message, str) and os.path.isfile(failure.error_file) else ""
-    return {"exitcode": int(failure.exitcode), "message": message, "timestamp": int(failure.timestamp)}
+    when there is no error file, not worth repeating), and the exit code the worker recorded with it
+    (hbp_train.train records it before its tear-down, during which torchrun may stop it with SIGTERM: the code it
+    chose is the run's, not the signal's)."""
+    written = isinstance(failure.message, str) and os.path.isfile(failure.error_file)
+    data = failure.error_file_data if written and isinstance(failure.error_file_data, dict) else {}
+    recorded = data.get("exitcode")
+    chosen = isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0
+    code = recorded if chosen else failure.exitcode
+    return {"exitcode": int(code), "message": failure.message if written else "", "timestamp": int(failure.timestamp)}
 
 
 def blame(local: dict, notes: dict, silent: list) -> tuple:

@@ -1,7 +1,9 @@
 """What is trained: the Hugging Face model, its packed attention, its kernels and its loss.
 
-hf_model.py the model config and build (weights, per-layer checkpointing) · attention.py packed variable-length
-attention backends · attention_setup.py which backend runs (probe, selection) and installing it on a model ·
+hf_model.py the model config and build (weights, per-layer checkpointing) · attention.py the packed attention as
+transformers calls it · attention_backends.py its backends (windows, soft-caps) · attention_kernels.py the kernels'
+imports · attention_flex.py FlexAttention's pack mask · attention_calls.py what a model's layers ask of their
+attention (meta device) · attention_setup.py which backend runs (probe, selection) and installing it on a model ·
 kernels.py fused or compiled decoder kernels (Liger, torch.compile) · loss.py the LM-head cross-entropy and its
 normalisers · ulysses.py DeepSpeed-Ulysses sequence parallelism around the attention (split, loss across the SP
 group) · rope.py per-sample RoPE (a length-dependent RoPE from each sample's own length) · moe.py the MoE

@@ -1,11 +1,13 @@
 """Which packed attention backend runs, and installing it on a Hugging Face model.
 
-`available_backends` lists the backends hbp_train/model/attention.py implements that are installed and usable on
-a device, in preference order; "auto" (`select_backend`) takes the first that also passes `probe_backend` (a small
-packed forward and backward on the device with the model's head shape, output and q/k/v gradients checked against
-sdpa_block), so a kernel that imports but cannot run this model is skipped with one warning line instead of failing
-at the first step; the backends after the chosen one are handed to attention.py as what a kernel that still fails
-on the first real pack gives way to (`attention.set_fallbacks`).
+`available_backends` lists the backends hbp_train/model/attention_backends.py implements that are installed and
+usable on a device, in preference order; "auto" (`select_backend`) takes the first that also passes `probe_backend`
+(a small packed forward and backward on the device with the model's head shape and the features its layers ask
+for: a sliding window, a soft-cap; output and q/k/v gradients checked against sdpa_block), so a kernel that imports
+but cannot run this model is skipped with one warning line instead of failing at the first step (one that cannot
+apply a feature at all, `attention_backends.feature_problem`, is skipped without running); a kernel the user named
+is refused in one line instead. The backends after the chosen one are handed to attention.py as what a kernel that
+still fails on the first real pack gives way to (`attention.set_fallbacks`).
 `describe_backend` names the kernel, its library and version for the start-of-run log. `register_packed_attention`
 installs `attention.hf_packed_attention` on a model under the name "hbp_packed" with the chosen backend.
 """
@@ -20,6 +22,8 @@ import torch
 
 from hbp_train.common.errors import UserError
 from hbp_train.model import attention
+from hbp_train.model import attention_kernels as kernels
+from hbp_train.model.attention_backends import feature_problem
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +40,18 @@ def available_backends(device: torch.device, dtype: torch.dtype | None = None) -
     device = torch.device(device)
     found = []
     if device.type == "cuda":
-        half = dtype is None or dtype in attention.HALF_DTYPES
-        major = _capability_major(device) if half and (attention._fa3_fn() is not None or attention._fa4_registered()) else None
-        if major in attention.FA3_CAPABILITIES and attention._fa3_fn() is not None:
+        half = dtype is None or dtype in kernels.HALF_DTYPES
+        flash = half and (kernels.fa3_fn() is not None or kernels.fa4_registered())
+        major = _capability_major(device) if flash else None
+        if major in kernels.FA3_CAPABILITIES and kernels.fa3_fn() is not None:
             found.append("fa3")
-        if major in attention.FA4_CAPABILITIES and attention._fa4_registered():
+        if major in kernels.FA4_CAPABILITIES and kernels.fa4_registered():
             found.append("fa4")
-        if half and attention._has_flash_attn():
+        if half and kernels.has_flash_attn():
             found.append("flash_varlen")
-        if half and attention._torch_varlen_fn() is not None:
+        if half and kernels.torch_varlen_fn() is not None:
             found.append("torch_varlen")
-        if attention._has_flex():
+        if kernels.has_flex():
             found.append("flex")
     found.append("sdpa_block")
     return found
@@ -54,30 +59,58 @@ def available_backends(device: torch.device, dtype: torch.dtype | None = None) -
 
 @dataclass(frozen=True)
 class HeadShape:
-    """What a probe call needs of the model's attention: query heads, key/value heads, q/k and v head dims."""
+    """What a probe call needs of the model's attention: query heads, key/value heads, q/k and v head dims, and the
+    features its layers ask for (the smallest sliding window, a soft-cap; None: none)."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    window: int | None = None
+    softcap: float | None = None
 
     @classmethod
     def of(cls, hf_config) -> "HeadShape":
-        """From an HF config: GQA heads, an explicit head_dim, or MLA's (qk_nope + qk_rope, v_head_dim)."""
+        """From what the model's layers hand the attention function (attention_calls.py: the real heads and
+        features); from the config's fields when its forward cannot be recorded (GQA heads, an explicit head_dim, or
+        MLA's qk_nope + qk_rope and v_head_dim)."""
+        from hbp_train.model.attention_calls import attention_calls
+
+        calls = attention_calls(hf_config)
+        if calls.heads is not None:
+            windows, softcaps = calls.windows, calls.softcaps
+            return cls(*calls.heads, window=min(windows) if windows else None,
+                       softcap=min(softcaps) if softcaps else None)
         heads = int(hf_config.num_attention_heads)
         kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        softcap = getattr(hf_config, "attn_logit_softcapping", None)
+        features = dict(window=getattr(hf_config, "sliding_window", None) or None,
+                        softcap=float(softcap) if softcap else None)
         if getattr(hf_config, "qk_rope_head_dim", None) is not None:  # MLA
             qk = int(hf_config.qk_nope_head_dim) + int(hf_config.qk_rope_head_dim)
-            return cls(heads, kv, qk, int(hf_config.v_head_dim))
+            return cls(heads, kv, qk, int(hf_config.v_head_dim), **features)
         dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
-        return cls(heads, kv, dim, dim)
+        return cls(heads, kv, dim, dim, **features)
+
+    def features(self) -> str:
+        """The features a probe checks, named for a message ("" when none)."""
+        named = [f"sliding window {self.window}" if self.window else "", f"soft-cap {self.softcap:g}" if
+                 self.softcap else ""]
+        return " and ".join(n for n in named if n)
+
+
+# The probe's window: small, so that a kernel off by one key (HF's window W is W keys, FlashAttention's left W - 1)
+# changes its output far beyond the tolerance.
+PROBE_WINDOW = 8
 
 
 def probe_backend(backend: str, device: torch.device, dtype: torch.dtype, shape: HeadShape) -> str | None:
     """None if ``backend`` runs a small packed forward and backward of this head shape on ``device`` and matches
     sdpa_block on the same inputs (computed in fp32) in its output and in the gradients of q, k and v (a kernel can
     be right forward and wrong backward, e.g. dk/dv not summed over a query group); else the reason, in one line.
-    Leaves the backend chosen before the call active.
+    With the model's features: a sliding window (probed at PROBE_WINDOW keys, so that it binds on the probe's
+    samples) and a soft-cap (the model's, with queries scaled so that the logits reach it). Leaves the backend chosen
+    before the call active.
 
     Everything is made inside the ``try``, on the host then moved to ``device``: a caller may build its model under
     a default device (``with torch.device("cuda")``), where a tensor made without a device lands on that device and
@@ -85,22 +118,28 @@ def probe_backend(backend: str, device: torch.device, dtype: torch.dtype, shape:
     previous = attention.get_backend()
     lengths = (48, 80)  # two samples: a boundary is crossed if the kernel ignores cu_seqlens
     num_tokens = sum(lengths)
+    features = {}
+    if shape.window:
+        features["window"] = min(shape.window, PROBE_WINDOW)
+    if shape.softcap:
+        features["softcap"] = shape.softcap
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
 
-        def make(heads, dim):  # the same values on every device: made on the host, whatever the default device
-            return torch.randn(num_tokens, heads, dim, generator=gen, device="cpu").to(device, dtype)
+        def make(heads, dim, size=1.0):  # the same values on every device: made on the host, whatever the default
+            return (torch.randn(num_tokens, heads, dim, generator=gen, device="cpu") * size).to(device, dtype)
 
-        qkv = [make(shape.num_heads, shape.head_dim), make(shape.num_kv_heads, shape.head_dim),
+        # scaled logits of about the soft-cap's size: capped or not, the softmax differs
+        qkv = [make(shape.num_heads, shape.head_dim, shape.softcap or 1.0), make(shape.num_kv_heads, shape.head_dim),
                make(shape.num_kv_heads, shape.v_head_dim)]
         grad_out = make(shape.num_heads, shape.v_head_dim)
         cu = torch.tensor([0, lengths[0], num_tokens], dtype=torch.int32, device=device)
         attention.set_backend(backend)
         inputs = [x.clone().requires_grad_() for x in qkv]
-        out = attention.packed_attention(*inputs, cu, max(lengths), backend)
+        out = attention.packed_attention(*inputs, cu, max(lengths), backend, **features)
         grads = torch.autograd.grad(out, inputs, grad_out)
         ref_inputs = [x.detach().float().requires_grad_() for x in qkv]
-        ref = attention.packed_attention(*ref_inputs, cu, max(lengths), "sdpa_block")
+        ref = attention.packed_attention(*ref_inputs, cu, max(lengths), "sdpa_block", **features)
         ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.float())
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             return "its backward gave non-finite gradients"
@@ -114,12 +153,13 @@ def probe_backend(backend: str, device: torch.device, dtype: torch.dtype, shape:
         attention.set_backend(previous)
     half = dtype != torch.float32
     tolerance, grad_tolerance = (5e-2, 5e-2) if half else (1e-4, 1e-3)  # fp16/bf16 inputs, fp32 reference
+    with_features = f" with {shape.features()}" if features else ""
     if error > tolerance:
-        return f"its output differs from sdpa_block by {error:.3g} (> {tolerance})"
+        return f"its output{with_features} differs from sdpa_block by {error:.3g} (> {tolerance})"
     for name, grad_error in zip("qkv", grad_errors):
         if grad_error > grad_tolerance:
-            return (f"its {name} gradient differs from sdpa_block's by {grad_error:.3g} of its largest element "
-                    f"(> {grad_tolerance})")
+            return (f"its {name} gradient{with_features} differs from sdpa_block's by {grad_error:.3g} of its largest "
+                    f"element (> {grad_tolerance})")
     return None
 
 
@@ -128,8 +168,9 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype | No
     """Resolve "auto" to the best available backend; raise UserError for an unknown or unusable name (the name comes
     from the user: model.attention_backend, a --backend flag).
 
-    With the model's head ``shape`` (and a dtype), every GPU kernel considered is probed first (`probe_backend`):
-    "auto" skips one that fails with a warning line naming why; a requested one that fails is a UserError.
+    With the model's head ``shape`` (and a dtype), every GPU kernel considered is checked first: one that cannot
+    apply the model's window or soft-cap at all (`feature_problem`) and one that fails its probe (`probe_backend`)
+    are skipped by "auto" with a warning line naming why; a requested one is a UserError instead.
     """
     available = available_backends(device, dtype)
     if requested == "auto":
@@ -149,16 +190,20 @@ def select_backend(requested: str, device: torch.device, dtype: torch.dtype | No
         )
     why = _probe_if_needed(requested, device, dtype, shape)
     if why is not None:
-        raise UserError(f"attention backend {requested!r} is installed but fails on this model's attention shape "
-                        f"({why}); available here: {', '.join(available)} (or 'auto')")
+        raise UserError(f"attention backend {requested!r} is installed but fails on this model's attention ({why}); "
+                        f"available here: {', '.join(available)} (or 'auto')")
     return requested
 
 
 def _probe_if_needed(name: str, device, dtype, shape) -> str | None:
-    """The probe's verdict for a kernel when the shape is known; sdpa_block (exact) and calls without a shape are not
-    probed. (On the host sdpa_block is the only backend offered, so in practice only GPU kernels are probed.)"""
+    """Why ``name`` cannot run this model's attention: a feature it cannot apply, or its probe's verdict, when the
+    shape is known; sdpa_block (exact, every feature) and calls without a shape are not probed. (On the host
+    sdpa_block is the only backend offered, so in practice only GPU kernels are probed.)"""
     if shape is None or dtype is None or name == "sdpa_block":
         return None
+    problem = feature_problem(name, bool(shape.window), bool(shape.softcap))
+    if problem:
+        return f"it cannot apply this model's {shape.features()}: {problem}"
     return probe_backend(name, torch.device(device), dtype, shape)
 
 

@@ -1,13 +1,25 @@
 """The up-front compatibility check: an attention or loss feature of the model that the packed path cannot
 honour is refused before any weight is loaded, in one line naming the feature, the family and what would work.
 
-`check_model_support` reads the HF config (no weights) and the model's modules built on the meta device (no
-memory), so the rule is about features, never about family names:
+`check_model_support` reads the HF config (no weights), the model's modules built on the meta device (no
+memory) and what its layers hand the attention function in one meta forward (hbp_train/model/attention_calls.py),
+so the rule is about features, never about family names. Implemented exactly, per layer as the model calls its
+attention: sliding windows (Mistral's one window, Gemma's and Qwen2's sliding layers) and attention logit
+soft-capping (Gemma 2). Refused, each in one line (`check_attention`):
 
-* sliding-window attention: the packed attention is plain causal within each sample, which equals a sliding
-  window only when no sample is longer than the window; a plan whose samples may be longer is refused;
-* attention sinks (a learned per-head logit, a ``sinks`` parameter of the attention module): not implemented;
-* attention logit soft-capping (``attn_logit_softcapping``): no packed backend implements it;
+* attention sinks (gpt-oss's learned per-head logit, ``s_aux``), a layer's own mask, bidirectional attention, any
+  keyword the packed attention does not read (`attention.unsupported_kwarg`);
+* layers that mix tokens without the attention function: linear attention, state-space and convolution layers
+  (Qwen3-Next, Mamba hybrids), told by the decoder layers that make no attention call, by transformers'
+  ``layer_types`` names and by a Conv1d inside the decoder; a model whose attention does not go through transformers'
+  attention-function interface at all;
+* attention patterns transformers builds into the mask only, which the packed attention (given no mask) would drop:
+  chunked attention (Llama 4's ``attention_chunk_size``) on samples longer than a chunk, and the other mask-only
+  kinds of ``layer_types`` (sparse, indexed, windowed-ViT attention); Llama 4's attention temperature tuning (its
+  NoPE layers scale queries by the position in the whole pack, not in the sample);
+* a forward that does not read position_ids (positions counted over the whole pack: told by giving it one
+  position too many on the meta device, which a model that reads them cannot add to its tokens);
+* a backend named by the user that cannot apply the model's window or soft-cap;
 * an LM head whose logits the loss does not reproduce: the loss (model/loss.py) applies the head's weight and bias
   itself, then what the model's own forward applies to the logits before its loss, as ``logit_head_of`` reads it
   from the config: Granite's ``logits_scaling`` (HF divides the logits by it; also Granite-MoE, MiniCPM3, which
@@ -17,7 +29,8 @@ memory), so the rule is about features, never about family names:
   output given, a small real head in place of its LM head, on the CPU) and refuses the model when its logits are
   not ours (another transform, a sliced vocabulary, a head that is not a linear layer);
 * attention dropout: the packed attention has none;
-* an SP degree Ulysses cannot split the heads by (perf.shape.sp_heads_problem).
+* an SP degree Ulysses cannot split the heads by (perf.shape.sp_heads_problem), the heads counted on the tensors the
+  layers hand over (a config field the family does not read changes nothing).
 
 `check_positions` refuses samples longer than the model's positions (positions restart at 0 in every sample of a
 pack, so the longest sample counts, not the pack), unless RoPE scaling in the config extends them: then it says so,
@@ -34,49 +47,128 @@ from typing import Iterable, Optional
 import torch
 
 from hbp_train.common.errors import UserError
+from hbp_train.model.attention_backends import feature_problem
+from hbp_train.model.attention_calls import AttentionCalls, attention_calls
 from hbp_train.model.loss import LogitHead
-from hbp_train.perf.shape import parse_model_shape, sp_degrees_that_work, sp_heads_problem
+from hbp_train.perf.shape import sp_degrees_that_work, sp_heads_problem
 
 
-def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int], backend: str) -> None:
-    """Raise a one-line UserError if the packed path cannot train this model as configured.
+def check_model_support(hf_config, longest_sample: int, sp_degrees: Iterable[int], backend: str) -> AttentionCalls:
+    """Raise a one-line UserError if the packed path cannot train this model as configured; else return what its
+    layers hand the attention function (their heads: model/ulysses.py sizes its all-to-all by them).
 
     ``longest_sample``: the longest sample the plan may put in a pack; ``sp_degrees``: the plan's SP degrees;
-    ``backend``: the packed attention backend (named in the message).
+    ``backend``: the packed attention backend (model.attention_backend).
     """
     family = getattr(hf_config, "model_type", "this model")
     where = f"{family} (model.architecture / model.name_or_path)"
-    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
-        raise UserError(f"{where}: attention logit soft-capping (attn_logit_softcapping="
-                        f"{hf_config.attn_logit_softcapping}) is not implemented by the packed attention backends (any "
-                        f"of them; backend {backend}); set model.config.attn_logit_softcapping=null to train without "
-                        "it (the model then differs from the pretrained one), or use a model without it")
     if float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
         raise UserError(f"{where}: attention dropout ({hf_config.attention_dropout}) is not implemented by the packed "
                         "attention; set model.config.attention_dropout=0")
     head = logit_head_of(hf_config)  # its values checked before the model is built
+    calls = attention_calls(hf_config)
     model = _meta_model(hf_config)
+    check_attention(hf_config, calls, model, longest_sample, backend, where)
+    check_sp_degrees(hf_config, sp_degrees, where)
+    check_logit_head(model, head, where)
+    return calls
+
+
+# transformers' layer_types (configuration_utils.ALLOWED_ATTN_LAYER_TYPES) whose layers mix tokens without attention,
+# and those whose attention pattern lives in the mask transformers builds (which a custom attention is not given).
+TOKEN_MIXING_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+MASK_ONLY_LAYER_TYPES = ("window_attention", "indexed_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention", "minimax_m3_sparse", "reference_sliding_attention")
+PACKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "moe", "sparse", "dense")
+
+
+def check_attention(hf_config, calls: AttentionCalls, model, longest_sample: int, backend: str, where: str) -> None:
+    """UserError (one line, from ``where``) for the first thing the model's attention asks that the packed attention
+    would not do exactly (the module's docstring lists them); ``calls``: its recorded attention calls, ``model``:
+    the causal LM on the meta device."""
     modules = list(model.modules())
     if any(name.split(".")[-1] == "sinks" for m in modules for name, _ in m.named_parameters(recurse=False)):
         raise UserError(f"{where}: attention sinks (a learned per-head 'sinks' logit) are not implemented by the "
-                        f"packed attention (backend {backend}); use a model without them")
-    window = _smallest_window(hf_config, modules)
-    if window is not None and longest_sample > window:
-        raise UserError(f"{where}: sliding-window attention (sliding_window={window}) is not implemented by the "
-                        f"packed attention (backend {backend}) and the plan's samples reach {longest_sample} tokens; "
-                        f"re-plan with samples of at most {window} tokens (data_tools.preprocess/pack --max-len "
-                        f"{window}), or set model.config.sliding_window=null (full causal attention)")
-    check_sp_degrees(hf_config, sp_degrees, where)
-    check_logit_head(model, head, where)
+                        f"packed attention; use a model without them")
+    softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise UserError(f"{where} (model.config.attn_logit_softcapping): must be a positive number or null, got "
+                        f"{softcap!r}")
+    types = set(calls.layer_types)
+    mixing = sorted(types & set(TOKEN_MIXING_LAYER_TYPES))
+    decoder = getattr(model.base_model, "layers", model.base_model)
+    convolutions = [type(m).__name__ for m in decoder.modules() if isinstance(m, torch.nn.Conv1d)]
+    if mixing or convolutions or calls.silent_layers:
+        what = (f"layer_types {', '.join(mixing)}" if mixing else f"a convolution over the tokens ({convolutions[0]})"
+                if convolutions else f"{len(calls.silent_layers)} of its {calls.num_layers} decoder layers make no "
+                f"attention call")
+        raise UserError(f"{where}: layers that mix tokens without attention (linear attention, state-space or "
+                        f"convolution layers: {what}) would run over a pack as one sequence, across its samples; "
+                        "use a model of attention layers only (docs/models.md)")
+    if not calls.failed and not calls.calls:
+        raise UserError(f"{where}: its attention does not go through transformers' attention-function interface, "
+                        "so the packed attention cannot keep a pack's samples apart; use a family of docs/models.md")
+    if calls.reads_positions is False:
+        raise UserError(f"{where}: its forward does not read position_ids (it counts positions over the whole pack, "
+                        "not per sample), so every sample after a pack's first would see other positions; use a "
+                        "family of docs/models.md")
+    blind = next((c for c in calls.calls if not c.boundaries), None)
+    if blind is not None:
+        raise UserError(f"{where}: its attention ({blind.module}) is not handed position_ids nor the pack's "
+                        "boundaries, so the packed attention cannot keep a pack's samples apart; use a family of "
+                        "docs/models.md")
+    problem = next((c for c in calls.calls if c.problems), None)
+    if problem is not None:
+        raise UserError(f"{where}: its attention ({problem.module}) asks for {problem.problems[0]}, which the packed "
+                        f"attention does not implement; use a model without it")
+    pattern = sorted(types - set(PACKED_LAYER_TYPES))
+    if pattern:
+        raise UserError(f"{where}: attention of kind {', '.join(pattern)} (model.config.layer_types) is built into "
+                        "the mask transformers makes, which the packed attention does not apply; use a model with "
+                        "full or sliding-window attention")
+    chunk = getattr(hf_config, "attention_chunk_size", None)
+    if "chunked_attention" in types and chunk and longest_sample > chunk:
+        raise UserError(f"{where}: chunked attention (attention_chunk_size={chunk}) is not implemented by the packed "
+                        f"attention and the plan's samples reach {longest_sample} tokens; re-plan with samples of at "
+                        f"most {chunk} tokens (data_tools.preprocess/pack --max-len {chunk})")
+    if getattr(hf_config, "attn_temperature_tuning", False) and not all(getattr(hf_config, "no_rope_layers", [1])):
+        raise UserError(f"{where}: attention temperature tuning (attn_temperature_tuning) scales its NoPE layers' "
+                        "queries by the position in the whole pack, not in the sample; set "
+                        "model.config.attn_temperature_tuning=false (the model then differs from the pretrained one)")
+    window = min(calls.windows) if calls.windows else None
+    softcaps = calls.softcaps or ({float(softcap)} if softcap and calls.failed else set())
+    if backend != "auto":
+        why = feature_problem(backend, window is not None and longest_sample > window, bool(softcaps))
+        if why:
+            features = " and ".join(f for f in (f"sliding window {window}" if window else "",
+                                                f"soft-cap {min(softcaps):g}" if softcaps else "") if f)
+            raise UserError(f"model.attention_backend={backend} cannot apply {where.split(' ')[0]}'s {features} "
+                            f"({why}); choose auto or a backend of docs/gpu.md that takes them")
 
 
 def check_sp_degrees(hf_config, sp_degrees: Iterable[int], where: str) -> None:
-    """UserError (one line, from ``where``) for the first SP degree Ulysses cannot split the model's heads by."""
-    shape = parse_model_shape(hf_config)
-    for sp in sorted(set(sp_degrees)):
-        problem = sp_heads_problem(shape.num_heads, shape.num_kv_heads, sp)
+    """UserError (one line, from ``where``) for the first SP degree Ulysses cannot split the model's heads by: the
+    heads its layers hand the attention function (attention_calls.py), whose shapes must be the same in every layer
+    for one all-to-all."""
+    from hbp_train.model.attention_calls import attention_heads
+
+    degrees = sorted(set(sp_degrees))
+    if degrees == [1] or not degrees:  # nothing to split
+        return
+    calls = attention_calls(hf_config)
+    if any(sp > 1 for sp in degrees) and calls.calls and calls.heads is None:
+        shapes = sorted({(c.num_heads, c.num_kv_heads) for c in calls.calls})
+        raise UserError(f"{where}: its layers have different heads ({shapes}), which Ulysses' one all-to-all per "
+                        "degree cannot split; train it at sp=1 (data_tools.pack --groups LEN:1)")
+    blind = next((c for c in calls.calls if "position_ids" not in c.boundaries), None)
+    if any(sp > 1 for sp in degrees) and blind is not None:
+        raise UserError(f"{where}: its attention ({blind.module}) is not handed position_ids, which Ulysses needs to "
+                        "keep the gathered samples apart; train it at sp=1 (data_tools.pack --groups LEN:1)")
+    num_heads, num_kv_heads = attention_heads(hf_config)[:2]
+    for sp in degrees:
+        problem = sp_heads_problem(num_heads, num_kv_heads, sp)
         if problem:
-            good = sp_degrees_that_work(shape.num_heads, shape.num_kv_heads)
+            good = sp_degrees_that_work(num_heads, num_kv_heads)
             raise UserError(f"{where}: {problem} (SP degrees that work: {', '.join(map(str, good))}; "
                             "data_tools.pack --groups)")
 
@@ -264,14 +356,3 @@ def _meta_model(hf_config):
 
     with torch.device("meta"):  # eager: every model supports it (some not sdpa); the attention is not used here
         return AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
-
-
-def _smallest_window(hf_config, modules) -> int | None:
-    """The smallest sliding window any attention layer applies: the layers' own ``sliding_window`` (Gemma,
-    Qwen2 with use_sliding_window) when they have one, else the config's (Mistral, Mixtral)."""
-    per_layer = [m.sliding_window for m in modules if hasattr(m, "sliding_window") and not hasattr(m, "layers")]
-    if per_layer:
-        windows = [w for w in per_layer if w]
-    else:
-        windows = [getattr(hf_config, "sliding_window", None)] if getattr(hf_config, "sliding_window", None) else []
-    return min(windows) if windows else None

@@ -8,7 +8,8 @@ family.
 
 Each entry is ``model.config`` for ``model.architecture=<name>``: small enough for a CPU test, but keeping what
 makes the family different (GQA, kv heads fewer than SP=2, q/k norms, MoE routing, MLA's latent projections with
-unequal q/k and v head dims, sliding-window layers, tied embeddings, and what the head does to the logits: Granite
+unequal q/k and v head dims, sliding windows shorter than the tests' longest samples, per layer or in every layer,
+attention logit soft-capping, tied embeddings, and what the head does to the logits: Granite
 divides them by logits_scaling, Cohere multiplies them by logit_scale).
 """
 
@@ -22,9 +23,14 @@ FAMILIES: dict[str, dict] = {
     "llama": {},
     "qwen2": {},
     "qwen3": {"head_dim": 16},  # q/k RMSNorm per head
-    "mistral": {"num_key_value_heads": 1, "sliding_window": None},  # 1 kv head: replicated at SP=2
-    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 256,
+    # 1 kv head: replicated at SP=2; a window of 8 in every layer (shorter than the tests' longest samples)
+    "mistral": {"num_key_value_heads": 1, "sliding_window": 8},
+    # a sliding layer (window 6) and a full one, each with its own RoPE
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
                     "layer_types": ["sliding_attention", "full_attention"]},
+    # attention logit soft-capping (50) in every layer, a sliding layer and a full one, final logit soft-capping (30)
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 6,
+               "layer_types": ["sliding_attention", "full_attention"]},
     "phi3": {},  # no pad_token_id given: its default (32000) lies outside the tiny vocabulary
     # the multipliers of Granite-3.x-8B: embeddings, residual branches, attention scale, logits divided by 16
     "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,

@@ -31,6 +31,9 @@ SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "data_tools" / "assets
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+# The attention implementation a model is loaded with before the packed one is registered: one every family accepts.
+LOAD_ATTENTION = "eager"
+
 # The files that make a folder a HF tokenizer (any one of them).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -231,10 +234,13 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
 
     dtype = cfg.torch_dtype()
     hf_config = hf_config_for(cfg, vocab_size)
+    # Loaded with eager attention, which every family accepts (transformers refuses sdpa for some, e.g. Gemma 2 for
+    # its soft-capping); the packed attention replaces it right after (install_kernels), so it never runs.
     if cfg.name_or_path is not None:
         with _hf_zero3(zero3_config):  # from_pretrained loads each rank's shards only; resizing gathers as needed
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+                cfg.name_or_path, config=hf_config, dtype=dtype, attn_implementation=LOAD_ATTENTION,
+                local_files_only=True
             )
             rows = model.get_input_embeddings().weight
             if vocab_size is not None and vocab_size > getattr(rows, "ds_shape", rows.shape)[0]:
@@ -249,7 +255,7 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None, zero3_config: d
         torch.manual_seed(cfg.seed)
         with _partitioned_init(zero3_config):
             try:
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=LOAD_ATTENTION)
             except (ValueError, TypeError, KeyError) as exc:  # e.g. an unknown hidden_act, a str rope_theta
                 raise transformers_error(exc, _fields_set(cfg, cfg.config)) from None
             except RuntimeError as exc:  # e.g. a negative size; a real out-of-memory is not the user's value

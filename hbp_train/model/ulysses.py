@@ -45,11 +45,12 @@ import torch.distributed as dist
 
 from hbp_train.model.attention import ATTN_IMPLEMENTATION as PACKED_ATTN_IMPLEMENTATION
 from hbp_train.model.attention import hf_packed_attention
+from hbp_train.model.attention_calls import attention_heads
 from hbp_train.model.attention_setup import use_attention
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model.rope import PackSlice
-from hbp_train.perf.shape import parse_model_shape, sp_heads_problem
+from hbp_train.perf.shape import sp_heads_problem
 
 ATTN_IMPLEMENTATION = "hbp_ulysses"
 
@@ -124,10 +125,13 @@ class SequenceParallel:
     attention of every degree > 1 (``wrappers``) and the live CR counters (``stats``).
 
     ``model`` None builds no attention (a stand-in for code that only splits packs; ``set_active`` then accepts
-    sp=1 only). Every rank must build it, for the same degrees (the wrappers look up their groups).
+    sp=1 only). ``heads``: (query heads, kv heads, q/k head size, v head size) as the model's layers hand them to the
+    attention function (compat.check_model_support's record); read from the model when not given, never from a
+    config field the family may not use. Every rank must build it, for the same degrees (the wrappers look up their
+    groups).
     """
 
-    def __init__(self, pstate, model=None):
+    def __init__(self, pstate, model=None, heads=None):
         self.pstate = pstate
         self.active_sp = 1
         self.stats = SPStats()
@@ -144,12 +148,13 @@ class SequenceParallel:
             return
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-        shape = parse_model_shape(model.config)  # MLA: q/k head dim, and k/v per query head
-        check_sp_heads(shape.num_heads, shape.num_kv_heads, pstate.sp_degrees)
+        num_heads, num_kv_heads, head_dim = (heads or attention_heads(model.config))[:3]  # MLA: q/k's head dim
+        num_layers = int(getattr(model.config, "num_hidden_layers", 1) or 1)
+        check_sp_heads(num_heads, num_kv_heads, pstate.sp_degrees)
         self.wrappers = {
             sp: UlyssesSPAttentionHF(
-                attn=self._core_attention, batch_size=1, attn_head_count=shape.num_heads,
-                attn_head_size=shape.head_dim, kv_head_count=shape.num_kv_heads, num_hidden_layers=shape.num_layers,
+                attn=self._core_attention, batch_size=1, attn_head_count=num_heads, attn_head_size=head_dim,
+                kv_head_count=num_kv_heads, num_hidden_layers=num_layers,
                 process_group=pstate.sp_group(sp),
                 seq_length_is_variable=True,  # pack lengths change every step
             )
@@ -266,14 +271,15 @@ class SequenceParallel:
         return all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pstate.sp_group(self.active_sp))
 
 
-def setup_sequence_parallel(model, pstate) -> SequenceParallel:
+def setup_sequence_parallel(model, pstate, heads=None) -> SequenceParallel:
     """The run's `SequenceParallel`: the Ulysses attention of every SP degree in ``pstate``, installed on ``model``
     when a degree > 1 is used (an sp=1-only run keeps the plain packed attention).
 
     Call after `attention_setup.register_packed_attention(model, backend)` and before `deepspeed.initialize`; every rank
-    must call it. Raises UserError at start-up if a degree cannot split the model's heads (`check_sp_heads`).
+    must call it. Raises UserError at start-up if a degree cannot split the model's heads (`check_sp_heads`);
+    ``heads``: see `SequenceParallel`.
     """
-    sp = SequenceParallel(pstate, model)
+    sp = SequenceParallel(pstate, model, heads)
     if sp.wrappers:
         sp.install(model)
     return sp

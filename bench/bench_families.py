@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hbp_train.model.attention_setup import available_backends  # noqa: E402
-from hbp_train.build import PackedCausalLM  # noqa: E402
+from hbp_train.model.packed_lm import PackedCausalLM  # noqa: E402
 from hbp_train.model.compat import check_model_support  # noqa: E402
 from hbp_train.common.errors import UserError  # noqa: E402
 from hbp_train.model.families import FAMILIES, tiny_config  # noqa: E402

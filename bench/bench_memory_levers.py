@@ -5,7 +5,7 @@
 For each memory lever (none; the tiled LM-head loss; every layer checkpointed; the tiled MLP; the tiled MLP with
 checkpointing; checkpointing with activation offload; all of them) one fresh process runs one forward and backward
 of the real model on one pack (a Llama of hidden 1024 whose activations dominate its states; the trainer's fused
-LM-head loss, ``build.PackedCausalLM``; the levers as training installs them, ``model/levers.py``), and the bench
+LM-head loss, ``model/packed_lm.PackedCausalLM``; the levers as training installs them, ``model/levers.py``), and the bench
 prints its measured peak beside the peak ``perf/memory.py`` predicts for it, and the error. Then, under a memory
 cap, the longest pack without levers and with all of them, measured (each length its own process: the largest
 length whose measured peak is under the cap, found from the model's prediction by measuring it and its neighbours)
@@ -106,7 +106,7 @@ def measure(config: Config) -> dict:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from hbp_train.build import PackedCausalLM
+    from hbp_train.model.packed_lm import PackedCausalLM
     from hbp_train.model.hf_model import ModelConfig, build_model, set_checkpointed_layers
     from hbp_train.model.levers import Levers, install_levers
     from hbp_train.model.loss import token_loss_weights

@@ -106,7 +106,7 @@ def export(checkpoint: str, out: str, dtype: str = "fp32", adapter: bool = False
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag=tag)
     except FileNotFoundError as e:  # shards missing from a copied or partly deleted checkpoint
         raise UserError(f"{os.path.join(root, tag)}: incomplete checkpoint ({str(e).splitlines()[0]})") from None
-    # The engine wraps the HF model as `model` (build.PackedCausalLM).
+    # The engine wraps the HF model as `model` (model/packed_lm.PackedCausalLM).
     state = {k.removeprefix("model."): v for k, v in state.items()}
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if lora is not None:  # trained with adapters: rebuild them to load the checkpoint, merged (or saved) below

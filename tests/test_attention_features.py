@@ -21,7 +21,7 @@ import copy
 import pytest
 import torch
 
-from hbp_train.build import PackedCausalLM
+from hbp_train.model.packed_lm import PackedCausalLM
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model.families import tiny_config
 from hbp_train.model.hf_model import ModelConfig, build_model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hbp_train.build import PackedCausalLM
+from hbp_train.model.packed_lm import PackedCausalLM
 from hbp_train.model.families import FAMILIES, tiny_config
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model.lora import LoraSettings

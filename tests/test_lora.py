@@ -188,7 +188,7 @@ def test_lora_settings_are_checked():
 
 
 def test_an_adapter_on_the_lm_head_is_refused_in_one_line():
-    """The loss reads the LM head's weight itself (hidden @ W.T chunk by chunk, build.PackedCausalLM), past any
+    """The loss reads the LM head's weight itself (hidden @ W.T chunk by chunk, model/packed_lm.PackedCausalLM), past any
     adapter wrapped around the head: an lm_head adapter would stay at its initial values, silently. Refused where
     the settings are read, and, for a head by another name, when the adapters are injected."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -226,7 +226,7 @@ def _held_bytes(name, dtype, backend, num_tokens, num_layers, ckpt_layers=0, lig
     import torch
 
     from hbp_train.model import attention_backends as attention
-    from hbp_train.build import PackedCausalLM
+    from hbp_train.model.packed_lm import PackedCausalLM
     from hbp_train.model.loss import token_loss_weights
     from hbp_train.model.hf_model import ModelConfig, build_model, set_checkpointed_layers
 

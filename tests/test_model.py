@@ -149,8 +149,8 @@ def test_forward_hidden_and_chunked_loss_equal_hf_loss(architecture):
     shift_labels = _shift(labels[0], [23])
     loss_T = chunked_token_losses(hidden[0], model.get_output_embeddings().weight, shift_labels, chunk_size=5)
     torch.testing.assert_close(loss_T.sum() / (shift_labels != -100).sum(), reference, atol=1e-5, rtol=1e-5)
-    # The engine's module (build.PackedCausalLM) gives the same token losses from the ids.
-    from hbp_train.build import PackedCausalLM
+    # The engine's module (model/packed_lm.PackedCausalLM) gives the same token losses from the ids.
+    from hbp_train.model.packed_lm import PackedCausalLM
 
     torch.testing.assert_close(PackedCausalLM(model, chunk_size=5)(input_ids, torch.arange(23)[None], shift_labels),
                                loss_T)
@@ -247,7 +247,7 @@ def _z3_batch():
 def test_chunked_loss_of_the_engine_works_under_zero3():
     """Under ZeRO-3 the head weight is a partition outside its module's forward: the engine's module reads it as a
     registered external parameter, so loss and gradients equal the unpartitioned model's."""
-    from hbp_train.build import PackedCausalLM
+    from hbp_train.model.packed_lm import PackedCausalLM
     from tests.distributed import run_distributed
 
     model = build_model(ModelConfig(config=Z3_TINY), vocab_size=512)

@@ -1,4 +1,4 @@
-"""Tests for hbp_train/profiler/backends.py: the GPU back-end's real fwd+bwd path on a tiny CPU model (times and
+"""Tests for hbp_train/profiler/backends.py and gpu_backend.py: the GPU back-end's real fwd+bwd path on a tiny CPU model (times and
 autograd-saved memory), its SP estimate, OOM handling, and the synthetic packs (document lengths, per-rank slices)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.perf.memory import JobSettings, model_state_bytes
 from hbp_train.perf.shape import model_shape_of
-from hbp_train.profiler.backends import GpuBackend
+from hbp_train.profiler.gpu_backend import GpuBackend
 from hbp_train.profiler.packs import load_doc_lengths, slice_docs, synthetic_docs
 from tests.profiler_curves import TINY, cfg
 
@@ -67,7 +67,7 @@ def test_library_oom_is_infeasible_and_other_errors_stop_the_profile(monkeypatch
     OutOfMemoryError it marks the configuration infeasible; any other error still stops the profile."""
     import torch
 
-    from hbp_train import build as loss
+    from hbp_train.model import packed_lm as loss
     from hbp_train.perf.cost_model import CostModel
     from hbp_train.model.hf_model import ModelConfig
 
@@ -112,7 +112,7 @@ def test_gpu_backend_pack_restarts_positions_and_masks_labels_per_document(tmp_p
     def spy(model, input_ids, position_ids, **kw):
         seen["input_ids"], seen["position_ids"] = input_ids.clone(), position_ids.clone()
         return real_forward(model, input_ids, position_ids, **kw)
-    from hbp_train import build as loss_mod
+    from hbp_train.model import packed_lm as loss_mod
     real_chunked = loss_mod.chunked_token_losses
 
     def loss_spy(hidden, weight, labels, chunk, **kw):
@@ -173,7 +173,7 @@ def test_the_gpu_backend_times_the_program_training_runs(monkeypatch, impl, fuse
     on the CPU) with the trained rows' count known on the host, so that neither selects its rows with a host sync."""
     import torch
 
-    from hbp_train import build
+    from hbp_train.model import packed_lm
     from hbp_train.model import hf_model
     from hbp_train.model.hf_model import ModelConfig
     from hbp_train.perf.cost_model import CostModel
@@ -191,7 +191,7 @@ def test_the_gpu_backend_times_the_program_training_runs(monkeypatch, impl, fuse
         return call
 
     for name in ("fused_token_losses", "chunked_token_losses"):
-        monkeypatch.setattr(build, name, spy(name, getattr(build, name)))
+        monkeypatch.setattr(packed_lm, name, spy(name, getattr(packed_lm, name)))
     monkeypatch.setattr(hf_model, "forward_hidden", spy("forward", hf_model.forward_hidden))
     m = b.measure(256, 1, 0, 1)
     assert not m.oom and m.time_s > 0 and b.hardware()["loss"] == ("fused" if fused else "chunked")

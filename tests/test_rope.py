@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from hbp_train.build import PackedCausalLM
+from hbp_train.model.packed_lm import PackedCausalLM
 from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model import kernels
 from hbp_train.model.families import tiny_config

@@ -4,7 +4,7 @@ The model is built from a local HF directory or from a config (no download), wit
 default cache silently disables packed-sample masking), the packed attention of attention.py and the decoder
 kernels of kernels.py installed (`install_kernels`, which names both in the start-of-run log).
 `forward_hidden` runs the decoder without the LM head so loss.py can apply the head chunk by chunk (the engine's
-module, build.PackedCausalLM, does both).
+module, model/packed_lm.PackedCausalLM, does both).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ from hbp_train.common.outputs import check_output_file, interrupted, write_outpu
 from hbp_train.perf.cost_model import CostModel
 from hbp_train.perf.memory import JobSettings
 from hbp_train.perf.shape import ModelShape, model_shape_of, sp_heads_problem
-from hbp_train.profiler.backends import AnalyticBackend, GpuBackend
+from hbp_train.profiler.backends import AnalyticBackend
+from hbp_train.profiler.gpu_backend import GpuBackend
 from hbp_train.perf.profile_config import ProfileConfig
 from hbp_train.profiler.launcher import SpLauncher, launched_degrees, measuring_devices
 from hbp_train.profiler.report import format_table

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from hbp_train.perf.cost_model import CostModel
     from hbp_train.perf.memory import JobSettings
     from hbp_train.perf.shape import model_shape_of
-    from hbp_train.profiler.backends import GpuBackend, RankOutOfMemory
+    from hbp_train.profiler.gpu_backend import GpuBackend, RankOutOfMemory
     from hbp_train.profiler.launcher import EXIT_OOM, measurement_from_dict
     from hbp_train.profiler.search import Profiler
     from hbp_train.profiler.zero_choice import ZeroChoice, candidate_setups

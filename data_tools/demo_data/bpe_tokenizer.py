@@ -1,6 +1,7 @@
-"""Train the small byte-level BPE tokenizer shipped in data_tools/assets/tokenizer/ (run once; output is committed).
+"""The small byte-level BPE tokenizer shipped in data_tools/assets/tokenizer/: ``train()`` (run once by
+``python -m data_tools.train_tokenizer``; the output is committed), also on given texts (make_code_data's).
 
-The tokenizer is trained, deterministically, on text from ``data_tools.make_demo_data`` (plus the chat-template
+The tokenizer is trained, deterministically, on the demo chats (synthetic_chats.py) (plus the chat-template
 role names), so demo conversations tokenize compactly; being byte-level it still encodes any text. It is saved as
 an HF tokenizer directory that loads offline with ``AutoTokenizer.from_pretrained(DIR)``.
 
@@ -21,16 +22,12 @@ Usage: ``python -m data_tools.train_tokenizer [--out DIR] [--vocab-size 4096]``
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-from data_tools.chat_labels import DEFAULT_CHAT_TEMPLATE
-from hbp_train.common.cli import ArgumentParser, int_range, output_dir
-from hbp_train.common.errors import EXIT_USER_ERROR
+from data_tools.preprocessing.chat_labels import DEFAULT_CHAT_TEMPLATE
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "assets" / "tokenizer"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 BOS, EOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
 
@@ -45,7 +42,7 @@ TRAIN_SEED = 12345
 
 def training_texts() -> list[str]:
     """The texts the BPE is trained on: every turn of the demo conversations, plus role names and digits."""
-    from data_tools.make_demo_data import generate
+    from data_tools.demo_data.synthetic_chats import generate
 
     texts = ["system\n", "user\n", "assistant\n", "0 1 2 3 4 5 6 7 8 9 10 100 1000"]
     for record in generate(TRAIN_NUM_SAMPLES, TRAIN_MAX_TOKENS, TRAIN_SEED):
@@ -92,32 +89,5 @@ def train(out: Path = DEFAULT_OUT, vocab_size: int = 4096, texts: list[str] | No
     return out
 
 
+# The largest --vocab-size: the BPE trainer allocates tables of that size up front.
 MAX_VOCAB_SIZE = 1 << 20
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m data_tools.train_tokenizer",
-        description="Train the small byte-level BPE tokenizer shipped with hbp-train (deterministic).",
-    )
-    parser.add_argument("--out", type=output_dir.path, default=DEFAULT_OUT,
-                        help=f"output tokenizer directory (default {DEFAULT_OUT})")
-    # 300: the 256 bytes, the special tokens and some merges; the trainer allocates tables of the size up front.
-    parser.add_argument("--vocab-size", type=int_range(300, MAX_VOCAB_SIZE), default=4096,
-                        help=f"BPE vocabulary size incl. special tokens, 300..{MAX_VOCAB_SIZE} (default 4096)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        out = train(args.out, args.vocab_size)
-    except OSError as e:  # the --out path: a file in the way, no permission, a full disk
-        print(f"error: cannot write {args.out}: {e.strerror or e}; pass a writable --out directory", file=sys.stderr)
-        return EXIT_USER_ERROR
-    print(f"saved tokenizer to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
-"""Real-text SFT data made on the user's machine: chats built from the Python standard library of this interpreter.
+"""Real-text SFT data made on the user's machine: chats built from the Python standard library of this interpreter
+(``make_code_data()``, run by ``python -m data_tools.make_code_data``).
 
 Nothing is downloaded and nothing is shipped: the source files come from ``sysconfig``'s ``stdlib`` folder (or
 ``--source-dir``). Each module gives at most ``--long-per-module`` long and ``--short-per-module`` short tasks
-(data_tools/code_tasks.py): a long one is the whole module with one function's body removed and a request to write
+(code_tasks.py): a long one is the whole module with one function's body removed and a request to write
 it, answered by the removed body; the short ones are a docstring -> the function, a function -> a one-line summary
 (its docstring's first line), a class -> its methods. Most samples are short; the long ones are as long as their
 module, which gives the long tail.
@@ -16,10 +17,10 @@ Steps, each deterministic (same interpreter, same flags -> byte-identical files)
 2. Split by module: ``round(--heldout-fraction * modules)`` modules, ranked by a hash of the seed and the module
    name, are held out; no module gives samples to both splits.
 3. ``--max-samples``: when more samples were made, a seeded draw keeps each split's share of the total.
-4. Train a byte-level BPE (data_tools/train_tokenizer.py, ``--vocab-size``) on the text of the train split's
+4. Train a byte-level BPE (bpe_tokenizer.py, ``--vocab-size``) on the text of the train split's
    samples; held-out text is never seen by it.
 5. Measure every sample in tokens of that tokenizer, rendered with its chat template (the length
-   data_tools/preprocess.py gives it). A long sample above ``--max-tokens`` is cut to a window of its module around
+   data_tools.preprocess gives it). A long sample above ``--max-tokens`` is cut to a window of its module around
    the function (the top-level imports kept at the top; code_tasks.LongSource); one whose function alone does not
    fit is dropped (``function_too_long``), a short one above the cap is dropped (``overlong``). Every drop is a line
    of dropped.jsonl and a count in report.json.
@@ -29,18 +30,11 @@ Steps, each deterministic (same interpreter, same flags -> byte-identical files)
    skips and drops, per split: samples per task, tokens, length percentiles and histogram). With ``--tokenize``,
    data_tools.preprocess then writes ``OUT/tokenized/train`` and ``OUT/tokenized/heldout``.
 
-Usage::
-
-    python -m data_tools.make_code_data --out DIR [--seed 0] [--heldout-fraction 0.1] [--max-tokens 16384] \\
-        [--max-samples 5000] [--long-per-module 1] [--short-per-module 6] [--vocab-size 4096] \\
-        [--modules json,email] [--source-dir DIR] [--tokenize]
-
 Library: ``make_code_data(out, seed=0, ...) -> report`` (the dict written to report.json), raising ``UserError``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import json
@@ -54,11 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools import train_tokenizer
-from data_tools.code_tasks import TASKS, Task, make_tasks, module_name
-from hbp_train.common.cli import ArgumentParser, existing_dir, float_range, int_range, nonneg_int, output_dir, positive_int
-from hbp_train.common.errors import EXIT_USER_ERROR, UserError
-from hbp_train.common.outputs import interrupted, replace_dir, staging_dir
+from data_tools.demo_data import bpe_tokenizer
+from data_tools.demo_data.code_tasks import TASKS, Task, make_tasks, module_name
+from hbp_train.common.errors import UserError
+from hbp_train.common.outputs import replace_dir, staging_dir
 
 SKIP_REASONS = {
     "site_packages": "installed third-party code (a site-packages or dist-packages folder)",
@@ -74,7 +67,7 @@ DROP_REASONS = {
 }
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 SPLITS = ("train", "heldout")
-ROLE_TEXTS = ["system\n", "user\n", "assistant\n"]  # the chat template's role lines, as train_tokenizer adds them
+ROLE_TEXTS = ["system\n", "user\n", "assistant\n"]  # the chat template's role lines, as bpe_tokenizer adds them
 FRACTION_ABOVE = (1024, 4096, 8192)
 REPORT_KEY = "tool"  # report.json starts with {"tool": "make_code_data", ...}: how an earlier output is recognised
 MAX_FIT_TRIES = 8
@@ -125,7 +118,7 @@ class _Lengths:
     (the Rust tokenizer called directly: transformers' wrapper around it costs more than the tokenizing)."""
 
     def __init__(self, tokenizer_dir: Path):
-        from data_tools.chat_labels import ChatEncoder
+        from data_tools.preprocessing.chat_labels import ChatEncoder
 
         self.encoder = ChatEncoder(str(tokenizer_dir))
         self.backend = self.encoder.tokenizer.backend_tokenizer
@@ -233,7 +226,7 @@ def make_code_data(out: str | Path, seed: int = 0, heldout_fraction: float = 0.1
     work = staging_dir(out)
     try:
         train_text = ROLE_TEXTS + [m["content"] for t in splits["train"] for m in t.messages()]
-        train_tokenizer.train(work / "tokenizer", vocab_size, train_text)
+        bpe_tokenizer.train(work / "tokenizer", vocab_size, train_text)
         lengths = _Lengths(work / "tokenizer")
         kept, num_cut = {}, {}
         for split, tasks in splits.items():
@@ -254,7 +247,7 @@ def make_code_data(out: str | Path, seed: int = 0, heldout_fraction: float = 0.1
     finally:
         shutil.rmtree(work, ignore_errors=True)  # gone already when swapped in
     if tokenize:
-        from data_tools.preprocess import preprocess
+        from data_tools.preprocessing.pipeline import preprocess
 
         for split in SPLITS:
             if kept[split]:  # an empty split (--heldout-fraction 0) has nothing to tokenize
@@ -376,72 +369,3 @@ def format_report(report: dict, out: Path) -> str:
             tokenized += f", tokenized/{split}"
     lines.append(f"wrote {out}/ (train.jsonl, heldout.jsonl, tokenizer/, report.json, dropped.jsonl{tokenized})")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m data_tools.make_code_data",
-        description="Make SFT chats from the Python standard library of this interpreter (nothing downloaded): "
-                    "long samples ask for a function's body removed from its module, short ones for a function "
-                    "from its docstring, a one-line summary, a class's methods. Split by module, capped in tokens "
-                    "of a BPE tokenizer trained on the train split. Same interpreter and flags, same files.",
-        epilog="Output DIR: train.jsonl, heldout.jsonl (OpenAI messages + meta), tokenizer/, report.json, "
-               "dropped.jsonl; with --tokenize also tokenized/train and tokenized/heldout. Exit codes: 0 ok; 2 bad "
-               "flags or output (one line); 130 interrupted (an existing DIR is left as it was).",
-    )
-    parser.add_argument("--out", required=True, type=output_dir,
-                        help="output folder, built beside it and swapped in when complete; an existing one is "
-                             "replaced only if it holds an earlier make_code_data output (required)")
-    parser.add_argument("--seed", type=nonneg_int, default=0,
-                        help="seed of the split, the task draw and the order; same seed, same files (default 0)")
-    parser.add_argument("--heldout-fraction", type=float_range(0.0, 0.5), default=0.1,
-                        help="share of the modules held out, 0..0.5 (default 0.1)")
-    parser.add_argument("--max-tokens", type=int_range(256), default=16384,
-                        help="longest sample in tokens of the trained tokenizer with its chat template; longer "
-                             "modules are cut to a window around the function (default 16384)")
-    parser.add_argument("--max-samples", type=positive_int, default=5000,
-                        help="most samples over both splits; a seeded draw keeps each split's share (default 5000)")
-    parser.add_argument("--long-per-module", type=nonneg_int, default=1,
-                        help="fill-the-body samples per module, each the module with one body removed (default 1)")
-    parser.add_argument("--short-per-module", type=nonneg_int, default=6,
-                        help="short samples per module: docstring -> function, function -> summary, class -> "
-                             "methods (default 6)")
-    parser.add_argument("--vocab-size", type=int_range(300, train_tokenizer.MAX_VOCAB_SIZE), default=4096,
-                        help=f"BPE vocabulary size incl. special tokens, 300..{train_tokenizer.MAX_VOCAB_SIZE} "
-                             f"(default 4096)")
-    parser.add_argument("--modules", default=None, metavar="A,B",
-                        help="comma-separated module names to use, each with its submodules, e.g. json,email "
-                             "(default: every module)")
-    parser.add_argument("--source-dir", type=existing_dir, default=None, metavar="DIR",
-                        help="a folder of Python files to use instead (default: this interpreter's standard library)")
-    parser.add_argument("--tokenize", action="store_true",
-                        help="also write tokenized/train and tokenized/heldout with data_tools.preprocess")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    import time
-
-    args = build_parser().parse_args(argv)
-    modules = None if args.modules is None else [m.strip() for m in args.modules.split(",") if m.strip()]
-    start = time.perf_counter()
-    try:
-        if modules == []:
-            raise UserError(f"--modules {args.modules!r}: no module name given; pass names such as json,email")
-        report = make_code_data(args.out, seed=args.seed, heldout_fraction=args.heldout_fraction,
-                                max_tokens=args.max_tokens, max_samples=args.max_samples,
-                                long_per_module=args.long_per_module, short_per_module=args.short_per_module,
-                                vocab_size=args.vocab_size, modules=modules, source_dir=args.source_dir,
-                                tokenize=args.tokenize)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        return interrupted("make_code_data", f"--out {args.out} was left as it was")
-    print(format_report(report, Path(args.out)))
-    print(f"took {time.perf_counter() - start:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

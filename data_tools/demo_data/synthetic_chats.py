@@ -1,4 +1,5 @@
-"""Deterministic, long-tailed synthetic chat SFT dataset for demos, tests and the CPU smoke run.
+"""Deterministic, long-tailed synthetic chat SFT dataset for demos, tests and the CPU smoke run: ``generate()``,
+which ``python -m data_tools.make_demo_data`` writes to a JSONL file.
 
 Each sample is an OpenAI-style ``{"messages": [...]}`` record. The text is made of pseudo-words from a fixed
 vocabulary (the shipped tokenizer was trained on this generator's output, so it tokenizes them compactly), and
@@ -18,29 +19,18 @@ tokenizer's chat template no sample exceeds ``--max-tokens`` (the longest reach 
 tenth of the samples are multi-turn (2-3 exchanges; only samples with room for them) and about a third have a
 system turn.
 
-The shipped tokenizer is trained on this generator's output (data_tools/train_tokenizer.py): changing how text is
+The shipped tokenizer is trained on this generator's output (bpe_tokenizer.py): changing how text is
 generated changes the tokenizer, so retrain and re-ship it (tests/test_train_tokenizer.py checks they match).
 
-Usage::
-
-    python -m data_tools.make_demo_data --out demo.jsonl [--num-samples 2000] [--max-tokens 2048] [--seed 0] \
-        [--long-fraction 0.04]
-
-Library: ``generate(num_samples, max_tokens, seed, long_fraction) -> list[dict]``.
+Library: ``generate(num_samples, max_tokens, seed, long_fraction) -> list[dict]`` (a bad argument: ``UserError``
+naming it).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 
-from hbp_train.common.cli import ArgumentParser, fraction, int_range, nonneg_int, output_file, positive_int
-from hbp_train.common.errors import EXIT_USER_ERROR, UserError
-from hbp_train.common.outputs import atomic_write, interrupted
+from hbp_train.common.errors import UserError
 
 # Tokens per pseudo-word (word + its leading space) under the shipped tokenizer, slightly above the real ~1.0
 # (demo words are mostly single tokens), so planned lengths err short; tests check none passes --max-tokens.
@@ -152,59 +142,3 @@ def generate(num_samples: int = 2000, max_tokens: int = 2048, seed: int = 0,
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
         records.append({"messages": messages})
     return records
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="python -m data_tools.make_demo_data",
-        description="Write a deterministic, long-tailed synthetic chat SFT dataset (OpenAI 'messages' JSONL). The "
-                    "file is written to a temporary name and moved over --out when complete: Ctrl-C (exit code 130) "
-                    "leaves an earlier --out as it was.",
-    )
-    parser.add_argument("--out", required=True, type=output_file,
-                        help="output JSONL file (parent folders are created; an existing file is replaced) (required)")
-    parser.add_argument("--num-samples", type=positive_int, default=2000, help="number of conversations (default 2000)")
-    parser.add_argument("--max-tokens", type=int_range(64), default=2048,
-                        help="longest sample, in tokens of the shipped tokenizer with its chat template; the long "
-                             "tail reaches almost this (default 2048, sized for the CPU demo)")
-    parser.add_argument("--seed", type=nonneg_int, default=0,
-                        help="random seed (>= 0); same seed, same file (default 0)")
-    parser.add_argument("--long-fraction", type=fraction, default=LONG_FRACTION,
-                        help=f"share of long samples (a quarter of to almost --max-tokens), 0..1 (default {LONG_FRACTION})")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return write(args)
-    except KeyboardInterrupt:  # the file is written to a temporary name and moved into place when complete
-        return interrupted("make_demo_data", f"--out {args.out} was left as it was")
-
-
-def write(args: argparse.Namespace) -> int:
-    """Generate and write the file the parsed arguments ask for; exit code 2 with one line on bad input."""
-    try:
-        records = generate(args.num_samples, args.max_tokens, args.seed, args.long_fraction)
-    except UserError as e:  # name the flag, not the function argument
-        print(f"error: --{str(e).replace('_', '-', 1)}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    out = Path(args.out)
-
-    def write_lines(path: Path) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(out, write_lines)
-    except OSError as e:  # the --out path: a folder, no permission, a full disk
-        print(f"error: cannot write {out}: {e.strerror}; pass a writable --out path", file=sys.stderr)
-        return EXIT_USER_ERROR
-    print(f"wrote {len(records)} samples to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,8 +8,8 @@ process one after the other:
 
 * plain: ``datasets.load_dataset("json")`` + ``.map(tokenizer.apply_chat_template(..., return_assistant_tokens_mask=
   True), batched=True, num_proc=N)`` (labels = ids where the mask is set, -100 elsewhere) + ``save_to_disk``;
-* ours: ``data_tools.preprocess.preprocess(..., num_proc=N)``, which also writes the length, loss-token and source
-  columns, report.json (drops by reason) and dropped.jsonl.
+* ours: ``data_tools.preprocessing.pipeline.preprocess(..., num_proc=N)``, which also writes the length, loss-token
+  and source columns, report.json (drops by reason) and dropped.jsonl.
 
 Prints the wall time of each (best of --repeats, alternating; each run starts from an empty datasets cache), the
 ratio plain / ours against the target (>= 1.2), and checks that every row's input_ids and labels are identical.
@@ -67,7 +67,7 @@ def plain_datasets(jsonl: str, out: str, num_proc: int, cache_dir: str) -> None:
 
 
 def ours(jsonl: str, out: str, num_proc: int) -> dict:
-    from data_tools.preprocess import preprocess
+    from data_tools.preprocessing.pipeline import preprocess
 
     return preprocess([jsonl], out, TOKENIZER, num_proc=num_proc, progress=False)
 

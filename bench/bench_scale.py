@@ -87,7 +87,7 @@ def synthetic_tokenized(path: str, n: int, seed: int = 0) -> None:
     import datasets
     import pyarrow as pa
 
-    from data_tools.preprocess import _features
+    from data_tools.preprocessing.pipeline import _features
     from hbp_train.common.labels import IGNORE_INDEX
 
     rng = np.random.default_rng(seed)

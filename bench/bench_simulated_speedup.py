@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_planner import long_tailed_lengths  # noqa: E402  (the planner bench's mix: same data)
 from dataclasses import replace  # noqa: E402
 
-from data_tools.compare import BASELINES, STRATEGIES, compare_strategies, simulate_strategies, table_columns  # noqa: E402
-from data_tools.simulate import format_table  # noqa: E402
+from data_tools.simulation.strategies import (  # noqa: E402
+    BASELINES, STRATEGIES, compare_strategies, simulate_strategies, table_columns)
+from data_tools.simulation.tables import format_table  # noqa: E402
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError  # noqa: E402
 from hbp_train.perf.cost_model import CostModel  # noqa: E402
 from hbp_train.planning import GroupSpec  # noqa: E402

@@ -7,13 +7,15 @@
         --model my-model/
 
 With --model (the folder of the model to be trained) the groups' SP degrees are checked against the model's heads
-and the plan records the model (data_tools/model_record.py), whose shape the simulator then costs.
+and the plan records the model (data_tools/packing/model_record.py), whose shape the simulator then costs.
 
 Without --global-tokens the step size comes from the data (about 100 optimizer steps, at most 4,194,304 tokens
 each, at least one pack of every group per replica); a plan of fewer than 10 optimizer steps is warned about.
 Prints a metrics table; for hbp also the isf baseline on the same lengths (a metric that compares nothing for a
-plan, e.g. the balance of one replica, reads n/a; data_tools/pack_report.py). Bad input: one line, exit code 2.
-The planning itself lives in hbp_train/planning (pure numpy); this file only parses, reads and prints.
+plan, e.g. the balance of one replica, reads n/a; data_tools/packing/report.py). Bad input: one line, exit code 2.
+The planning itself lives in hbp_train/planning (pure numpy), the packed shards' writer in hbp_train/batches; this
+file is the command line (its flags, the checks that name them, what it prints) over data_tools/packing/ (the
+lengths read, the groups parsed, the model recorded, the report printed).
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from data_tools.pack_groups import (MAX_PACK_LEN, CliError, check_profile_world_size, parse_groups,  # noqa: F401
-                                    parse_levers, planned_zero_stage)
-from data_tools.pack_report import metrics_table, replicas_note, step_line, warn_if_few_steps
+from data_tools.packing.groups import CliError, parse_groups, planned_zero_stage
+from data_tools.packing.lengths import read_dataset_lengths, read_lengths, warn_if_longer_than_max_len
+from data_tools.packing.report import metrics_table, replicas_note, step_line, warn_if_few_steps
 from hbp_train.common.cli import (ArgumentParser, existing_dir, existing_file, int_range, nonneg_int, output_dir,
                            output_file, positive_int)
-from hbp_train.batches.columns import int_column
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.common.library_bars import datasets_bars_off
 from hbp_train.common.outputs import check_output_file, interrupted, write_output
@@ -134,94 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_lengths(path: str) -> np.ndarray:
-    """Lengths from a text file (one integer per line) or a .npy file; CliError naming FILE:line on bad input."""
-    f = Path(path)
-    if f.is_dir():
-        raise CliError(f"--lengths {path}: is a directory; pass a lengths file, or a tokenized dataset with --dataset")
-    if not f.is_file():
-        raise CliError(f"--lengths {path}: no such file")
-    if f.suffix == ".npy":
-        try:
-            arr = np.load(f, allow_pickle=False)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
-            raise CliError(f"{path}: not a readable .npy array ({type(e).__name__}: {e})") from None
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise CliError(f"{path}: must hold a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        bad = np.flatnonzero(arr <= 0)
-        if len(bad):
-            raise CliError(f"{path}[{int(bad[0])}]: length {int(arr[bad[0]])}; every sample needs >= 1 token")
-        return arr
-    try:
-        data = f.read_bytes()
-    except OSError as e:
-        raise CliError(f"--lengths {path}: cannot read ({e.strerror}); check the path and its permissions") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_no = data[:e.start].count(b"\n") + 1
-        raise CliError(f"{path}:{line_no}: not UTF-8 text; give one integer per line or a .npy file") from None
-    lines = text.split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    try:
-        arr = np.array(lines, dtype=np.int64) if lines else np.zeros(0, np.int64)
-    except (ValueError, OverflowError):
-        for no, line in enumerate(lines, 1):
-            try:
-                value = int(line.strip())
-            except ValueError:
-                raise CliError(f"{path}:{no}: {line.strip()[:40]!r} is not an integer token length") from None
-            if not -(1 << 63) <= value < 1 << 63:
-                raise CliError(f"{path}:{no}: length {line.strip()[:40]} is too large for a token length") from None
-        raise CliError(f"{path}: could not read the lengths") from None
-    bad = np.flatnonzero(arr <= 0)
-    if len(bad):
-        raise CliError(f"{path}:{int(bad[0]) + 1}: length {int(arr[bad[0]])}; every sample needs >= 1 token")
-    return arr
-
-
-def read_dataset_lengths(path: str) -> np.ndarray:
-    if not Path(path).is_dir():
-        raise CliError(f"--dataset {path}: no such directory; pass the output directory of data_tools.preprocess")
-    if not Path(path, "dataset_info.json").is_file() and not Path(path, "state.json").is_file():
-        raise CliError(f"--dataset {path}: not a dataset saved with save_to_disk (no state.json)")
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as e:  # noqa: BLE001 - a damaged dataset dir is a user error; say why in one line
-        raise CliError(f"--dataset {path}: cannot load ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    if "length" not in ds.column_names:
-        raise CliError(f"--dataset {path}: no 'length' column (columns: {', '.join(ds.column_names)})")
-    arr = int_column(ds, "length")
-    bad = np.flatnonzero(arr <= 0)
-    if len(bad):
-        raise CliError(f"--dataset {path}: row {int(bad[0])} has length {int(arr[bad[0]])}; every sample needs >= 1 token")
-    return arr
-
-
-def warn_if_longer_than_max_len(lengths: np.ndarray, max_len: int | None, largest_pack_len: int) -> None:
-    """--max-len states what preprocessing guaranteed; samples beyond it mean the two disagree. Say on stderr what
-    happens to them: those longer than the largest pack_len are dropped (the plan's dropped list), the others are
-    planned into the largest group; and how to make the two agree."""
-    if max_len is None or int(lengths.max()) <= max_len:
-        return
-    longest = int(lengths.max())
-    num_over = int(np.count_nonzero(lengths > max_len))
-    num_dropped = int(np.count_nonzero(lengths > largest_pack_len))
-    fates = []
-    if num_dropped:
-        fates.append(f"{num_dropped} are longer than the largest pack_len {largest_pack_len} and are dropped (reason "
-                     "longer_than_max_pack_len, listed in the plan)")
-    if num_over > num_dropped:
-        fates.append(f"{num_over - num_dropped} fit the largest pack_len and are planned")
-    print(f"warning: {num_over} samples are longer than --max-len {max_len} (longest {longest}): {'; '.join(fates)}; "
-          f"to keep them cut to {max_len} tokens re-run data_tools.preprocess --max-len {max_len} --overlong truncate, "
-          f"or raise --max-len with a group of pack_len >= {longest}", file=sys.stderr)
-
-
 def check_shards_dir(path: str) -> None:
     """--shards must be new, empty or an earlier --shards output (OUT/plan.json): never a folder of other files.
 
@@ -262,7 +173,7 @@ def run(argv=None) -> int:
     groups = parse_groups(args.groups, args.profile, args.world_size)
     model_record = None
     if args.model:  # before any planning: SP degrees the model's heads cannot be split by fail training later
-        from data_tools.model_record import check_sp_degrees, read_model
+        from data_tools.packing.model_record import check_sp_degrees, read_model
 
         model_record = read_model(args.model)
         check_sp_degrees(model_record, groups, "--groups" if args.groups != "auto" else f"--profile {args.profile}:")

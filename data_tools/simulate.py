@@ -26,104 +26,17 @@ import sys
 import time
 from pathlib import Path
 
-from hbp_train.common.cli import (ArgumentParser, existing_file, existing_path, float_range, fraction, nonneg_int,
-                           output_file, positive_float, positive_int)
+from data_tools.packing.model_record import describe, plan_model
+from data_tools.simulation.options import (add_comm_args, add_cost_model_args, add_link_args, cost_model_from_args,
+                                           sim_config_from_args)
+from data_tools.simulation.plans import describe_groups, isf_baseline, load_plan
+from data_tools.simulation.tables import comm_columns, format_seconds, format_table
+from hbp_train.common.cli import ArgumentParser, existing_path, nonneg_int, output_file
 from hbp_train.common.errors import EXIT_USER_ERROR, UserError
 from hbp_train.common.outputs import check_output_file, interrupted, write_output
-from hbp_train.perf.cost_model import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, DEFAULT_PCIE_GBPS, CostModel
-from hbp_train.perf.shape import MODEL_SHAPES
-from hbp_train.planning.simulator import DEFAULT_HBM_GBPS, SimConfig
 
-
-def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
-    """The cost-model options shared by simulate, compare and pack."""
-    parser.add_argument("--calibration", default=None, metavar="FILE", type=existing_file,
-                        help="calibration JSON (hbp_train.perf.calibrate format); default: the shipped H100 Llama-3-8B "
-                             "layer, hbp_train/perf/calibration/h100_llama3_8b_layer.json")
-    parser.add_argument("--model-shape", default=None, metavar="SHAPE",
-                        help=f"model shape: a preset ({', '.join(MODEL_SHAPES)}), a JSON object, or a JSON file "
-                             "(HF config.json keys work); default: the model the plan records (hbp-pack --model), "
-                             "else the calibration's own shape (said in a warning). Another shape than the "
-                             "calibration's scales the measurement by FLOPs (labelled 'scaled')")
-    parser.add_argument("--analytic", action="store_true",
-                        help="ignore calibrations: time = FLOPs / (peak * efficiency) (labelled 'analytic'); "
-                             "needs --model-shape (default llama3-8b)")
-    parser.add_argument("--peak-tflops", type=positive_float, default=989.0, help="peak bf16 TFLOP/s for --analytic "
-                        "(default 989, H100 SXM dense)")
-    parser.add_argument("--efficiency", type=float_range(0.0, 1.0, low_open=True), default=0.5,
-                        help="fraction of peak reached for --analytic "
-                        "(default 0.5)")
-
-
-def add_link_args(parser: argparse.ArgumentParser) -> None:
-    """Interconnect options for the Ulysses all-to-all time."""
-    parser.add_argument("--intra-node-gbps", type=positive_float, default=DEFAULT_INTRA_NODE_GBPS,
-                        help=f"all-to-all bandwidth per GPU inside a node, in GB/s (gigaBYTES per second; default "
-                             f"{DEFAULT_INTRA_NODE_GBPS:g}); also ZeRO's collectives (--zero-stage) when the plan's "
-                             "W <= --gpus-per-node")
-    parser.add_argument("--inter-node-gbps", type=positive_float, default=DEFAULT_INTER_NODE_GBPS,
-                        help=f"all-to-all bandwidth per GPU across nodes, GB/s (default {DEFAULT_INTER_NODE_GBPS:g}); "
-                             "also ZeRO's collectives (--zero-stage) when the plan spans nodes")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=8,
-                        help="GPUs per node; SP groups larger than this use the inter-node bandwidth (default 8)")
-    parser.add_argument("--ckpt-layers", type=nonneg_int, default=0,
-                        help="checkpointed layers for groups whose ckpt_layers is null in the plan (default 0)")
-
-
-def add_comm_args(parser: argparse.ArgumentParser) -> None:
-    """The optional ZeRO communication model (hbp_train.planning.simulator's docstring has the formulas)."""
-    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                        help="add DeepSpeed ZeRO's own collectives for this stage (ring over all W ranks at the "
-                             "intra-node bandwidth if W <= --gpus-per-node, else inter-node; 0: gradient all-reduce "
-                             "per step, 1: reduce-scatter + all-gather per step, 2: reduce-scatter per micro-batch + "
-                             "all-gather per step, 3: two all-gathers + a reduce-scatter per micro-batch) and the "
-                             "AdamW step; also sets the sync (step for 0/1, micro for 2/3). Default: not modelled "
-                             "(compute only, the upper bound of a speed-up)")
-    parser.add_argument("--comm-overlap", type=fraction, default=0.0, metavar="F",
-                        help="with --zero-stage: share 0..1 of the per-micro-batch collectives hidden behind "
-                             "compute (DeepSpeed overlap_comm); default 0, all exposed (the pessimistic bound)")
-    parser.add_argument("--pcie-gbps", type=positive_float, default=DEFAULT_PCIE_GBPS,
-                        help="host <-> GPU GB/s per GPU: the activation offload of groups that use it, and ZeRO "
-                             f"offload (default {DEFAULT_PCIE_GBPS:g})")
-    parser.add_argument("--hbm-gbps", type=positive_float, default=DEFAULT_HBM_GBPS,
-                        help="with --zero-stage: GPU memory bandwidth in GB/s for the memory-bound optimizer step "
-                             f"(~32 bytes per parameter updated; default {DEFAULT_HBM_GBPS:g}, H100 SXM)")
-
-
-def sim_config_from_args(args, sync=None) -> SimConfig:
-    """The SimConfig the link, checkpoint and communication options ask for (UserError names the field)."""
-    if args.zero_stage is None and args.comm_overlap != 0.0:
-        print("note: --comm-overlap has no effect without --zero-stage", file=sys.stderr)
-    return SimConfig(args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node, args.ckpt_layers, sync,
-                     zero_stage=args.zero_stage, comm_overlap=args.comm_overlap, hbm_gbps=args.hbm_gbps,
-                     pcie_gbps=getattr(args, "pcie_gbps", DEFAULT_PCIE_GBPS))
-
-
-def comm_columns(config) -> list[tuple[str, str, str]]:
-    """Table columns for the communication model: none when it is not modelled."""
-    if config.zero_stage is None:
-        return []
-    return [("zero_stage", "ZeRO", "d"), ("comm_seconds_per_step", "comm/step", "time"),
-            ("optimizer_seconds_per_step", "opt/step", "time")]
-
-
-def cost_model_from_args(args, records: list, what: str, unknown: str) -> tuple[CostModel, str | None]:
-    """(the CostModel the options ask for, a warning line or None); UserError with a one-line message on bad input.
-    ``records``: the model records (or None) of the plans (model_record.plan_model) or of --model, ``what`` names
-    them: the shape is --model-shape, else the recorded model's, else the calibration's own. The warning says when
-    it is not the recorded model (model_record.cost_shape) or that no model is known (``unknown`` says why); the
-    caller prints it with its results, so that a run stopped by bad input prints its one error line only."""
-    from data_tools.model_record import cost_shape, unrecorded_line
-
-    shape, warning = cost_shape(args.model_shape, records, what)
-    if args.analytic:
-        model = CostModel.analytic(shape or "llama3-8b", args.peak_tflops, args.efficiency)
-    else:
-        model = CostModel.from_calibration(args.calibration, shape)
-    if getattr(args, "ckpt_layers", 0) > model.shape.num_layers:
-        raise UserError(f"--ckpt-layers {args.ckpt_layers} exceeds the {model.shape.num_layers} layers of model "
-                        f"shape {model.shape.name}")
-    return model, warning or (unrecorded_line(model.shape.name, unknown) if shape is None else None)
+# The command line: its flags, their checks, what it prints and writes; the plans read, the options shared with
+# compare and the tables are in data_tools/simulation/, the simulator itself in hbp_train/planning/simulator.py.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,97 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_plan(path: str):
-    """Plan.from_json with one-line errors (UserError naming the file)."""
-    from hbp_train.planning.metrics import with_metrics
-    from hbp_train.planning.plan import Plan
-
-    p = Path(path)
-    if p.is_dir():  # a --shards folder: use its plan
-        if not (p / "plan.json").is_file():
-            raise UserError(f"{path}: is a folder with no plan.json; pass a plan file from python -m data_tools.pack")
-        p = p / "plan.json"
-        path = str(p)
-    if not p.is_file():
-        raise UserError(f"{path}: no such plan file")
-    try:
-        with open(p) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text; pass a plan file from python -m data_tools.pack") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
-    if not isinstance(data, dict) or "steps" not in data or "groups" not in data:
-        raise UserError(f"{path}: not a plan (no 'steps'/'groups'); make one with python -m data_tools.pack")
-    if "lengths" not in data:
-        raise UserError(f"{path}: the plan has no 'lengths' (written by data_tools.pack); re-run the planner")
-    try:
-        return with_metrics(Plan.from_dict(data))
-    except UserError as exc:  # the plan's own checks (version, world size, groups): name the file
-        raise UserError(f"{path}: {exc}") from None
-    # Fields of the wrong shape in the file: int("x") (ValueError), a missing key, a number where a list goes.
-    except (KeyError, TypeError, IndexError, ValueError) as exc:
-        raise UserError(f"{path}: malformed plan ({type(exc).__name__}: {exc})") from None
-
-
-def format_seconds(seconds: float) -> str:
-    """A duration with 3 significant digits in the unit that shows it: µs, ms, s, min or h (a tiny model's step
-    is microseconds, an 8B model's run hours: one fixed unit would print 0.000 for one of them)."""
-    if seconds == 0:
-        return "0 s"
-    for unit, scale, below in (("µs", 1e-6, 1e-3), ("ms", 1e-3, 1.0), ("s", 1.0, 120.0), ("min", 60.0, 7200.0)):
-        if abs(seconds) < below:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 3600:.3g} h"
-
-
-def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """A fixed-width text table; columns are (key, header, format), format "time" for seconds (format_seconds)."""
-    def cell(value, f):
-        if value is None:
-            return "-"
-        return format_seconds(value) if f == "time" else format(value, f)
-
-    cells = [[h for _, h, _ in columns]]
-    for r in rows:
-        cells.append([cell(r.get(k), f) for k, _, f in columns])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = ["  ".join(c[i].rjust(widths[i]) if i else c[i].ljust(widths[i]) for i in range(len(columns)))
-             for c in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 SIM_COLUMNS = [("name", "plan", "s"), ("strategy", "strategy", "s"), ("num_steps", "steps", "d"),
                ("num_slots", "slots", "d"), ("sync", "sync", "s"), ("simulated_seconds", "sim time", "time"),
                ("idle_fraction", "idle", ".3f"), ("simulated_tokens_per_second", "sim tok/s", ".4g"),
                ("speedup", "speed-up", ".3f")]
-
-
-def describe_groups(plan) -> str:
-    """A plan's groups with their levers, as hbp-pack's --groups writes them (pack_len:sp:ckpt_layers[:levers]),
-    and the ZeRO stage it was made for."""
-    from hbp_train.perf.cost_model import group_levers
-
-    parts = []
-    for g in plan.config.groups:
-        levers = "+".join(n for n, on in zip(("tiled_mlp", "offload"), group_levers(g)) if on)
-        ckpt = "-" if g.ckpt_layers is None else g.ckpt_layers
-        parts.append(f"{g.pack_len}:{g.sp}:{ckpt}" + (f":{levers}" if levers else ""))
-    stage = plan.extra.get("zero_stage")
-    return ", ".join(parts) + (f" (made for ZeRO-{stage})" if stage is not None else "")
-
-
-def isf_baseline(plan):
-    """isf planned on ``plan``'s lengths with its world size, largest group, step budget, curriculum and seed: what
-    the plan is compared with when it is simulated alone (data_tools.compare's baseline)."""
-    from dataclasses import replace
-
-    from hbp_train.planning import make_plan
-
-    return make_plan(plan.lengths, replace(plan.config, strategy="isf", pack_cost=None, progress=False))
 
 
 def main(argv=None) -> int:
@@ -261,8 +87,6 @@ def run(argv=None) -> int:
 
     if args.name and len(args.name) != len(args.plan):
         raise UserError(f"--name given {len(args.name)} times for {len(args.plan)} --plan files")
-    from data_tools.model_record import describe, plan_model
-
     plans = [load_plan(p) for p in args.plan]
     planned = sorted({p.extra["zero_stage"] for p in plans if p.extra.get("zero_stage") is not None})
     if args.zero_stage is None and len(planned) == 1 and args.sync is None:

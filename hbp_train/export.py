@@ -240,7 +240,7 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     if isinstance(template, dict):  # several named templates: the default one renders chats
         template = template.get("default") or next(iter(template.values()), None)
     if not template:
-        from data_tools.chat_labels import DEFAULT_CHAT_TEMPLATE
+        from data_tools.preprocessing.chat_labels import DEFAULT_CHAT_TEMPLATE
 
         template = DEFAULT_CHAT_TEMPLATE
     chat = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": _ANSWER}]

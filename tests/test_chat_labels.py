@@ -1,7 +1,7 @@
-"""data_tools/chat_labels.py on chat templates written in the styles of real families, none with generation
-markers: header tokens (Llama 3), an injected default system prompt (Qwen2.5), a renamed role (Gemma's ``model``,
-the system prompt folded into the first user turn) and earlier turns rewritten (Qwen3 drops the reasoning of
-earlier assistant turns). Each sample's labelled text is checked against its rendered text, turn by turn; a
+"""data_tools/preprocessing/chat_labels.py on chat templates written in the styles of real families, none with
+generation markers: header tokens (Llama 3), an injected default system prompt (Qwen2.5), a renamed role (Gemma's
+``model``, the system prompt folded into the first user turn) and earlier turns rewritten (Qwen3 drops the reasoning
+of earlier assistant turns). Each sample's labelled text is checked against its rendered text, turn by turn; a
 template whose assistant text cannot be located is a counted drop whose reason says what to do."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_tools.chat_labels import ChatEncoder
-from data_tools.sft_formats import FormatError, Sample
+from data_tools.preprocessing.chat_labels import ChatEncoder
+from data_tools.preprocessing.formats import FormatError, Sample
 from hbp_train.common.labels import IGNORE_INDEX
 from tests.test_preprocess import tokenizer_with_template
 
@@ -101,7 +101,7 @@ def test_a_template_that_hides_the_assistant_text_is_a_counted_drop_saying_what_
         encoder.encode(CONVERSATIONS[0])
     assert err.value.reason == "template_not_incremental" and "generation" in str(err.value)
     data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": turns} for turns in CONVERSATIONS])
-    from data_tools.preprocess import PreprocessError
+    from data_tools.preprocessing.pipeline import PreprocessError
 
     with pytest.raises(PreprocessError, match=r"no sample kept out of 2 read \(template_not_incremental: 2\)"):
         run(tmp_path, [data], tokenizer=tokenizer_with_template(tmp_path / "t", SUMMARY), on_error="skip")
@@ -126,7 +126,7 @@ GENERATION_TEMPLATES = {
 
 @pytest.mark.parametrize("style", sorted(GENERATION_TEMPLATES))
 def test_batch_encoding_equals_apply_chat_template_with_assistant_masks(tmp_path, style):
-    from data_tools.make_demo_data import generate
+    from data_tools.demo_data.synthetic_chats import generate
     from tests.test_preprocess import TOKENIZER
 
     template = GENERATION_TEMPLATES[style]
@@ -167,8 +167,8 @@ def test_a_weight_0_turn_is_left_out_of_the_labels_in_each_template_style(tmp_pa
 def test_a_batch_of_every_kind_of_sample_equals_encoding_them_one_by_one():
     """encode_batch batches the plain conversations and encodes the others (weights, plain text, tools) one by one:
     the rows come back in order, each equal to encode_sample, the failures as errors with empty rows."""
-    from data_tools.make_demo_data import generate
-    from data_tools.sft_formats import parse_record
+    from data_tools.demo_data.synthetic_chats import generate
+    from data_tools.preprocessing.formats import parse_record
     from tests.test_preprocess import TOKENIZER
 
     encoder = ChatEncoder(TOKENIZER)

@@ -1,7 +1,7 @@
 """An empty CSV cell (or a null field) where a record needs its text: the column is there, the cell is empty. The
 message says so, naming file:line and the column, and --on-error skip counts it under the drop reason 'empty'
-(data_tools/sft_inputs.py, data_tools/sft_formats.py); it used to read as a record of unknown shape, as if the
-header were wrong."""
+(data_tools/preprocessing/inputs.py, data_tools/preprocessing/formats.py); it used to read as a record of unknown
+shape, as if the header were wrong."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from data_tools.preprocess import PreprocessError
-from data_tools.sft_formats import FormatError, parse_record
+from data_tools.preprocessing.pipeline import PreprocessError
+from data_tools.preprocessing.formats import FormatError, parse_record
 from tests.test_preprocess import run, write_jsonl
 
 

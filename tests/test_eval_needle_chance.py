@@ -24,7 +24,7 @@ CONFIG = NeedleConfig(lengths=[200], depths=[0.0, 0.5, 1.0], trials=10, seed=1)
 
 @pytest.fixture(scope="module")
 def digit_tokenizer_dir(tmp_path_factory):
-    from data_tools.train_tokenizer import train
+    from data_tools.demo_data.bpe_tokenizer import train
 
     rng = random.Random(0)
     numbers = [" ".join(str(rng.randint(10**6, 10**7 - 1)) for _ in range(100)) for _ in range(100)]

@@ -64,7 +64,7 @@ def test_variable_tracking_chain_is_in_reading_order_and_answered_by_its_names(t
 
 
 def _expected_answer(question: str) -> str:
-    """The demo data's rule, restated from data_tools/make_demo_data.py's task descriptions."""
+    """The demo data's rule, restated from data_tools/demo_data/synthetic_chats.py's task descriptions."""
     kind = demo_qa.kind(question)
     if kind in ("repeat", "reverse", "sort"):
         words = question.split(": ", 1)[1].split()
@@ -85,7 +85,7 @@ def test_demo_qa_answers_follow_from_their_questions(tokenizer):
         assert row["answer"] == [_expected_answer(row["prompt"])]
         assert len(tokenizer.encode(row["answer"][0], add_special_tokens=False)) <= 24
     # Seeds the demo trains on (0 and 1) are not used: none of these questions is in its training data.
-    from data_tools.make_demo_data import generate
+    from data_tools.demo_data.synthetic_chats import generate
 
     trained = {m["content"] for seed in (0, 1) for chat in generate(400, 2048, seed) for m in chat["messages"]}
     assert not trained & {r["prompt"] for r in rows}

@@ -178,6 +178,9 @@ def test_the_layers_hold():
     ("hbp_train/common/errors.py", "from hbp_train import trainer"),  # the bottom layer reaching the loop
     ("hbp_train/planning/plan.py", "import torch"),  # planning is pure numpy
     ("hbp_train/model/loss.py", "from hbp_train.batches import loader"),  # two independent siblings
+    ("data_tools/preprocessing/pipeline.py", "from data_tools.packing import lengths"),  # two independent stages
+    ("data_tools/packing/groups.py", "from data_tools import pack"),  # a stage reaching for its command
+    ("data_tools/compare.py", "from data_tools.simulate import build_parser"),  # a command importing another
 ])
 def test_a_planted_upward_import_breaks_the_layers(tmp_path, importer, imported):
     """A copy of the packages with one import that goes against the layering: lint-imports fails and names it."""

@@ -152,7 +152,7 @@ def test_plan_groups_carry_the_levers_and_plans_without_them_keep_their_bytes():
 
 
 def test_the_groups_flag_takes_levers_as_a_fourth_field():
-    from data_tools.pack import CliError, parse_groups
+    from data_tools.packing.groups import CliError, parse_groups
 
     groups = parse_groups("1024:1,4096:2:3:-,16384:2:4:tiled_mlp+offload,32768:2:4:offload", None, 2)
     assert [(g.tiled_mlp, g.offload_activations) for g in groups] == [(False, False), (False, False), (True, True),

@@ -1,6 +1,7 @@
-"""Tests for data_tools.make_code_data (and data_tools.code_tasks): chats from the standard library, split by module,
-the removed body really removed and exactly the answer, determinism per seed, the token cap, every skip and drop
-counted, and the output read by data_tools.preprocess. Runs use a few small modules and small caps (seconds)."""
+"""Tests for data_tools.make_code_data (data_tools/demo_data/: code_data.py, code_tasks.py): chats from the standard
+library, split by module, the removed body really removed and exactly the answer, determinism per seed, the token
+cap, every skip and drop counted, and the output read by data_tools.preprocess. Runs use a few small modules and
+small caps (seconds)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.code_tasks import make_tasks, source_lines
-from data_tools.make_code_data import SKIP_REASONS, main, make_code_data, stdlib_dir
+from data_tools.demo_data.code_tasks import make_tasks, source_lines
+from data_tools.demo_data.code_data import SKIP_REASONS, make_code_data, stdlib_dir
+from data_tools.make_code_data import main
 from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code
 
@@ -233,14 +235,14 @@ def test_cli_writes_and_its_errors_are_one_line(tmp_path, capsys, monkeypatch):
         make_code_data(tmp_path / "one", modules=["textwrap"], progress=False)
 
     # Ctrl-C half-way: one line, exit 130, the earlier output as it was and no staging folder left.
-    import data_tools.train_tokenizer
+    from data_tools.demo_data import bpe_tokenizer
 
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data_tools.train_tokenizer, "train", interrupt)
+    monkeypatch.setattr(bpe_tokenizer, "train", interrupt)
     assert main(argv) == 130
     assert capsys.readouterr().err == f"make_code_data: interrupted; --out {out} was left as it was\n"
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from data_tools.make_demo_data import LONG_FRACTION, VOCAB, generate, main
+from data_tools.demo_data.synthetic_chats import LONG_FRACTION, VOCAB, generate
+from data_tools.make_demo_data import main
 from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code
 

@@ -135,13 +135,14 @@ def test_a_qwen2_model_of_ones_own_trains_by_path_alone(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from data_tools import make_demo_data, pack, preprocess
+    from data_tools import pack, preprocess
+    from data_tools.demo_data import synthetic_chats
     from tests.distributed import run_distributed
 
     model_dir = tmp_path / "my-qwen2"
     config = save_user_model("qwen2", model_dir)
     with open(tmp_path / "chats.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in make_demo_data.generate(60, max_tokens=300, seed=3))
+        f.writelines(json.dumps(r) + "\n" for r in synthetic_chats.generate(60, max_tokens=300, seed=3))
     assert preprocess.main(["--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "tok"),
                             "--tokenizer", str(model_dir), "--max-len", "512"]) == 0
     assert pack.main(["--dataset", str(tmp_path / "tok"), "--shards", str(tmp_path / "packed"), "--max-len", "512",
@@ -268,9 +269,9 @@ def test_own_tokenizer_own_model_four_formats_run_quietly_and_report_one_loss(fa
     switch: every sample is trained, held out or listed as dropped; the plan records the model and the simulator
     costs it; the trainer's held-out loss equals hbp-eval's on the export; the export carries the user's own
     tokenizer; no command prints another library's warning, bar or traceback."""
-    from data_tools import make_demo_data
+    from data_tools.demo_data import synthetic_chats
 
-    records = make_demo_data.generate(240, max_tokens=300, seed=5)
+    records = synthetic_chats.generate(240, max_tokens=300, seed=5)
     model_dir = tmp_path / f"my-{family}"
     save_own_tokenizer_and_model(family, model_dir, [m["content"] for r in records for m in r["messages"]])
     write_four_formats(records, tmp_path / "data")

@@ -80,12 +80,13 @@ def export_token_mean_loss(export_dir: Path, dataset_dir: Path, **config) -> tup
 
 @pytest.mark.slow
 def test_trainer_heldout_loss_is_the_exports_own_loss(tmp_path):
-    from data_tools import make_demo_data, pack, preprocess
+    from data_tools import pack, preprocess
+    from data_tools.demo_data import synthetic_chats
     from eval.run import main as eval_main
     from tests.distributed import run_distributed
 
-    records = make_demo_data.generate(24, max_tokens=200, seed=5)
-    records += make_demo_data.generate(4, max_tokens=1400, seed=8, long_fraction=1.0)  # ~1K tokens: past the windows
+    records = synthetic_chats.generate(24, max_tokens=200, seed=5)
+    records += synthetic_chats.generate(4, max_tokens=1400, seed=8, long_fraction=1.0)  # ~1K tokens: past the windows
     with open(tmp_path / "chats.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     for family in FAMILIES:
@@ -154,14 +155,15 @@ def test_phi3_longrope_heldout_loss_is_the_exports_own_loss_with_long_and_short_
     evaluated on 2 ranks over a plan with an sp=1 group and an sp=2 group (the held-out loss runs every pack, so the
     sp=2 packs too: there a rank holds only part of a long sample). The trainer's held-out loss equals the export's
     own HF loss per sample and `hbp-eval offline`, to 2e-5: each sample got the factors its own length selects."""
-    from data_tools import make_demo_data, pack, preprocess
+    from data_tools import pack, preprocess
+    from data_tools.demo_data import synthetic_chats
     from eval.run import main as eval_main
     from tests.distributed import run_distributed
 
     family = "phi3"
     with open(tmp_path / "chats.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in make_demo_data.generate(16, max_tokens=1100, seed=5,
-                                                                            long_fraction=0.3))
+        f.writelines(json.dumps(r) + "\n" for r in synthetic_chats.generate(16, max_tokens=1100, seed=5,
+                                                                             long_fraction=0.3))
     save_longrope_model(tmp_path / family / "model")
     assert preprocess.main(["--input", str(tmp_path / "chats.jsonl"), "--output", str(tmp_path / "tok"),
                             "--tokenizer", str(TOKENIZER_DIR), "--max-len", "1100"]) == 0

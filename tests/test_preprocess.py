@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools.make_demo_data import generate
-from data_tools.chat_labels import ChatEncoder, TokenizerError
-from data_tools.preprocess import PreprocessError, main, preprocess
-from data_tools.sft_formats import parse_record
+from data_tools.demo_data.synthetic_chats import generate
+from data_tools.preprocessing.chat_labels import ChatEncoder, TokenizerError
+from data_tools.preprocess import main
+from data_tools.preprocessing.pipeline import PreprocessError, preprocess
+from data_tools.preprocessing.formats import parse_record
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "preprocess"
 REPO = Path(__file__).resolve().parent.parent
@@ -482,7 +483,7 @@ def test_pool_workers_leave_ctrl_c_to_the_parent(encoder, ctrl_c_stops_python):
     the background, where SIGINT is ignored from the start.)"""
     import signal
 
-    from data_tools.preprocess_workers import start_pool
+    from data_tools.preprocessing.workers import start_pool
 
     pool = start_pool(1, TOKENIZER, None, "drop", encoder)
     try:

@@ -1,7 +1,8 @@
-"""Tests for data_tools/mixing.py through the real preprocess: per-input weights (``--input a.jsonl:2 b.jsonl:0.5``)
-and the held-out split (``--heldout-fraction`` / ``--heldout-count``). Every kept sample ends up in the training set
-(as often as its weight says), in the held-out set, or listed in dropped.jsonl as left out by its weight; held-out
-samples are whole rows, never trained on, and the held-out folder packs for the trainer's held-out loss."""
+"""Tests for data_tools/preprocessing/mixing.py through the real preprocess: per-input weights (``--input a.jsonl:2
+b.jsonl:0.5``) and the held-out split (``--heldout-fraction`` / ``--heldout-count``). Every kept sample ends up in
+the training set (as often as its weight says), in the held-out set, or listed in dropped.jsonl as left out by its
+weight; held-out samples are whole rows, never trained on, and the held-out folder packs for the trainer's held-out
+loss."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from data_tools.mixing import Mix, parse_input, plan_rows
+from data_tools.preprocessing.mixing import Mix, parse_input, plan_rows
 from data_tools.preprocess import main
 from hbp_train.common.errors import UserError
 from tests.cli_exit import exit_code

@@ -23,7 +23,7 @@ def run_cli(argv, capsys):
 
 
 def test_cli_dry_run_writes_a_profile_pack_reads(tmp_path, capsys):
-    from data_tools.pack import parse_groups
+    from data_tools.packing.groups import parse_groups
 
     path = tmp_path / "profile.json"
     rc, out, _ = run_cli(["model=tiny_llama", "profile.dry_run=true", f"profile.output={path}",
@@ -80,7 +80,7 @@ def test_cli_dry_run_8b_from_a_config_json_alone(tmp_path, capsys):
     """The 128K experiment preset on a machine without the weights: a folder with only config.json (no tokenizer:
     the config's vocabulary is used), no data.shards (the profiler reads no data). The l_max group's checkpoint
     count is the fewest layers that fit the analytic memory model."""
-    from data_tools.pack import parse_groups
+    from data_tools.packing.groups import parse_groups
 
     model_dir = tmp_path / "llama8b"
     model_dir.mkdir()

@@ -1,5 +1,5 @@
-"""Tests for data_tools.sft_formats: shape detection, normalisation into samples and the error reasons; then every
-shape through the real preprocess, token for token."""
+"""Tests for data_tools.preprocessing.formats: shape detection, normalisation into samples and the error reasons;
+then every shape through the real preprocess, token for token."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.sft_formats import FormatError, detect_format, parse_record
+from data_tools.preprocessing.formats import FormatError, detect_format, parse_record
 
 U = {"role": "user", "content": "hi"}
 A = {"role": "assistant", "content": "hello"}
@@ -143,7 +143,7 @@ def test_unknown_fmt_argument_is_a_programming_error():
 # with another chat template, and checks the exact tokens (the text they encode), the labelled runs (what is trained
 # on) and the report's counts.
 
-from data_tools.preprocess import PreprocessError  # noqa: E402
+from data_tools.preprocessing.pipeline import PreprocessError  # noqa: E402
 from tests.test_preprocess import (  # noqa: E402
     IM_END, TOKENIZER, labelled_runs, run, tokenizer_with_template, write_jsonl)
 
@@ -264,7 +264,7 @@ def test_plain_text_gets_the_bos_a_tokenizer_adds_to_text(tmp_path, tokenizer):
     predicts it); a text that already ends with the eos does not get a second one."""
     from tokenizers.processors import TemplateProcessing
 
-    from data_tools.chat_labels import load_tokenizer
+    from data_tools.preprocessing.chat_labels import load_tokenizer
 
     directory = Path(tokenizer_with_template(tmp_path, tokenizer.chat_template))
     with_bos = load_tokenizer(str(directory))

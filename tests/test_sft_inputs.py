@@ -1,6 +1,6 @@
-"""Tests for data_tools/sft_inputs.py through the real preprocess: compressed JSON lines and JSON, CSV, and a folder
-of data files laid out as a hub dataset ships them. Each file type must give the very rows the same records give
-as plain JSONL, with sources that point at the record in that file."""
+"""Tests for data_tools/preprocessing/inputs.py through the real preprocess: compressed JSON lines and JSON, CSV, and
+a folder of data files laid out as a hub dataset ships them. Each file type must give the very rows the same records
+give as plain JSONL, with sources that point at the record in that file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from data_tools.preprocess import PreprocessError
+from data_tools.preprocessing.pipeline import PreprocessError
 from tests.test_preprocess import ASSETS, run, write_jsonl
 
 MESSAGES = [json.loads(line) for line in (ASSETS / "messages.jsonl").read_text().splitlines() if line.strip()]
@@ -21,7 +21,7 @@ def rows(dataset) -> list[tuple[list[int], list[int]]]:
 
 
 def test_gzip_compressed_jsonl_and_json(tmp_path, monkeypatch):
-    from data_tools import sft_inputs
+    from data_tools.preprocessing import inputs as sft_inputs
 
     monkeypatch.setattr(sft_inputs, "BLOCK_BYTES", 100)  # several blocks, a line across a block boundary
     jsonl_gz = tmp_path / "chats.jsonl.gz"

@@ -319,7 +319,8 @@ def test_cli_one_plan_is_compared_with_isf_on_its_lengths_and_tiny_times_show(tm
     speed-up is over it, as data_tools.compare computes it; a tiny model's times print in a unit that shows them
     (no 0.000 in a time column)."""
     from data_tools import simulate as cli
-    from data_tools.compare import plan_strategies, simulate_strategies
+    from data_tools.simulation.strategies import plan_strategies, simulate_strategies
+    from data_tools.simulation.tables import format_seconds
 
     rng = np.random.default_rng(4)
     lengths = np.minimum(rng.lognormal(5, 1.2, 400).astype(int) + 1, 2048)
@@ -348,13 +349,13 @@ def test_cli_one_plan_is_compared_with_isf_on_its_lengths_and_tiny_times_show(tm
     assert 0 < rows[1]["simulated_seconds"] < 1.0
     for r in rows:
         for key in ("simulated_seconds", "comm_seconds_per_step", "optimizer_seconds_per_step"):
-            assert cli.format_seconds(r[key]) in text and float(cli.format_seconds(r[key]).split()[0]) > 0
+            assert format_seconds(r[key]) in text and float(format_seconds(r[key]).split()[0]) > 0
     table_rows = [line for line in text.splitlines() if line.startswith(("isf (planned here) ", "hbp:hbp.json "))]
     assert len(table_rows) == 2 and not any("0.000" in line for line in table_rows)
 
 
 def test_format_seconds_picks_the_unit_that_shows_the_figure():
-    from data_tools.simulate import format_seconds
+    from data_tools.simulation.tables import format_seconds
 
     assert [format_seconds(x) for x in (3.2e-5, 0.0123, 4.5, 600.0, 9000.0, 0.0)] == \
         ["32 µs", "12.3 ms", "4.5 s", "10 min", "2.5 h", "0 s"]
@@ -412,6 +413,7 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 def test_compare_cli_all_strategies(tmp_path, capsys):
     from data_tools import compare
+    from data_tools.simulation.strategies import BASELINES, STRATEGIES
 
     rng = np.random.default_rng(1)
     lengths = np.minimum(rng.lognormal(6, 1.2, 1500).astype(int) + 1, 16000)
@@ -421,14 +423,14 @@ def test_compare_cli_all_strategies(tmp_path, capsys):
     assert compare.main(["--lengths", str(f), "--world-size", "8", "--groups", "2048:1,16384:4", "--global-tokens",
                          str(16384 * 4), "--quiet", "--out", str(out), "--plot", str(png)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == set(compare.STRATEGIES)
+    assert set(rows) == set(STRATEGIES)
     assert rows["isf"]["speedup"] == 1.0
     assert rows["bytescale"]["sync"] == "step" and rows["hbp"]["sync"] == "micro"
     for r in rows.values():
         assert r["tokens"] == int(lengths.sum()) and r["simulated_seconds"] > 0
         assert r["speedup"] == pytest.approx(rows["isf"]["simulated_seconds"] / r["simulated_seconds"])
     # Every row is also compared with the fastest of the baselines users run (isf, bfd, sorted), named.
-    best = min(compare.BASELINES, key=lambda n: rows[n]["simulated_seconds"])
+    best = min(BASELINES, key=lambda n: rows[n]["simulated_seconds"])
     for r in rows.values():
         assert r["best_baseline"] == best
         assert r["speedup_best"] == pytest.approx(rows[best]["simulated_seconds"] / r["simulated_seconds"])
@@ -512,7 +514,7 @@ def test_cli_interrupt_exits_130_with_one_line(tmp_path, capsys, monkeypatch):
 
 def test_compare_cost_balancing_strategies_plan_with_the_cost_model():
     """hbp-cost (like wlb and bytescale) plans with the simulator's cost model as pack cost; hbp with sum of len^2."""
-    from data_tools import compare
+    from data_tools.simulation.strategies import plan_strategies
     from hbp_train.perf.cost_model import pack_cost_fn
     from hbp_train.planning import make_plan
 
@@ -521,7 +523,7 @@ def test_compare_cost_balancing_strategies_plan_with_the_cost_model():
     model = CostModel.from_calibration()
     sim = SimConfig()
     kwargs = dict(world_size=8, groups=[GroupSpec(2048, 1), GroupSpec(16384, 4)], global_tokens=16384 * 4)
-    plans = compare.plan_strategies(lengths, kwargs, model, sim, ("hbp", "hbp-cost"), progress=False)
+    plans = plan_strategies(lengths, kwargs, model, sim, ("hbp", "hbp-cost"), progress=False)
     cost = pack_cost_fn(model, sim.ckpt_layers, sim.intra_node_gbps, sim.inter_node_gbps, sim.gpus_per_node)
     want = make_plan(lengths, PlanConfig(strategy="hbp", pack_cost=cost, **kwargs))
     plain = make_plan(lengths, PlanConfig(strategy="hbp", **kwargs))
@@ -549,6 +551,7 @@ def test_simulate_costs_the_model_the_plan_records_and_says_when_it_costs_anothe
     warning line naming the plan's model; a plan without a record is costed on the calibration's shape with one
     warning line saying so; plans of different models are refused in one line."""
     from data_tools import simulate as cli
+    from data_tools.simulation.plans import load_plan
     from tests.test_planning_cli import save_model_config
 
     lengths = np.random.default_rng(3).integers(10, 1024, 400)
@@ -570,7 +573,7 @@ def test_simulate_costs_the_model_the_plan_records_and_says_when_it_costs_anothe
     assert not captured.err and "model: my-qwen (llama, 6 heads, 2 kv heads;" in captured.out
     assert "shape my-qwen" in captured.out
     expected = CostModel.from_calibration(None, shape)
-    assert seconds == pytest.approx(simulate(cli.load_plan(str(recorded)), expected).summary()["simulated_seconds"])
+    assert seconds == pytest.approx(simulate(load_plan(str(recorded)), expected).summary()["simulated_seconds"])
 
     shape, other_seconds, captured = run(recorded, "--model-shape", "llama3-8b")
     assert shape["name"] == "llama3-8b" and other_seconds > 100 * seconds  # an 8B model, not the user's

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from data_tools.train_tokenizer import BOS, EOS, IM_END, IM_START, PAD, main, train
+from data_tools.demo_data.bpe_tokenizer import BOS, EOS, IM_END, IM_START, PAD, train
+from data_tools.train_tokenizer import main
 from tests.cli_exit import exit_code
 
 

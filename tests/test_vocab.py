@@ -65,7 +65,7 @@ def test_data_of_another_tokenizer_is_refused_naming_both(tokenizer, tokenizer_d
 
 
 def _chats(path, n=24):
-    from data_tools.make_demo_data import generate
+    from data_tools.demo_data.synthetic_chats import generate
 
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in generate(n, max_tokens=200, seed=2))

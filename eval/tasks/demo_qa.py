@@ -1,9 +1,9 @@
 """Short instruction-following questions whose answers the demo's training data teaches.
 
-The questions come from the demo's own generator (``data_tools/make_demo_data.py``) with a seed the demo never
-trains on: repeat, reverse or sort a word list, name word number k, find the secret code in a short passage. Each
-answer is a deterministic function of its question, so a model trained on the demo data can get them exactly right
-and an untrained one cannot. Only single-turn chats without a system turn and with short answers are kept (so
+The questions come from the demo's own generator (``data_tools/demo_data/synthetic_chats.py``) with a seed the demo
+never trains on: repeat, reverse or sort a word list, name word number k, find the secret code in a short passage.
+Each answer is a deterministic function of its question, so a model trained on the demo data can get them exactly
+right and an untrained one cannot. Only single-turn chats without a system turn and with short answers are kept (so
 ``max_out_len`` stays small); scored by exact match (OpenCompass's ``EMEvaluator``: the answer up to its first
 period, comma or newline, punctuation and articles dropped).
 """
@@ -47,7 +47,7 @@ def kind(question: str) -> str:
 
 def generate_records(tokenizer, config: DemoQAConfig) -> list[dict]:
     """``num_samples`` rows ``{"prompt", "answer": [text], "kind", "tokens"}``, deterministic in ``config.seed``."""
-    from data_tools.make_demo_data import generate
+    from data_tools.demo_data.synthetic_chats import generate
 
     records: list[dict] = []
     seed = SEED_OFFSET + config.seed

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from hbp_train.planning.equal_steps import AUTO_STEPS, MIN_STEPS, auto_global_tokens, slot_tokens, step_budget
+from hbp_train.planning.equal_steps import MIN_STEPS, auto_global_tokens, slot_tokens, step_budget
 
 
 METRIC_ROWS = [("ABR", "{:.4f}"), ("DBR", "{:.4f}"), ("PR", "{:.4f}"), ("CR", "{:.4f}"), ("mix_TV", "{:.4f}"),

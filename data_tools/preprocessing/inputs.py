@@ -31,9 +31,9 @@ import zlib
 from pathlib import Path
 from typing import Iterator
 
-from data_tools.sft_formats import FormatError, one_line
+from data_tools.preprocessing.formats import FormatError, one_line
 
-# reason -> what it means, for the problems of whole lines and files (record shapes: sft_formats.REASONS).
+# reason -> what it means, for the problems of whole lines and files (record shapes: formats.REASONS).
 FILE_REASONS = {
     "malformed_json": "the line (or JSON file) is not valid JSON",
     "malformed_csv": "a CSV row does not parse or has another number of cells than the header",

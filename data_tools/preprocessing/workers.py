@@ -1,10 +1,10 @@
 """The tokenizing workers of data_tools.preprocess: each turns one task (a block of JSONL lines, or a list of parsed
 records) into a ``Chunk``: the kept rows as flat arrays, every drop with its reason in record order, and counts.
 
-A worker parses and normalises each record (``data_tools.sft_inputs``, ``data_tools.sft_formats``), encodes the
-batch with the ``ChatEncoder`` (``data_tools.chat_labels``), then applies ``--max-len`` (drop or truncate) and drops
-the samples left with no trained token, all numpy over the batch. Run in a pool (``start_pool``) or in this process
-(``init_worker`` then ``encode_task``): the result is the same.
+A worker parses and normalises each record (``inputs.py``, ``formats.py``), encodes the batch with the ``ChatEncoder``
+(``chat_labels.py``), then applies ``--max-len`` (drop or truncate) and drops the samples left with no trained token,
+all numpy over the batch. Run in a pool (``start_pool``) or in this process (``init_worker`` then ``encode_task``):
+the result is the same.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_tools.chat_labels import ChatEncoder
-from data_tools.sft_formats import FormatError, parse_record
-from data_tools.sft_inputs import parse_jsonl_block
+from data_tools.preprocessing.chat_labels import ChatEncoder
+from data_tools.preprocessing.formats import FormatError, parse_record
+from data_tools.preprocessing.inputs import parse_jsonl_block
 from hbp_train.common.labels import IGNORE_INDEX
 
 # Per-process state of the tokenizing workers (forked workers inherit the parent's encoder, spawned ones load one).

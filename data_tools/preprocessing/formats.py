@@ -85,7 +85,7 @@ class FormatError(UserError):
 
 @dataclass(slots=True)
 class Sample:
-    """One record, normalised: what data_tools.chat_labels encodes."""
+    """One record, normalised: what data_tools.preprocessing.chat_labels encodes."""
 
     shape: str
     """One of FORMATS."""

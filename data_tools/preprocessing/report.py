@@ -6,7 +6,7 @@ kept ones were plain text, labelled with no chat template), and what a kept reco
 counted too: the records per detected shape (``formats``), the fields no shape uses (``ignored_fields``, e.g.
 ``{"meta": 500, "messages[].name": 3}``) and the assistant turns kept as context only (``untrained_turns``:
 ``weight_0``, ``prompt``). Kept lengths are held as a histogram: exact percentiles, memory bounded by the longest
-sample, not by the number of samples. With a held-out split or input weights (data_tools/mixing.py), ``tokens``,
+sample, not by the number of samples. With a held-out split or input weights (mixing.py), ``tokens``,
 ``loss_tokens`` and the percentiles are the written training set's, ``rows`` its rows, and ``per_input`` and
 ``heldout`` say where the kept samples went.
 """
@@ -34,7 +34,7 @@ class Counts:
         self.histogram = np.zeros(0, np.int64)
 
     def add(self, chunk) -> None:
-        """Add a ``preprocess_workers.Chunk``: its records read, their shapes, ignored fields and untrained turns,
+        """Add a ``workers.Chunk``: its records read, their shapes, ignored fields and untrained turns,
         and the lengths and trained tokens of its kept rows (its drops are counted one by one, ``drop``)."""
         self.read += chunk.read
         for total, part in ((self.formats, chunk.formats), (self.ignored, chunk.ignored),

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.sft_formats import FormatError, Sample, one_line
+from data_tools.preprocessing.formats import FormatError, Sample, one_line
 from hbp_train.common.errors import UserError
 from hbp_train.common.labels import IGNORE_INDEX
 
@@ -63,7 +63,7 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
-# reason -> what it means, for conversations the chat template cannot label (record shapes: sft_formats.REASONS).
+# reason -> what it means, for conversations the chat template cannot label (record shapes: formats.REASONS).
 TEMPLATE_REASONS = {
     "template_error": "the chat template raised on this conversation",
     "template_not_incremental": "the chat template (without generation markers) does not render prefixes stably",

@@ -159,7 +159,7 @@ def apply_mix(dataset, row_input: np.ndarray, mix: Mix, inputs: list[str], read:
     under the held-out split and the weights; adds to ``report`` where the samples went (``rows``, ``seed``,
     ``per_input``, ``heldout``, the training set's tokens and lengths) and writes to ``dropped_file`` a line for each
     sample a weight left out. Without a split or a weight other than 1 the dataset is returned as it is."""
-    from data_tools.preprocess_report import rows_summary
+    from data_tools.preprocessing.report import rows_summary
 
     plan = plan_rows(row_input, mix)
     report.update(rows=len(plan.train), seed=mix.seed, per_input=per_input(inputs, mix, read, row_input, plan))

@@ -13,7 +13,7 @@ Only top-level functions, classes and the methods of top-level classes are used.
 least ``MIN_BODY_STATEMENTS`` statements after its docstring (a one-line body teaches nothing), and its body
 starts on a line of its own, so the removed lines are whole lines. A module longer than the token cap is cut by
 ``LongSource.render(lo, hi)`` to a window of lines around the function, with the module's top-level imports kept
-at the top and a marker line for every run of lines left out (data_tools/make_code_data.py sizes the window).
+at the top and a marker line for every run of lines left out (code_data.py sizes the window).
 """
 
 from __future__ import annotations

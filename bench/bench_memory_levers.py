@@ -21,8 +21,10 @@ kernels' and Liger's buffers, the allocator's fragmentation (the profiler's head
 
 Offload on the CPU: DeepSpeed's offload moves nothing off a CPU (it has no device to free), so the bench makes its
 engine copy each offloaded input into host memory outside torch's allocator (numpy) with the side stream off: the
-measured peak is what stays on "the device". The GPU run keeps one more input on the device while its copy runs
-(``perf.memory.OFFLOAD_INPUTS_ON_DEVICE``); the prediction counts it, so it reads that much above the measurement.
+measured peak is what stays on "the device", in the forward and in the backward (each input restored into torch's
+allocator for its own layer, model/levers.py). The model is asked for inline copies too
+(``JobSettings.offload_side_stream=False``: the newest input stays); the one more a GPU's side stream keeps
+(``perf.memory.OFFLOAD_INPUTS_ON_DEVICE``) is modelled, not measured here.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def predict(config: Config) -> dict:
 
     shape = parse_model_shape(config.hf_config())
     job = JobSettings(zero_stage=1, offload_optimizer=True, grad_accum_fp32=False, loss_chunk_tokens=config.chunk(),
-                      attention_out_shared=False, attention_fp32_dq=False)
+                      attention_out_shared=False, attention_fp32_dq=False, offload_side_stream=False)
     br = memory_breakdown(shape, config.tokens, 1, config.ckpt_layers, 1, job, config.tiled_mlp, config.offload)
     params_and_grads = 4 * shape.num_params
     return {"bytes": params_and_grads + br.activations, "moment": br.moment, "params_and_grads": params_and_grads}

@@ -27,12 +27,12 @@ from tests.test_families import _pack_batch, _wrapper, losses_and_grads, router_
 FAMILIES = ("llama", "mixtral")  # dense; MoE with HF's router loss (router_loss_keys: coefficient 0.5)
 
 
-def forced_offload():
-    """DeepSpeed's offload context with its copies made on the CPU too (there it skips every tensor: no device to
-    free), so that the inputs really go to a host buffer and come back."""
+def forced_offload(base=None):
+    """DeepSpeed's offload context (ours, or ``base``) with its copies made on the CPU too (there it skips every
+    tensor: no device to free), so that the inputs really go to a host buffer and come back."""
     from hbp_train.model.levers import hidden_states_offload
 
-    class Forced(hidden_states_offload()):
+    class Forced(base or hidden_states_offload()):
         def _should_skip(self, tensor):
             return isinstance(tensor, torch.nn.Parameter) or self._num_bytes(tensor) < self.min_offload_bytes
 
@@ -57,6 +57,60 @@ def _assert_same(got, ref, what):
     assert grads.keys() == ref_grads.keys() and grads, what
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=f"{what}: {name}")
+
+
+def _count_restored_alive(ctx) -> list:
+    """Make ``ctx`` (an offload context) record, at each restore of an offloaded input, how many of the inputs it
+    restored so far are still alive, this one included (by their storage: a recompute keeps a restored input
+    through views of it, not the tensor object handed back); returns the list it fills."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    restore, restored, alive = ctx._restore_tensor, [], []
+
+    def counted(tensor_id, cache=True):
+        tensor = restore(tensor_id, cache)
+        restored.append(StorageWeakRef(tensor.untyped_storage()))
+        alive.append(sum(not ref.expired() for ref in restored))
+        return tensor
+
+    ctx._restore_tensor = counted  # both DeepSpeed's cached unpack and restore_input go through it
+    return alive
+
+
+def test_offload_frees_each_restored_input_before_the_next_layer_restores_its_own():
+    """Every layer of a 4-layer Llama checkpointed and offloaded, the copies forced through host buffers: during the
+    backward one restored input is alive at a time (each layer's, freed after its recompute and backward; nested in
+    tiled-MLP checkpoints too), where DeepSpeed's own class, which caches what it restores, holds all 4 at the last
+    restore; the loss and gradients stay the reference's. A second backward over the retained graph stops in one
+    line."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    batch = [tuple(_pack_batch(seed=1).values())]
+    ref = losses_and_grads(model, batch)
+    levers = install_levers(model)
+    set_checkpointed_layers(model, 4)
+    for what, base, tiles, expected in (("DeepSpeed's cache", CheckpointHiddenStatesOffload, 1, [1, 2, 3, 4]),
+                                        ("one use", None, 1, [1, 1, 1, 1]), ("one use, tiled", None, 4, [1, 1, 1, 1])):
+        levers.set(Levers(mlp_tiles=tiles, offload=True))
+        levers._offload = forced_offload(base)
+        alive = _count_restored_alive(levers._offload)
+        with levers.micro_batch():
+            got = losses_and_grads(model, batch)
+        _assert_same(got, ref, what)
+        stats = levers.offload_stats
+        assert stats.offloaded_tensors == 3 and stats.kept_last_tensors == 1, (what, stats)  # the newest stays
+        assert alive == expected, (what, alive)
+
+    ids, positions, labels, cu, max_len, _ = batch[0]
+    with levers.micro_batch():
+        loss = _wrapper(model, None)(ids, positions, labels, cu, max_len).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"no longer held: .*retain_graph=True") as info:
+            loss.backward()
+    assert "\n" not in str(info.value)
+    levers.set(Levers())
+    set_checkpointed_layers(model, 0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

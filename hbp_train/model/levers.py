@@ -10,9 +10,10 @@ A long pack's activations, not the model, fill a GPU. Three levers trade a littl
   tile with gradients, and the router logits (and chosen experts) transformers records once per tile are joined
   back into one [T, E] per layer (hf_model.forward_hidden), so the router loss is the untiled one.
 * **activation-checkpoint offload** (``offload_activations``): the hidden states each checkpointed layer keeps for
-  its recompute go to pinned host memory on a side stream and come back for backward (DeepSpeed's
-  ``CheckpointHiddenStatesOffload``, a ``saved_tensors_hooks`` context around the micro-batch's forward and
-  backward, with the inputs it marks known by their memory: ``hidden_states_offload`` says why). On a CPU,
+  its recompute go to pinned host memory on a side stream and come back for backward, each freed once its layer's
+  backward is done (DeepSpeed's ``CheckpointHiddenStatesOffload``, a ``saved_tensors_hooks`` context around the
+  micro-batch's forward and backward, with the inputs it marks known by their memory and each restored for one use:
+  ``hidden_states_offload`` says why). On a CPU,
   DeepSpeed keeps them where they are (no device to free): the hooks run, nothing moves.
 * **loss tiling** (always on): the LM head and its loss one chunk of tokens at a time (model/loss.py).
 
@@ -203,13 +204,22 @@ _OFFLOAD_CLASS = []
 
 
 def hidden_states_offload() -> type:
-    """DeepSpeed's ``CheckpointHiddenStatesOffload`` with its marked inputs known by their memory (address, shape,
-    strides, dtype) instead of their Python object. DeepSpeed marks a checkpointed layer's input as the layer is
-    called, and offloads the tensor the layer's checkpoint saves if it is that object; under ZeRO-3 the module hooks
-    in between hand the layer a detached alias of it (``PostBackwardFunctionModule``: the same memory, another
-    object), so DeepSpeed's own class offloads nothing there (tests/test_levers.py saw 0 of 2 under ZeRO-3)."""
+    """DeepSpeed's ``CheckpointHiddenStatesOffload`` with two changes.
+
+    * Its marked inputs are known by their memory (address, shape, strides, dtype) instead of their Python object.
+      DeepSpeed marks a checkpointed layer's input as the layer is called, and offloads the tensor the layer's
+      checkpoint saves if it is that object; under ZeRO-3 the module hooks in between hand the layer a detached alias
+      of it (``PostBackwardFunctionModule``: the same memory, another object), so DeepSpeed's own class offloads
+      nothing there (tests/test_levers.py saw 0 of 2 under ZeRO-3).
+    * Each input is restored for one use. DeepSpeed's unpack caches what it restores until the context exits (for a
+      second backward over the same graph, ``retain_graph``), so by the end of the backward every offloaded input is
+      back on the device at once and offload lowers only the end of the forward. torch's non-reentrant checkpoint
+      unpacks a layer's saved input once per backward, to recompute the layer, so here the restored input lives only
+      as long as that layer's recompute and backward hold it. A second unpack of the same input (a second backward
+      over a retained graph, or a backward after the context) stops with one line; the trainer runs neither."""
     if not _OFFLOAD_CLASS:
-        from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+        from deepspeed.runtime.activation_checkpointing.offload_activations import (
+            CheckpointHiddenStatesOffload, _OffloadedTensorRef)
 
         def key(tensor):
             return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
@@ -228,6 +238,17 @@ def hidden_states_offload() -> type:
                 else:
                     self._allowed[key(tensor)] = count - 1
                 return True
+
+            def _unpack_tensor(self, packed):
+                if not isinstance(packed, _OffloadedTensorRef):
+                    return packed
+                index = packed.tensor_id
+                if index not in self._keep_last and index not in self._fwd_stash and index not in self._tracker:
+                    raise RuntimeError(f"offload_activations: checkpointed layer input {index} is no longer held: "
+                                       "each offloaded input is restored once, for the one backward inside "
+                                       "MemoryLevers.micro_batch(); a second backward over the same graph "
+                                       "(retain_graph=True) or a backward after the context needs offload off")
+                return self.restore_input(index)  # DeepSpeed's single-consumption restore (no cache)
 
         _OFFLOAD_CLASS.append(HiddenStatesOffload)
     return _OFFLOAD_CLASS[0]

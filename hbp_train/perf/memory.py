@@ -26,13 +26,15 @@ from hbp_train.perf.shape import ModelShape
 # The attention backends whose kernel returns its output laid out per token (hbp_train/model/attention.py's varlen
 # kernels): JobSettings.attention_out_shared and attention_fp32_dq.
 VARLEN_BACKENDS = ("fa3", "fa4", "flash_varlen", "torch_varlen")
-# Activation offload (DeepSpeed 0.19.8's CheckpointHiddenStatesOffload, hbp_train/model/levers.py): the newest
-# checkpointed layer's input stays on the device (keep_last_count=1) and one more waits there while its copy to the
-# host runs on the side stream (max_fwd_stash_count=2): at most 2 inputs on the device at the end of the forward.
+# Activation offload (DeepSpeed 0.19.8's CheckpointHiddenStatesOffload as hbp_train/model/levers.py runs it): the
+# newest checkpointed layer's input stays on the device (keep_last_count=1) and one more waits there while its copy to
+# the host runs on the side stream (max_fwd_stash_count=2): at most 2 inputs on the device at the end of the forward
+# (1 when copied inline: JobSettings.offload_side_stream). In backward each input comes back for its own layer's
+# recompute alone and is freed after that layer's backward: while a layer's backward runs, its own input lives in its
+# rebuilt activations (its norm keeps it, or an fp32 copy of it) and the other of the 2 beside it: first the one left
+# waiting, then the block of the input freed before, which the side stream (where restores allocate) reuses only once
+# the compute stream is past it.
 OFFLOAD_INPUTS_ON_DEVICE = 2
-# ... and every input it brings back for backward stays cached on the device until the step's backward ends
-# (cache=True, for HF's retain_graph): at the last checkpointed layer's backward all of them are back.
-OFFLOAD_RESTORED_CACHED = True
 # ZeRO-3's parameter prefetch bucket (DeepSpeed's stage3_prefetch_bucket_size default, elements): gathered ahead of
 # the module that runs.
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
@@ -73,6 +75,10 @@ class JobSettings:
     grad_bucket_bytes: int = 0
     """DeepSpeed's gradient reduction buckets on the GPU (deepspeed.reduce_bucket_size elements in bf16, two of them
     with overlap_comm at stage 1/2, one at stage 3), held from the first backward on; 0 = not counted."""
+    offload_side_stream: bool = True
+    """Activation offload copies on a side stream, as on a GPU: one input more waits on the device while its copy
+    runs (``OFFLOAD_INPUTS_ON_DEVICE``); False: copied inline (bench/bench_memory_levers.py's CPU engine), only the
+    newest input stays."""
 
     @classmethod
     def of_run(cls, cfg, max_micro_batches=None, fused_kernels=()) -> "JobSettings":
@@ -285,8 +291,9 @@ def memory_breakdown(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int
       chunks: 4 B x vocab x h) and, while it runs, the final norm's output and the rows it copies (2 x h per token);
     * backward of the first plain layer: every kept activation (the loss's gone) plus ``layer_backward_bytes``;
     * backward of the first checkpointed layer: the plain layers' activations are freed by then; the checkpointed
-      layers' inputs (with offload: ``OFFLOAD_RESTORED_CACHED`` -- DeepSpeed brings them all back and keeps them),
-      one layer rebuilt in full and its backward buffers.
+      layers' inputs (with offload, each restored for its own layer alone: those beside the rebuilt layer's own,
+      which its norm keeps inside the rebuilt layer's activations, Liger's as it is, HF's as an fp32 copy), one layer
+      rebuilt in full and its backward buffers.
     ZeRO-3 adds the parameters it gathers (``zero3_working_bytes``) to each moment. Outside the layers only RoPE's
     cos/sin and the ids (2 x head_dim + 8 B per token) live through the layers' backward."""
     b = dtype_bytes
@@ -296,7 +303,9 @@ def memory_breakdown(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int
     full = activation_bytes_per_token_layer(shape, b, job.attention_out_shared, job.fused_rms_norm, job.fused_swiglu)
     kept = full - (mlp_bytes_per_token(shape, b, job.fused_swiglu) if tiled_mlp else 0)
     ckpt_input = b * shape.hidden
-    on_device = min(c, OFFLOAD_INPUTS_ON_DEVICE) if offload_activations else c
+    on_device = min(c, OFFLOAD_INPUTS_ON_DEVICE if job.offload_side_stream else 1) if offload_activations else c
+    # in a checkpointed layer's backward: with offload the others on the device; without, the checkpoints keep all
+    beside_rebuilt = on_device - 1 if offload_activations else c
     outside = outside_layers_bytes_per_token(shape, b, job.fused_rms_norm)
     through_backward = b * 2 * shape.head_dim + 8
     chunk = min(job.loss_chunk_tokens, tokens)
@@ -304,7 +313,6 @@ def memory_breakdown(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int
     loss_chunk = chunk * shape.vocab * (4 + 4 + 2) + head_grad + 2 * b * shape.hidden * tokens
     work = zero3_working_bytes(shape, job)
     backward = layer_backward_bytes(shape, tokens, job, tiled_mlp, b)
-    restored = c if (not offload_activations or OFFLOAD_RESTORED_CACHED) else min(c, OFFLOAD_INPUTS_ON_DEVICE) + 1
     terms = {
         "loss": {"plain layers' activations": tokens * plain * kept,
                  "checkpointed layers' inputs": tokens * on_device * ckpt_input,
@@ -314,8 +322,7 @@ def memory_breakdown(shape: ModelShape, pack_len: int, sp: int, ckpt_layers: int
                            "checkpointed layers' inputs": tokens * on_device * ckpt_input,
                            "RoPE tables and ids": tokens * through_backward, "a layer's backward buffers": backward,
                            "ZeRO-3 gathered parameters": work} if plain else {},
-        "backward_ckpt": {"checkpointed layers' inputs" + (" (restored, kept by the offload)" if offload_activations
-                                                            else ""): tokens * restored * ckpt_input,
+        "backward_ckpt": {"checkpointed layers' inputs": tokens * beside_rebuilt * ckpt_input,
                           "the rebuilt layer": tokens * kept, "RoPE tables and ids": tokens * through_backward,
                           "a layer's backward buffers": backward, "ZeRO-3 gathered parameters": work} if c else {},
     }

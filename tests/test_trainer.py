@@ -101,14 +101,16 @@ def _single_process_checks(rank, world_size, shards, out):
 
     # 3. on_nan: a NaN loss in step 1 is skipped (weights untouched), the next step trains again.
     run = builder.build(config.load(overrides(shards, f"{out}/nan")))
-    real_losses = builder.chunked_token_losses
+    from hbp_train.model import packed_lm
+
+    real_losses = packed_lm.chunked_token_losses
     poison = {"on": False}
 
     def maybe_nan(*args, **kwargs):
         loss = real_losses(*args, **kwargs)
         return loss * float("nan") if poison["on"] else loss
 
-    builder.chunked_token_losses = maybe_nan
+    packed_lm.chunked_token_losses = maybe_nan
     try:
         _, skipped0, _ = trainer.train_step(run, run.data.step_batch(0, 0))
         before = _params(run)
@@ -138,7 +140,7 @@ def _single_process_checks(rank, world_size, shards, out):
             result["diverged"] = str(e)
         result["diverged_tags"] = checkpoint.list_tags(f"{out}/diverged/checkpoints")
     finally:
-        builder.chunked_token_losses = real_losses
+        packed_lm.chunked_token_losses = real_losses
     return result
 
 

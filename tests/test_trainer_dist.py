@@ -233,10 +233,11 @@ def _fused_worker(rank, world_size, shards, out):
     from hbp_train import build as builder
     from hbp_train import config
     from hbp_train.distributed.groups import init_distributed
+    from hbp_train.model import packed_lm
 
     init_distributed()
-    calls, plain = [], builder.fused_token_losses
-    builder.fused_token_losses = lambda *a, **k: calls.append(1) or plain(*a, **k)
+    calls, plain = [], packed_lm.fused_token_losses
+    packed_lm.fused_token_losses = lambda *a, **k: calls.append(1) or plain(*a, **k)
     results = {}
     model_cfg = json.dumps(TINY_LLAMA).replace('"', "").replace(" ", "")
     for zero_stage, normalizer, dtype in FUSED_CASES:

@@ -246,7 +246,8 @@ def profile(work: Path, data: Data, shape: Shape, calibration: Path, max_len: in
            f"profile.measure_devices={NPROC}", f"profile.gpus_per_node={NPROC}", f"profile.max_len={max_len}",
            f"profile.min_len={min_len}", f"profile.docs={data.train}", f"profile.calibration={calibration}",
            "profile.iters=1", "profile.warmup_iters=1", "profile.memory_metric=torch", "profile.device_memory_gb=8",
-           f"profile.dry_run={str(dry_run).lower()}", "profile.progress=false", f"profile.output={out}"]
+           f"profile.dry_run={str(dry_run).lower()}", "profile.progress=false", f"profile.output={out}",
+           f"profile.zero_stages=[{ZERO_STAGE}]"]  # the stage train() runs (cpu_demo's), so the plan records it
     key = {"cmd": [str(c) for c in cmd[1:]], "calibration": calibration.read_text()}
     if not (reuse and out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key):
         call(cmd, work / "profile.log")

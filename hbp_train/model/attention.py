@@ -36,12 +36,14 @@ log = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "hbp_packed"
 # What transformers' attention layers may hand an attention function besides q, k, v and the mask (read in every
 # family's forward, transformers 5): the ones read here, and flags the model's forward passes down to every module
-# (harmless when they hold these values). s_aux (attention sinks) and anything else is refused.
+# (harmless when they hold these values); seq_idx (a sample index per token, from transformers'
+# DataCollatorWithFlattening) restates the boundaries position_ids carry. s_aux (attention sinks) and anything else
+# is refused.
 READ_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                "max_length_q", "max_length_k")
 PASSED_DOWN = {"use_cache": None, "output_attentions": (None, False), "output_router_logits": None,
                "output_hidden_states": None, "return_dict": None, "cache_position": None, "is_causal": (None, True),
-               "past_key_values": (None,), "past_key_value": (None,)}
+               "past_key_values": (None,), "past_key_value": (None,), "seq_idx": None}
 KNOWN_KWARGS = (*READ_KWARGS, *PASSED_DOWN)
 
 

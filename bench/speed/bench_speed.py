@@ -2,7 +2,7 @@
 machine's CPU at equal optimisation, at two step budgets, paired round by round against isf; the simulator's
 absolute prediction for the same plans; held-out loss and time to quality per seed; and a replay of 8 and 32 ranks.
 
-    python bench/speed/bench_speed.py            # the full run: ~40 minutes on 2 idle cores (resumable: rerun it)
+    python bench/speed/bench_speed.py            # the full run: 35-40 minutes on 2 idle cores (resumable: rerun it)
     python bench/speed/bench_speed.py --quick    # the same chain on a small set, 1 round (tests/test_bench_speed.py)
 
 The full run writes its results file into the repository, bench/results/bench_speed.json (with the commit it ran on

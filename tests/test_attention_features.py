@@ -11,22 +11,19 @@ keys scaled up so that attention is peaked (a window then hides keys that matter
 At SP=1 (one process): each sample's mean token loss from our loss, chunked and fused, equals the loss of the
 model's own HF ``forward(labels=...)`` (eager attention) on the sample alone, and so do the gradients. At SP=2 (2
 gloo processes, one spawn for every case; full tier): the same losses and the single-process gradients, the window
-applied to the gathered pack, and Ulysses sized by a GPT-NeoX's real heads despite a stray num_key_value_heads. The FlexAttention path's forward is checked on the CPU too (it has no CPU backward).
+applied to the gathered pack, and Ulysses sized by a GPT-NeoX's real heads despite a stray num_key_value_heads. The
+FlexAttention path's forward is checked on the CPU too (it has no CPU backward).
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
 from hbp_train.model.packed_lm import PackedCausalLM
-from hbp_train.common.labels import IGNORE_INDEX
 from hbp_train.model.families import tiny_config
 from hbp_train.model.hf_model import ModelConfig, build_model
-from hbp_train.model.loss import token_loss_weights
-from tests.test_families import VOCAB, hf_losses, hf_reference, make_samples, pack_of, per_sample_means
+from tests.test_families import VOCAB, assert_own_loss, hf_losses, hf_reference, make_samples, pack_of, per_sample_means
 
 LENGTHS = (24, 5, 19, 3)  # two samples longer than the windows, two shorter
 WINDOW = 8
@@ -97,26 +94,7 @@ def assert_feature_moves_hf_loss(case: str, samples) -> torch.Tensor:
 def test_our_losses_and_gradients_are_the_models_own_with_the_feature(case):
     samples = make_samples(LENGTHS, seed=4)
     assert_feature_moves_hf_loss(case, samples)
-    model = case_model(case)
-    reference = hf_reference(model)
-    assert reference.config._attn_implementation == "eager"
-    theirs = torch.stack(hf_losses(reference, samples))
-    theirs.sum().backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    ids, positions, labels, cu, max_len, sample_ids = pack_of(samples)
-    weights = token_loss_weights(labels, sample_ids, "sample_mean", global_num_samples=1)
-    for fused in (False, True):
-        wrapper = PackedCausalLM(model, chunk_size=16, fused_loss=fused)
-        model.zero_grad(set_to_none=True)
-        total, loss_T = wrapper(ids, positions, labels, cu, max_len, loss_weights=weights)
-        total.backward()
-        ours = per_sample_means(loss_T.detach(), samples)
-        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-5,
-                                   msg=f"{case} fused={fused}: ours {ours.tolist()} vs HF {theirs.tolist()}")
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert grads.keys() >= ref_grads.keys() and ref_grads
-        for name, ref in ref_grads.items():
-            assert_grad_close(grads[name], ref, f"{case} fused={fused}: {name}")
+    assert_own_loss(case_model(case), samples, case, grad_close=assert_grad_close)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -152,20 +152,17 @@ def per_sample_means(loss_T, samples) -> torch.Tensor:
     return torch.stack(means)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_our_per_sample_losses_are_the_models_own_loss(family):
-    """At initialisation, one pack of three samples: each sample's mean token loss from our LM-head loss (chunked
-    and fused) equals the loss the model's own HF forward(labels=...) gives the sample alone, and the gradient of
-    their sum equals that of the sum of HF's losses: whatever the family's head does to the logits (Granite's
-    logits_scaling, Cohere's logit_scale) is in our loss too."""
-    model = tiny_model(family)
-    samples = make_samples()
-    ids, positions, labels, cu, max_len, sample_ids = pack_of(samples)
+def assert_own_loss(model, samples, what: str, grad_close=None) -> None:
+    """Each sample's mean token loss from our LM-head loss on one pack of ``samples`` (chunked and fused) equals the
+    loss the model's own HF forward(labels=...) gives the sample alone, and the gradient of their sum equals that of
+    the sum of HF's losses (``grad_close(ours, ref, what)``; default: assert_close at rtol 1e-4)."""
     reference = hf_reference(model)
+    assert reference.config._attn_implementation == "eager"
     theirs = torch.stack(hf_losses(reference, samples))
     theirs.sum().backward()
     theirs = theirs.detach()
     ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    ids, positions, labels, cu, max_len, sample_ids = pack_of(samples)
     # sample_mean's weights (one micro-batch, one rank): the weighted sum is the sum of the samples' mean losses
     weights = token_loss_weights(labels, sample_ids, "sample_mean", global_num_samples=1)
     for fused in (False, True):
@@ -174,12 +171,24 @@ def test_our_per_sample_losses_are_the_models_own_loss(family):
         total, loss_T = wrapper(ids, positions, labels, cu, max_len, loss_weights=weights)
         total.backward()
         ours = per_sample_means(loss_T.detach(), samples)
+        path = "fused" if fused else "chunked"
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5,
-                                   msg=f"{family} {'fused' if fused else 'chunked'}: ours {ours.tolist()} vs HF "
-                                       f"{theirs.tolist()}")
+                                   msg=f"{what} {path}: ours {ours.tolist()} vs HF {theirs.tolist()}")
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert ref_grads and grads.keys() >= ref_grads.keys()
         for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=f"{family} fused={fused}: {name}")
+            if grad_close is None:
+                torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=f"{what} {path}: {name}")
+            else:
+                grad_close(grads[name], ref, f"{what} {path}: {name}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_our_per_sample_losses_are_the_models_own_loss(family):
+    """At initialisation, one pack of three samples: our per-sample losses and gradients are those of the model's
+    own HF forward: whatever the family's head does to the logits (Granite's logits_scaling, Cohere's logit_scale)
+    is in our loss too."""
+    assert_own_loss(tiny_model(family), make_samples(), family)
 
 
 # ------------------------------------------------------------------------------------ (b) SP=2 == SP=1

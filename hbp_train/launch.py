@@ -48,6 +48,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Optional
 
@@ -387,5 +388,18 @@ def _failure(e, out_dir: Optional[str], watch: Optional[NodeWatch], started: flo
     return run_end.failed(line, out_dir), code
 
 
+def _exit(code: int) -> None:
+    """End the launcher with ``code``. While a daemon thread is alive (a key-store call that has not returned: node 0
+    frozen), the interpreter's end would abort the process from inside that call (exit -6, "terminate called without
+    an active exception") and lose the code; then the launcher ends without the interpreter's clean-up, its output
+    flushed first. Everything the run needs was done in main()."""
+    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -67,6 +67,7 @@ class NodeWatch:
         self._warned: set = set()
         self._reporting = False  # a worker failed: the last line says who went quiet, no more warnings
         self._stop = threading.Event()
+        self._threads: list = []  # this watch's threads: joined by stop() before the interpreter ends
         self._lock = threading.Lock()  # _seen
         self._say_lock = threading.Lock()  # a warning is said whole before the failure report starts, or not at all
 
@@ -154,6 +155,7 @@ class NodeWatch:
                 made.append(exc)
 
         thread = threading.Thread(target=connect, daemon=True, name="hbp-store-connect")
+        self._threads.append(thread)
         thread.start()
         thread.join(max(1.0, min(FOREIGN_PORT_WAIT, deadline - time.monotonic())))
         if not made or isinstance(made[0], Exception):
@@ -166,10 +168,19 @@ class NodeWatch:
     # Heartbeats.
     def start(self) -> None:
         """Add to this node's counter every ``heartbeat`` s and watch the others' (a daemon thread)."""
-        threading.Thread(target=self._beat, daemon=True, name="hbp-heartbeat").start()
+        thread = threading.Thread(target=self._beat, daemon=True, name="hbp-heartbeat")
+        self._threads.append(thread)
+        thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 2.0) -> bool:
+        """Stop the heartbeats and wait up to ``wait`` s for this watch's threads; True when none is left. Why wait:
+        a daemon thread still inside a store call when the interpreter ends aborts the process ("terminate called
+        without an active exception", exit -6) instead of its exit code; the launcher ends hard when one is left."""
         self._stop.set()
+        deadline = time.monotonic() + wait
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):

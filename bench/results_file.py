@@ -1,10 +1,10 @@
-"""Results files kept in the repository (bench/results/*.json) and the README blocks rendered from them.
+"""Results files kept in the repository (bench/results/*.json) and the blocks of docs/benchmarks.md rendered from them.
 
-A bench whose figures the README quotes writes its results file with what it ran on: the commit, whether the tree
+A bench whose figures docs/benchmarks.md holds writes its results file with what it ran on: the commit, whether the tree
 differed from it (``dirty``, with the changed files), the machine and the library versions. Paths of the machine
-are replaced by names (``WORK``, ``REPO``) so the file can be committed. The README holds each table between two
+are replaced by names (``WORK``, ``REPO``) so the file can be committed. docs/benchmarks.md holds each table between two
 marker lines; ``write_block`` replaces what lies between them, ``read_block`` reads it back, and the benches' tests
-check that the README's block equals what the committed results file renders, so the two cannot drift.
+check that the page's block equals what the committed results file renders, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -18,21 +18,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "benchmarks.md"  # where the benches' tables live (README.md quotes their headlines)
 
 
 def provenance() -> dict:
     """The commit this checkout is at, whether its tracked or new files differ from it (the benches' own outputs,
-    bench/results/ and README.md, left out), the machine and versions. Taken when a bench starts."""
+    bench/results/ and docs/benchmarks.md, left out), the machine and versions. Taken when a bench starts."""
     def git(*args):
         res = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
         return res.stdout.rstrip("\n") if res.returncode == 0 else None  # status lines start with a space
 
     status = git("status", "--porcelain")
-    # What the benches write themselves (results files, the README's blocks) is output, not the code measured: a
+    # What the benches write themselves (results files, the page's blocks) is output, not the code measured: a
     # second bench run after a first one has not changed what it measures.
     changed = [line[3:] for line in (status or "").splitlines()
-               if not (line[3:].startswith("bench/results/") or line[3:] == "README.md")]
+               if not (line[3:].startswith("bench/results/") or line[3:] == "docs/benchmarks.md")]
     versions = {}
     for name in ("torch", "transformers", "deepspeed", "datasets"):
         try:
@@ -84,20 +84,20 @@ def _markers(name: str) -> tuple[str, str]:
             f"<!-- end of {name} -->")
 
 
-def read_block(name: str, readme: Path = README) -> str:
-    """The README's text between ``name``'s marker lines (ValueError when they are missing)."""
+def read_block(name: str, page: Path = PAGE) -> str:
+    """The page's text between ``name``'s marker lines (ValueError when they are missing)."""
     begin, end = _markers(name)
-    text = readme.read_text()
+    text = page.read_text()
     if begin not in text or end not in text:
-        raise ValueError(f"{readme.name} has no block {name!r} (marker lines {begin!r} ... {end!r})")
+        raise ValueError(f"{page.name} has no block {name!r} (marker lines {begin!r} ... {end!r})")
     return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
 
 
-def write_block(name: str, body: str, readme: Path = README) -> None:
-    """Replace the README's block ``name`` with ``body``."""
+def write_block(name: str, body: str, page: Path = PAGE) -> None:
+    """Replace the page's block ``name`` with ``body``."""
     begin, end = _markers(name)
-    text = readme.read_text()
+    text = page.read_text()
     head, rest = text.split(begin, 1) if begin in text else (None, None)
     if head is None or end not in rest:
-        raise ValueError(f"{readme.name} has no block {name!r} (marker lines {begin!r} ... {end!r})")
-    readme.write_text(head + begin + "\n" + body.strip("\n") + "\n" + end + rest.split(end, 1)[1])
+        raise ValueError(f"{page.name} has no block {name!r} (marker lines {begin!r} ... {end!r})")
+    page.write_text(head + begin + "\n" + body.strip("\n") + "\n" + end + rest.split(end, 1)[1])

@@ -1,16 +1,17 @@
-"""The README's measured figures say what they measured: bench/speed/verdicts.py's rules (bold only beyond the noise
-the runs measured: paired by round for speed, paired by seed for quality), the quality clock without the warm-up
-step, the table bench/speed/readme_table.py renders from a results file, and the README's block against the
-committed results file (bench/results/bench_speed.json)."""
+"""The measured figures say what they measured: bench/speed/verdicts.py's rules (bold only beyond the noise the runs
+measured: paired by round for speed, paired by seed for quality), the quality clock without the warm-up step, the
+table bench/speed/results_table.py renders from a results file, docs/benchmarks.md's block against the committed
+results file (bench/results/bench_speed.json), and the README's headlines against that page."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from bench import results_file
-from bench.speed import readme_table, report, verdicts
+from bench.speed import results_table, report, verdicts
 from tests.test_bench_speed import _run
 
 
@@ -99,8 +100,8 @@ def _results(hbp_round1: float) -> dict:
                            "machine": {"cpu": "Test CPU", "cores": 2, "load_1min": 0.0}}}
 
 
-def test_the_readme_table_bolds_only_what_lies_beyond_the_noise():
-    text = readme_table.render(_results(hbp_round1=8.5))
+def test_the_results_table_bolds_only_what_lies_beyond_the_noise():
+    text = results_table.render(_results(hbp_round1=8.5))
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     one = rows["| raw tokens/s over isf, 1 long pack per rank per step"]
     four = rows["| raw tokens/s over isf, 4 long packs per rank per step"]
@@ -114,15 +115,15 @@ def test_the_readme_table_bolds_only_what_lies_beyond_the_noise():
     assert "| replayed (drawn steps' measured over simulated time, whole plan) | 1.00× | 1.10× | 1.20× |" in text
     # Both the speed rows and the time-to-quality row run on the clock without the warm-up step (5 s here).
     assert "time to isf's final held-out loss" in text
-    table = [line for line in readme_table.render(_results(hbp_round1=6)).splitlines() if line.startswith("| ")]
+    table = [line for line in results_table.render(_results(hbp_round1=6)).splitlines() if line.startswith("| ")]
     assert "\n".join(table).count("**") == 4 and "**" in table[1] and "**" in table[2]  # hbp best at both budgets
     # hbp reached isf's loss in 1 seed of 3: the leader is one that reached it in every seed, and no pair is judged
     assert "not judged: some comparison has fewer than 2 seeds" in rows["| time to isf's final held-out loss over "
                                                                          "isf's time, median (per seed)"]
 
 
-def test_the_readme_blocks_round_trip(tmp_path):
-    readme = tmp_path / "README.md"
+def test_the_page_blocks_round_trip(tmp_path):
+    readme = tmp_path / "benchmarks.md"
     begin, end = results_file._markers("x")
     readme.write_text(f"# t\n{begin}\nold\n{end}\ntail\n")
     results_file.write_block("x", "new\ntable", readme)
@@ -133,12 +134,24 @@ def test_the_readme_blocks_round_trip(tmp_path):
     assert results_file.portable({"a": [str(tmp_path / "work" / "c.json")]}, places) == {"a": ["WORK/c.json"]}
 
 
-def test_the_readmes_measured_table_is_what_the_committed_results_file_renders():
-    """The README's block equals the render of bench/results/bench_speed.json. Until a full run has committed that
+def test_the_pages_measured_table_is_what_the_committed_results_file_renders():
+    """docs/benchmarks.md's block equals the render of bench/results/bench_speed.json. Until a full run has committed that
     file, the block must say that its figures are not rendered from one (and from which code they came)."""
-    block = results_file.read_block(readme_table.NAME)
-    results = results_file.read_results(readme_table.NAME)
+    block = results_file.read_block(results_table.NAME)
+    results = results_file.read_results(results_table.NAME)
     if results is None:
         assert "Not yet rendered from a results file" in block and "commit" in block
         return
-    assert block == readme_table.render(results), "run: python bench/speed/readme_table.py --write"
+    assert block == results_table.render(results), "run: python bench/speed/results_table.py --write"
+
+
+def test_every_figure_the_readme_quotes_is_on_the_benchmarks_page():
+    """The README's "Measured" section quotes headlines of docs/benchmarks.md (whose tables are checked against their
+    results files above): each ratio, loss and context length it names must stand on that page, so they cannot
+    drift apart."""
+    readme = (results_file.REPO / "README.md").read_text()
+    section = readme.split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
+    figures = re.findall(r"\b\d+(?:\.\d+)?[×KM]|\b\d\.\d{3}\b", section)
+    page = results_file.PAGE.read_text()
+    assert len(figures) >= 10, figures
+    assert [f for f in figures if f not in page] == []

@@ -1,6 +1,6 @@
 """bench/trl/bench_trl.py works (it does NOT check speed: the bench prints the figures). TRL's schedule is our
-trainer's DeepSpeed schedule; both sides read the same documents the same way; the report's marks and its README
-block against the committed results file; and ``--quick``: TRL (in its own venv, built from the package index, or
+trainer's DeepSpeed schedule; both sides read the same documents the same way; the report's marks and its block of
+docs/benchmarks.md against the committed results file; and ``--quick``: TRL (in its own venv, built from the package index, or
 the test is skipped with the reason) and ours trained side by side with every check passing."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_the_report_splits_the_ratio_into_attention_and_the_rest_and_bolds_only_
     assert "**" not in one.split("| run |")[1]  # one round: no spread, no bold
 
 
-def test_the_readmes_trl_block_is_what_the_committed_results_file_renders():
+def test_the_pages_trl_block_is_what_the_committed_results_file_renders():
     block = results_file.read_block(bench_trl.NAME)
     results = results_file.read_results(bench_trl.NAME)
     if results is None:

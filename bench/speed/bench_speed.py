@@ -6,8 +6,8 @@ absolute prediction for the same plans; held-out loss and time to quality per se
     python bench/speed/bench_speed.py --quick    # the same chain on a small set, 1 round (tests/test_bench_speed.py)
 
 The full run writes its results file into the repository, bench/results/bench_speed.json (with the commit it ran on
-and whether the tree had changes), and renders README.md's measured table from it (bench/speed/readme_table.py):
-commit both. ``--quick`` writes only under WORK.
+and whether the tree had changes), and renders docs/benchmarks.md's measured table from it
+(bench/speed/results_table.py): commit both. ``--quick`` writes only under WORK.
 
 One command, the CPU: 2 processes (gloo, one torch thread each: 2 cores), the real trainer through
 ``hbp_train.launch`` with a real DeepSpeed engine (ZeRO-2, fp32). In order (bench/speed/chain.py; every stage prints
@@ -37,7 +37,7 @@ one line when it starts):
    rounds), hbp over each baseline, the balance ratio, the simulator's predicted absolute tokens/s and step time
    and their errors, held-out loss and time to quality per seed; the replay beside the simulator; the issue's
    targets, met or missed in numbers. WORK/results.json and a plot; the full run also bench/results/bench_speed.json
-   and README.md's measured table (bench/speed/readme_table.py: bold only beyond the runs' noise,
+   and docs/benchmarks.md's measured table (bench/speed/results_table.py: bold only beyond the runs' noise,
    bench/speed/verdicts.py).
 
 Resumable: every finished run and the replay's times are kept under WORK with the settings that made them; a rerun
@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO))
 from bench import results_file  # noqa: E402
 from bench.speed import chain  # noqa: E402
 from bench.speed import replay  # noqa: E402
-from bench.speed import readme_table  # noqa: E402
+from bench.speed import results_table  # noqa: E402
 from bench.speed import report  # noqa: E402
 
 STRATEGIES = ("isf", "sorted", "bfd", "kk", "hbp")
@@ -156,8 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated (default {','.join(STRATEGIES)}; those this checkout lacks are skipped)")
     p.add_argument("--recalibrate", action="store_true", help="measure the calibration anew even if WORK holds one")
-    p.add_argument("--no-readme", action="store_true",
-                   help="the full run: write bench/results/bench_speed.json but leave README.md's table as it is")
+    p.add_argument("--no-page", action="store_true",
+                   help="the full run: write bench/results/bench_speed.json but leave docs/benchmarks.md's table "
+                        "as it is")
     p.add_argument("--fresh", action="store_true",
                    help="measure every run, the step costs and the replay anew (default: reuse what WORK holds "
                         "from an earlier bench with the same settings)")
@@ -232,14 +233,14 @@ def main(argv=None) -> int:
     print(f"\nwrote {work / 'results.json'} and {work / 'speed.png'}; bench wall time {wall:.0f}s (target "
           f"{setup.wall_limit_s}s: {'met' if wall <= setup.wall_limit_s else 'MISSED'})")
     if name == "full":
-        kept = results_file.write_results(readme_table.NAME, results, {work: "WORK"})
+        kept = results_file.write_results(results_table.NAME, results, {work: "WORK"})
         print(f"wrote {kept.relative_to(REPO)} (commit {origin['commit']}"
               + (", with uncommitted changes" if origin["dirty"] else "") + ")")
-        if not args.no_readme:
-            readme_table.main(["--write"])
+        if not args.no_page:
+            results_table.main(["--write"])
         if origin["dirty"] or (origin["machine"]["load_1min"] or 0) > 0.5:
             print("note: the tree had uncommitted changes or the machine was busy when the run started "
-                  f"(load {origin['machine']['load_1min']}): the README will say so; figures are worth committing "
+                  f"(load {origin['machine']['load_1min']}): the page will say so; figures are worth committing "
                   "only from a clean tree on an idle machine")
     return 0
 

@@ -1,5 +1,5 @@
-"""Which differences bench/speed/bench_speed.py's figures may claim: the rules the README's measured table is marked
-by (bench/speed/readme_table.py renders it; pure arithmetic on the results file's runs).
+"""Which differences bench/speed/bench_speed.py's figures may claim: the rules docs/benchmarks.md's measured table is
+marked by (bench/speed/results_table.py renders it; pure arithmetic on the results file's runs).
 
 Speed, paired by round. In round r every strategy ran beside isf with the same seed, so a strategy's tokens/s over
 another's in the same round cancels the machine's drift. The row's leader is the strategy with the highest median

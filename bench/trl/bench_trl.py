@@ -3,7 +3,7 @@
     python bench/trl/bench_trl.py            # the full run: 3 rounds, about 20-30 minutes on 2 idle cores (estimated)
     python bench/trl/bench_trl.py --quick    # a tiny model and set, 1 round (tests/test_bench_trl.py)
 
-The full run writes bench/results/bench_trl.json (with the commit it ran on) and renders README.md's TRL block
+The full run writes bench/results/bench_trl.json (with the commit it ran on) and renders docs/benchmarks.md's TRL block
 from it; ``--quick`` writes only under WORK. TRL lives in its own virtual environment, ``.venv-trl``, which the bench
 builds on first use from the package index (bench/trl/venv.py): it is not a requirement of hbp-train.
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=str(REPO / "bench" / "out" / "trl"), help="default bench/out/trl (ignored)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of each side (default: cores)")
     p.add_argument("--venv", default=str(venv.DEFAULT_VENV), help="TRL's virtual environment (built if missing)")
-    p.add_argument("--no-readme", action="store_true", help="the full run: leave README.md's block as it is")
+    p.add_argument("--no-page", action="store_true", help="the full run: leave docs/benchmarks.md's block as it is")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "full"
     setup = SETUPS[name]
@@ -198,9 +198,9 @@ def main(argv=None) -> int:
     if name == "full":
         kept = results_file.write_results(NAME, results, {work: "WORK"})
         print(f"wrote {kept.relative_to(REPO)}")
-        if not args.no_readme:
+        if not args.no_page:
             results_file.write_block(NAME, report.render(results_file.read_results(NAME)))
-            print(f"README.md: block {NAME} rendered from {kept.relative_to(REPO)}")
+            print(f"docs/benchmarks.md: block {NAME} rendered from {kept.relative_to(REPO)}")
     return 0
 
 

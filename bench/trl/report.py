@@ -1,4 +1,5 @@
-"""bench/trl/bench_trl.py's figures and the README block they render (pure arithmetic on the results file).
+"""bench/trl/bench_trl.py's figures and the block of docs/benchmarks.md they render (pure arithmetic on the
+results file).
 
 Per run: real tokens of the timed steps (all but the first, the warm-up) over the wall time from the end of the
 warm-up step to the end of the last step, every cost of the loop inside it (data, forward, backward, optimizer,
@@ -59,7 +60,7 @@ def _bold(s: dict, text: str) -> str:
 
 
 def render(results: dict) -> str:
-    """The README block: what ran, the table, the attention's share, what was not equalised."""
+    """The block: what ran, the table, the attention's share, what was not equalised."""
     figs, setup, prov = results["figures"], results["setup"], results.get("provenance", {})
     machine = prov.get("machine", {})
     n = len(results["rounds"])

@@ -1,8 +1,8 @@
-"""The README's measured table, rendered from bench_speed's results file (bench/results/bench_speed.json).
+"""docs/benchmarks.md's measured table, rendered from bench_speed's results file (bench/results/bench_speed.json).
 
-    python bench/speed/readme_table.py            # print the block the results file renders
-    python bench/speed/readme_table.py --write    # put it into README.md (bench_speed.py's full run does this)
-    python bench/speed/readme_table.py --check    # exit 1 when README.md's block differs (tests/test_bench_speed.py)
+    python bench/speed/results_table.py            # print the block the results file renders
+    python bench/speed/results_table.py --write    # put it into docs/benchmarks.md (bench_speed.py's full run does)
+    python bench/speed/results_table.py --check    # exit 1 when the page's block differs
 
 Every figure comes from the results file's runs through the same arithmetic as the bench's report
 (bench/speed/report.py), and the marks follow bench/speed/verdicts.py: bold only for a strategy ahead of every
@@ -42,7 +42,7 @@ def _sign(value: float, digits: int = 1) -> str:
 
 
 def render(results: dict) -> str:
-    """The README block: the run's provenance and rules in one paragraph, the measured table, the replay."""
+    """The block: the run's provenance and rules in one paragraph, the measured table, the replay."""
     names = results["strategies"]
     runs = {int(k): v for k, v in results["runs"].items()}
     figs = {k: report.budget_figures(v) for k, v in runs.items()}
@@ -166,7 +166,7 @@ def _replay(replay: dict, names: list) -> str:
     worlds = sorted(replay, key=int)
     arrow = " → ".join(str(w) for w in worlds)
     lines = [f"Replay at W = {arrow} (bench/speed/replay.py; measured compute, modelled waiting, not a cluster run: "
-             "[docs/simulator.md](docs/simulator.md)); one timing of each drawn pack's best of its repeats, so no "
+             "[simulator.md](simulator.md)); one timing of each drawn pack's best of its repeats, so no "
              "spread and no bold:", "",
              "| speed-up over isf, W = " + arrow + " | " + " | ".join(names) + " |",
              "|---" * (len(names) + 1) + "|"]
@@ -180,8 +180,9 @@ def _replay(replay: dict, names: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="write the block into README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's block differs from the render")
+    mode.add_argument("--write", action="store_true", help="write the block into docs/benchmarks.md")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 when docs/benchmarks.md's block differs from the render")
     args = p.parse_args(argv)
     results = results_file.read_results(NAME)
     if results is None:
@@ -190,11 +191,11 @@ def main(argv=None) -> int:
     block = render(results)
     if args.write:
         results_file.write_block(NAME, block)
-        print(f"README.md: block {NAME} rendered from bench/results/{NAME}.json")
+        print(f"docs/benchmarks.md: block {NAME} rendered from bench/results/{NAME}.json")
     elif args.check:
         if results_file.read_block(NAME) != block:
-            print(f"README.md's block {NAME} differs from what bench/results/{NAME}.json renders: "
-                  "python bench/speed/readme_table.py --write", file=sys.stderr)
+            print(f"docs/benchmarks.md's block {NAME} differs from what bench/results/{NAME}.json renders: "
+                  "python bench/speed/results_table.py --write", file=sys.stderr)
             return 1
     else:
         print(block)
